@@ -1,0 +1,1 @@
+"""The ``kvgov`` command line: a thin layer over the same services the REST API uses."""

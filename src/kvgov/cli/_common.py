@@ -1,0 +1,59 @@
+"""What every CLI command shares: the settings from ``--config``, output helpers, exit codes.
+
+Exit codes: 0 success; 1 the command ran and found a failure (integrity broken, purge
+incomplete, tests failed); 2 bad usage or configuration; 3 an unexpected kvgov error.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from kvgov.config import Settings, load_settings
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_ERROR = 3
+
+
+@dataclass
+class CliState:
+    config_file: Path | None = None
+    _settings: Settings | None = None
+
+    @property
+    def settings(self) -> Settings:
+        if self._settings is None:
+            self._settings = load_settings(self.config_file)
+        return self._settings
+
+
+def state(ctx: typer.Context) -> CliState:
+    obj = ctx.find_root().obj
+    if not isinstance(obj, CliState):
+        obj = CliState()
+        ctx.find_root().obj = obj
+    return obj
+
+
+def settings(ctx: typer.Context) -> Settings:
+    return state(ctx).settings
+
+
+def emit_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def echo(message: str) -> None:
+    typer.echo(message)
+
+
+def fail(message: str, code: int = EXIT_FAILED) -> typer.Exit:
+    typer.echo(message, err=True)
+    return typer.Exit(code)

@@ -1,0 +1,314 @@
+"""The one ``Settings`` model.
+
+Sources, highest priority first: explicit keyword arguments, ``KVGOV_*`` environment variables
+(nested with ``__``, e.g. ``KVGOV_DATABASE__URL``; ``KVGOV_DATABASE_URL`` is accepted as a
+shorthand), a TOML config file given with ``--config``, then the embedded defaults.
+
+The embedded defaults run a single-node sidecar with nothing else installed: a SQLite ledger and
+key files under ``./.kvgov/``, the embedded Rego engine, memory + filesystem tiers. Unknown keys
+are errors, and :meth:`Settings.check_safe` refuses unsafe combinations in production.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from kvgov.errors import ConfigError
+from kvgov.types import Environment
+
+_MIB = 1024 * 1024
+
+TierName = Literal["memory", "filesystem", "redis"]
+_DEFAULT_CHAIN: tuple[TierName, ...] = ("memory", "filesystem")
+
+#: the ``--config`` file for the settings being built (set only inside :func:`load_settings`)
+_CONFIG_FILE: ContextVar[Path | None] = ContextVar("kvgov_config_file", default=None)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DatabaseSettings(_Section):
+    #: SQLAlchemy URL. ``postgresql+psycopg://user@host/db`` for Postgres; empty means
+    #: ``sqlite:///<data_dir>/ledger.db``.
+    url: str = ""
+    pool_size: int = Field(default=5, ge=1, le=100)
+    echo: bool = False
+
+
+class LedgerSettings(_Section):
+    #: identity of this writer's hash chain; empty means derived from the host name and data dir
+    chain_id: str = ""
+    #: Ed25519 private key (PEM) used to sign checkpoints and purge receipts
+    signing_key_path: Path | None = None
+    #: HMAC key used to pseudonymise user ids (never store raw ids)
+    pseudonym_key_path: Path | None = None
+    batch_max_events: int = Field(default=2000, ge=1, le=100_000)
+    batch_max_delay_ms: float = Field(default=5.0, ge=0.0, le=10_000.0)
+    queue_max_events: int = Field(default=200_000, ge=1)
+    #: seconds between automatic checkpoints while serving; 0 disables them
+    checkpoint_interval_s: float = Field(default=60.0, ge=0.0)
+
+
+class PolicySettings(_Section):
+    engine: Literal["embedded", "opa", "unsafe-allow-all"] = "embedded"
+    #: operator's own Rego policy directory; empty means the policies shipped in the package
+    policy_dir: Path | None = None
+    #: data document (tenants, engines, class limits) as JSON; empty means the shipped example
+    data_file: Path | None = None
+    opa_url: str = "http://127.0.0.1:8181"
+    opa_timeout_s: float = Field(default=0.25, gt=0.0, le=30.0)
+    opa_token: SecretStr | None = None
+    cache_max_entries: int = Field(default=65_536, ge=0)
+
+
+class KeysSettings(_Section):
+    kek_provider: Literal["file"] = "file"
+    #: local key-encryption key file (0600); empty means ``<data_dir>/kek.key``
+    kek_path: Path | None = None
+    dek_cache_max: int = Field(default=4096, ge=1)
+    segment_size: int = Field(default=1 * _MIB, ge=4096, le=64 * _MIB)
+    #: rotate a data key after this many sealed chunks (GCM's random-nonce bound is 2**32)
+    rotate_after_chunks: int = Field(default=2**28, ge=1, le=2**31)
+
+
+class TierSettings(_Section):
+    #: tiers in lookup order; writes go through to all tiers the policy allows
+    chain: list[TierName] = Field(default_factory=lambda: list(_DEFAULT_CHAIN))
+    memory_max_bytes: int = Field(default=2 * 1024 * _MIB, ge=_MIB)
+    #: filesystem tier root; empty means ``<data_dir>/tiers/fs``
+    filesystem_path: Path | None = None
+    filesystem_fsync: bool = True
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "kvgov:"
+    #: seconds between TTL sweeps
+    sweep_interval_s: float = Field(default=30.0, ge=0.1)
+
+
+class DataPlaneSettings(_Section):
+    #: kvgov wire protocol on TCP; empty host disables the TCP listener
+    host: str = "127.0.0.1"
+    port: int = Field(default=7070, ge=0, le=65535)
+    #: kvgov wire protocol on a Unix socket; empty disables it
+    unix_path: Path | None = None
+    #: LMCache ``lm://`` compatibility listener; port 0 picks a free port, -1 disables it
+    lm_host: str = "127.0.0.1"
+    lm_port: int = Field(default=7071, ge=-1, le=65535)
+    #: tenant assumed for ``lm://`` keys that carry no tenant tag (empty: such keys are denied)
+    lm_default_tenant: str = ""
+    #: engine identity recorded for ``lm://`` connections (the protocol has no handshake)
+    lm_engine_id: str = "lm-anonymous"
+    #: engine tokens: ``{"token": "engine-id"}``. Empty in development accepts any engine id.
+    engine_tokens: dict[str, SecretStr] = Field(default_factory=dict)
+    max_frame_bytes: int = Field(default=256 * _MIB, ge=_MIB)
+    max_connections: int = Field(default=1024, ge=1)
+    #: bytes of chunk buffers the pool may hold at once (backpressure beyond this)
+    buffer_pool_bytes: int = Field(default=1024 * _MIB, ge=8 * _MIB)
+    crypto_threads: int = Field(default=2, ge=1, le=64)
+    #: ``False`` switches policy, encryption and the ledger off: for benchmarks only
+    governance: bool = True
+    evict_ack_timeout_s: float = Field(default=10.0, gt=0.0)
+
+
+class ApiSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=7080, ge=0, le=65535)
+    #: require bearer tokens on the REST API (refused off in production)
+    auth: bool = True
+
+
+class PurgeSettings(_Section):
+    #: vLLM engines whose GPU prefix cache is reset on purge (``POST {url}/reset_prefix_cache``)
+    vllm_engines: list[str] = Field(default_factory=list)
+    engine_ack_timeout_s: float = Field(default=10.0, gt=0.0)
+    http_timeout_s: float = Field(default=5.0, gt=0.0)
+    #: a job not finished by every registered sidecar after this many seconds ends `incomplete`
+    job_timeout_s: float = Field(default=300.0, gt=0.0)
+    poll_interval_s: float = Field(default=1.0, gt=0.0)
+
+
+class Settings(BaseSettings):
+    """Every setting kvgov has. Built once at the edge and passed down explicitly."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVGOV_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+        validate_default=True,
+    )
+
+    environment: Environment = Environment.DEVELOPMENT
+    data_dir: Path = Path(".kvgov")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_json: bool = True
+
+    database: DatabaseSettings = Field(default_factory=DatabaseSettings)
+    ledger: LedgerSettings = Field(default_factory=LedgerSettings)
+    policy: PolicySettings = Field(default_factory=PolicySettings)
+    keys: KeysSettings = Field(default_factory=KeysSettings)
+    tiers: TierSettings = Field(default_factory=TierSettings)
+    dataplane: DataPlaneSettings = Field(default_factory=DataPlaneSettings)
+    api: ApiSettings = Field(default_factory=ApiSettings)
+    purge: PurgeSettings = Field(default_factory=PurgeSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [
+            init_settings,
+            env_settings,
+            _ShorthandSource(settings_cls),
+        ]
+        config_file = _CONFIG_FILE.get()
+        if config_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
+        return tuple(sources)
+
+    @model_validator(mode="after")
+    def _unsafe_combinations(self) -> Settings:
+        if self.environment is Environment.PRODUCTION:
+            problems = list(self.production_problems())
+            if problems:
+                raise ValueError("unsafe for production: " + "; ".join(problems))
+        return self
+
+    def production_problems(self) -> list[str]:
+        """What makes these settings unsafe outside development (empty when none)."""
+        problems: list[str] = []
+        if self.policy.engine == "unsafe-allow-all":
+            problems.append("policy.engine=unsafe-allow-all allows every operation")
+        if not self.dataplane.governance:
+            problems.append("dataplane.governance=false stores plaintext without policy")
+        if not self.api.auth:
+            problems.append("api.auth=false leaves the compliance API open")
+        if not self.dataplane.engine_tokens and not self.dataplane.unix_path:
+            problems.append("no engine tokens: any process could act as an engine")
+        if self.keys.kek_path is None:
+            problems.append("keys.kek_path must point at a provisioned key-encryption key")
+        if self.database.url.startswith("sqlite") or not self.database.url:
+            problems.append("production needs a Postgres ledger (database.url)")
+        return problems
+
+    # -- derived paths ---------------------------------------------------------------------
+
+    @property
+    def database_url(self) -> str:
+        if self.database.url:
+            return self.database.url
+        return f"sqlite:///{(self.data_dir / 'ledger.db').as_posix()}"
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.database_url.startswith("postgresql")
+
+    @property
+    def signing_key_path(self) -> Path:
+        return self.ledger.signing_key_path or self.data_dir / "ledger-signing.key"
+
+    @property
+    def pseudonym_key_path(self) -> Path:
+        return self.ledger.pseudonym_key_path or self.data_dir / "pseudonym.key"
+
+    @property
+    def kek_path(self) -> Path:
+        return self.keys.kek_path or self.data_dir / "kek.key"
+
+    @property
+    def filesystem_tier_path(self) -> Path:
+        return self.tiers.filesystem_path or self.data_dir / "tiers" / "fs"
+
+    @property
+    def chain_id(self) -> str:
+        if self.ledger.chain_id:
+            return self.ledger.chain_id
+        host = os.uname().nodename
+        return f"{host}:{self.data_dir.resolve().as_posix()}"
+
+
+class _ShorthandSource(PydanticBaseSettingsSource):
+    """``KVGOV_DATABASE_URL`` is the documented way to pick Postgres; map it onto the model."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        url = os.environ.get("KVGOV_DATABASE_URL")
+        return {"database": {"url": url}} if url else {}
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Build and validate settings from defaults, a TOML file, the environment and overrides.
+
+    Raises :class:`ConfigError` listing every problem; callers stop startup on it.
+    """
+    if config_file is not None and not config_file.is_file():
+        raise ConfigError(f"config file not found: {config_file}")
+    unknown = _unknown_env_names()
+    if unknown:
+        raise ConfigError(
+            "unknown settings in the environment: " + ", ".join(sorted(unknown)),
+            hint="KVGOV_ variables name a setting, nested with '__' (KVGOV_TIERS__CHAIN)",
+        )
+    token = _CONFIG_FILE.set(config_file)
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        lines = [
+            f"  {'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+            for err in exc.errors()
+        ]
+        raise ConfigError("invalid settings:\n" + "\n".join(lines)) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {config_file} is not valid TOML: {exc}") from exc
+    finally:
+        _CONFIG_FILE.reset(token)
+
+
+def _unknown_env_names() -> list[str]:
+    """``KVGOV_*`` variables that name no setting: a typo there must not be silently ignored."""
+    unknown = []
+    for name in os.environ:
+        if not name.startswith("KVGOV_") or name == "KVGOV_DATABASE_URL":
+            continue
+        if name.startswith("KVGOV_TEST_"):  # the test suite's own knobs
+            continue
+        parts = name[len("KVGOV_") :].lower().split("__")
+        model: type[BaseModel] = Settings
+        for i, part in enumerate(parts):
+            field_info = model.model_fields.get(part)
+            if field_info is None:
+                unknown.append(name)
+                break
+            annotation = field_info.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                model = annotation
+            elif i < len(parts) - 1 and not _is_mapping(annotation):
+                unknown.append(name)
+                break
+            else:
+                break
+    return unknown
+
+
+def _is_mapping(annotation: Any) -> bool:
+    return getattr(annotation, "__origin__", None) is dict

@@ -1,0 +1,123 @@
+"""One error tree for kvgov.
+
+Domain code raises these; only the edges (CLI entry point, API exception handlers, the wire
+protocol's error replies) turn them into exit codes, HTTP statuses or error frames.
+Every error has a human ``diagnostics()`` that is safe to show and to log: it never includes
+key material, KV bytes, tokens or raw user ids.
+"""
+
+from __future__ import annotations
+
+
+class KvgovError(Exception):
+    """Base of every error kvgov raises on purpose."""
+
+    #: short machine-readable code used in API problem details, wire error frames and logs
+    code: str = "kvgov_error"
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def diagnostics(self) -> str:
+        """A human explanation, with a hint on what to do where one is known."""
+        if self.hint:
+            return f"{self.message}\n  hint: {self.hint}"
+        return self.message
+
+
+class ConfigError(KvgovError):
+    """Settings are invalid or unsafe; startup must stop."""
+
+    code = "config_error"
+
+
+class StartupError(KvgovError):
+    """A configured component could not be built (missing file, adapter failed to load...)."""
+
+    code = "startup_error"
+
+
+class LedgerError(KvgovError):
+    """The ledger could not record or read something."""
+
+    code = "ledger_error"
+
+
+class LedgerBackpressureError(LedgerError):
+    """The ledger writer's queue is full; the caller must wait or refuse the operation."""
+
+    code = "ledger_backpressure"
+
+
+class IntegrityError(LedgerError):
+    """The ledger's hash chain or a checkpoint signature does not verify."""
+
+    code = "ledger_integrity"
+
+
+class PolicyError(KvgovError):
+    """A policy could not be loaded or evaluated (evaluation errors are denials, not raises)."""
+
+    code = "policy_error"
+
+
+class KeyManagementError(KvgovError):
+    """Base for key-management errors (named so as not to shadow the builtin ``KeyError``)."""
+
+    code = "key_error"
+
+
+class KeyDestroyedError(KeyManagementError):
+    """The data key needed to open a block was shredded: the data is unrecoverable by design."""
+
+    code = "key_destroyed"
+
+
+class KeyNotFoundError(KeyManagementError):
+    """No data key with that id or version exists."""
+
+    code = "key_not_found"
+
+
+class SealError(KvgovError):
+    """A sealed block failed to open: tampered, truncated, reordered, or bound to another key."""
+
+    code = "seal_error"
+
+
+class TierError(KvgovError):
+    """A storage tier failed."""
+
+    code = "tier_error"
+
+
+class ProtocolError(KvgovError):
+    """A malformed, oversize or unexpected frame on the wire."""
+
+    code = "protocol_error"
+
+
+class AuthError(KvgovError):
+    """Missing or invalid credentials."""
+
+    code = "unauthenticated"
+
+
+class ForbiddenError(KvgovError):
+    """Valid credentials without the right role or tenant."""
+
+    code = "forbidden"
+
+
+class NotFoundError(KvgovError):
+    """The requested object does not exist."""
+
+    code = "not_found"
+
+
+class PurgeError(KvgovError):
+    """A purge could not complete."""
+
+    code = "purge_error"

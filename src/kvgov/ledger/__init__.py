@@ -1,0 +1,1 @@
+"""The provenance ledger: schema, hash chain, checkpoints and the batched writer."""

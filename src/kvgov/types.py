@@ -1,0 +1,105 @@
+"""kvgov's vocabulary, as ``StrEnum``s.
+
+The same strings appear in policy input, ledger rows, API filters and CLI output, so a value
+written in one place can be searched for in every other.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Environment(StrEnum):
+    DEVELOPMENT = "development"
+    PRODUCTION = "production"
+
+
+class Operation(StrEnum):
+    """A KV operation an engine asks for."""
+
+    EXISTS = "exists"
+    GET = "get"
+    PUT = "put"
+    REMOVE = "remove"
+
+
+class Sensitivity(StrEnum):
+    """Sensitivity classes and labels a request can carry."""
+
+    PUBLIC = "public"
+    INTERNAL = "internal"
+    CONFIDENTIAL = "confidential"
+    RESTRICTED = "restricted"
+    PHI = "phi"
+    PCI = "pci"
+
+
+class EventKind(StrEnum):
+    """Every kind of event the ledger records."""
+
+    # data plane
+    KV_PUT = "kv:put"
+    KV_GET = "kv:get"  # a hit that served bytes: the provenance edge
+    KV_MISS = "kv:miss"
+    KV_EXISTS = "kv:exists"
+    KV_DENIED = "kv:entry:denied"
+    KV_EVICT = "kv:evict"
+    KV_DELETE = "kv:delete"
+    KV_EXPIRED = "kv:expired"
+    # policy
+    POLICY_DECISION = "policy:decision"
+    # keys
+    KEY_CREATED = "key:created"
+    KEY_ROTATED = "key:rotated"
+    KEY_SHREDDED = "key:shredded"
+    # right to be forgotten
+    PURGE_REQUESTED = "purge:requested"
+    PURGE_STEP = "purge:step"
+    USER_DATA_PURGED = "user:data:purged"
+    TENANT_DATA_PURGED = "tenant:data:purged"
+    LEDGER_PAYLOAD_ERASED = "ledger:payload:erased"
+    # control plane
+    API_ACCESS = "api:access"
+    TOKEN_CREATED = "token:created"  # noqa: S105 - an event name, not a secret
+    TOKEN_REVOKED = "token:revoked"  # noqa: S105 - an event name, not a secret
+    ENGINE_CONNECTED = "engine:connected"
+    ENGINE_REJECTED = "engine:rejected"
+    SIDECAR_STARTED = "sidecar:started"
+    SIDECAR_STOPPED = "sidecar:stopped"
+
+
+class Outcome(StrEnum):
+    ALLOW = "allow"
+    DENY = "deny"
+    HIT = "hit"
+    MISS = "miss"
+    OK = "ok"
+    ERROR = "error"
+
+
+class EntryState(StrEnum):
+    LIVE = "live"
+    EXPIRED = "expired"
+    DELETED = "deleted"
+    PURGED = "purged"
+
+
+class Scope(StrEnum):
+    """Who may read an entry: every user of the tenant, or only the user it is scoped to."""
+
+    TENANT = "tenant"
+    USER = "user"
+
+
+class Role(StrEnum):
+    AUDITOR = "auditor"
+    ADMIN = "admin"
+    ENGINE = "engine"
+
+
+class PurgeState(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    INCOMPLETE = "incomplete"
+    FAILED = "failed"
