@@ -6,6 +6,8 @@ written in one place can be searched for in every other.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
 
 
@@ -103,3 +105,33 @@ class PurgeState(StrEnum):
     COMPLETED = "completed"
     INCOMPLETE = "incomplete"
     FAILED = "failed"
+
+
+class KeyState(StrEnum):
+    """Life of a data key version."""
+
+    ACTIVE = "active"  # newest version of its key: new writes use it
+    RETIRED = "retired"  # still opens old data, never seals new data
+    DESTROYED = "destroyed"  # crypto-shredded: the wrapped key bytes are gone
+
+
+@dataclass(frozen=True, slots=True)
+class WrappedKey:
+    """One version of a data key (DEK) as stored: wrapped by the KEK, never in plaintext.
+
+    Shared by ``kvgov.keys`` (which wraps and unwraps) and ``kvgov.ledger`` (which stores the
+    rows), so neither has to import the other.
+    """
+
+    key_id: str  # stable per (tenant, user scope): e.g. "t:<tenant>" or "u:<tenant>:<pseudonym>"
+    version: int
+    tenant: str
+    #: pseudonym of the user for user-scoped keys; None for the tenant key
+    user: str | None
+    state: KeyState
+    #: the DEK wrapped by the KEK (None once destroyed)
+    wrapped: bytes | None
+    kek_id: str
+    created_at: datetime
+    usage_count: int = 0
+    destroyed_at: datetime | None = None

@@ -1,0 +1,1 @@
+"""Per-tenant envelope encryption: data keys, the KEK provider, the sealed chunk format."""
