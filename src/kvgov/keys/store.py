@@ -27,7 +27,7 @@ class WrappedKeyStore(Protocol):
         """The highest version of ``key_id`` whatever its state, or None if it never existed."""
         ...
 
-    def list(self, tenant: str | None = None) -> list[WrappedKey]:
+    def versions(self, tenant: str | None = None) -> list[WrappedKey]:
         """Every version (of one tenant, or all), ordered by key id and version."""
         ...
 
@@ -64,7 +64,7 @@ class InMemoryKeyStore:
         versions = [k for (kid, _), k in self._rows.items() if kid == key_id]
         return max(versions, key=lambda k: k.version, default=None)
 
-    def list(self, tenant: str | None = None) -> list[WrappedKey]:
+    def versions(self, tenant: str | None = None) -> list[WrappedKey]:
         rows = [k for k in self._rows.values() if tenant is None or k.tenant == tenant]
         return sorted(rows, key=lambda k: (k.key_id, k.version))
 
