@@ -31,6 +31,7 @@ lint: install
 
 typecheck: install
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: install lint typecheck
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
