@@ -107,6 +107,18 @@ class PurgeState(StrEnum):
     FAILED = "failed"
 
 
+class PurgeKind(StrEnum):
+    """What a purge job erases: one user's data in a tenant, or a whole tenant."""
+
+    USER = "user"
+    TENANT = "tenant"
+
+
+class TenantState(StrEnum):
+    ENABLED = "enabled"
+    DISABLED = "disabled"
+
+
 class KeyState(StrEnum):
     """Life of a data key version."""
 
