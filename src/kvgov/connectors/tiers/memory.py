@@ -1,0 +1,253 @@
+"""The memory tier: a bytes-bounded LRU of sealed chunks, with buffers recycled by size.
+
+KV chunks are mostly one size (one model, one chunk length), so the buffer of an evicted or
+deleted entry is kept in a small pool keyed by its exact length and handed to the next put of
+that length: in steady state a put copies into a recycled buffer instead of allocating (and
+page-faulting) a fresh 32 MiB one. Live entries plus pooled buffers never exceed
+``max_bytes``; the pool gives its buffers up before any live entry is evicted.
+
+Every operation runs synchronously on the event loop (a copy at memory speed, no awaits in the
+middle), so operations on one key never interleave.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from kvgov.connectors.tiers.base import (
+    BytesLike,
+    DestinationTooSmallError,
+    EntryInfo,
+    EvictListener,
+    TierStats,
+    as_bytes_view,
+    check_key,
+)
+from kvgov.errors import TierError
+
+log = logging.getLogger(__name__)
+
+#: values shorter than this are plain ``bytes`` copies; only large buffers are worth pooling
+POOL_MIN_BYTES = 64 * 1024
+
+
+@dataclass(slots=True)
+class _Entry:
+    buf: bytes | bytearray
+    expires_at: float | None
+
+
+class MemoryTier:
+    """A :class:`~kvgov.connectors.tiers.base.Tier` in process memory."""
+
+    def __init__(
+        self,
+        max_bytes: int,
+        *,
+        name: str = "memory",
+        on_evict: EvictListener | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if max_bytes <= 0:
+            raise TierError(f"tier {name}: max_bytes must be positive, not {max_bytes}")
+        self._name = name
+        self._max = max_bytes
+        self._on_evict = on_evict
+        self._clock = clock
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._live_bytes = 0
+        self._pool: dict[int, list[bytearray]] = {}
+        self._pooled_bytes = 0
+        self._hits = self._misses = self._evictions = self._expirations = 0
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes held by recycled buffers waiting for a put of their size."""
+        return self._pooled_bytes
+
+    # -- the Tier protocol -------------------------------------------------------------------
+
+    async def put(self, key: str, data: BytesLike, *, expires_at: float | None = None) -> None:
+        self._check_open()
+        check_key(self._name, key)
+        src = as_bytes_view(data)
+        size = src.nbytes
+        if size > self._max:
+            raise TierError(
+                f"tier {self._name}: a {size}-byte value exceeds the tier's {self._max} bytes",
+                hint="raise tiers.memory_max_bytes or keep chunks this large in a slower tier",
+            )
+        self._remove(key)  # an overwrite recycles the old buffer, often for this very put
+        if expires_at is not None and expires_at <= self._clock():
+            return
+        stored: bytes | bytearray
+        if size < POOL_MIN_BYTES:
+            self._make_room(size)
+            stored = bytes(src)
+        else:
+            stored = self._buffer_for(size)
+            stored[:] = src  # same length: one memcpy into the recycled buffer, no resize
+        self._entries[key] = _Entry(stored, expires_at)
+        self._live_bytes += size
+
+    async def get_into(self, key: str, dst: memoryview) -> int | None:
+        entry = self._lookup(key, count=True)
+        if entry is None:
+            return None
+        size = len(entry.buf)
+        if size > dst.nbytes:
+            raise DestinationTooSmallError(self._name, size, dst.nbytes)
+        dst[:size] = entry.buf
+        return size
+
+    async def get(self, key: str) -> bytes | None:
+        entry = self._lookup(key, count=True)
+        return None if entry is None else bytes(entry.buf)
+
+    async def size_of(self, key: str) -> int | None:
+        entry = self._lookup(key, count=False)
+        return None if entry is None else len(entry.buf)
+
+    async def info(self, key: str) -> EntryInfo | None:
+        entry = self._lookup(key, count=False)
+        return None if entry is None else EntryInfo(len(entry.buf), entry.expires_at)
+
+    async def contains(self, key: str) -> bool:
+        return self._lookup(key, count=False) is not None
+
+    async def delete(self, key: str) -> bool:
+        self._check_open()
+        entry = self._entries.get(key)
+        live = entry is not None and not self._expired(entry, self._clock())
+        self._remove(key)
+        return live
+
+    async def iter_keys(self) -> AsyncIterator[str]:
+        now = self._clock()
+        for key, entry in list(self._entries.items()):
+            if not self._expired(entry, now):
+                yield key
+
+    async def sweep(self, now: float) -> list[str]:
+        self._check_open()
+        gone = [k for k, e in self._entries.items() if self._expired(e, now)]
+        for key in gone:
+            self._remove(key)
+        self._expirations += len(gone)
+        return gone
+
+    async def stats(self) -> TierStats:
+        return TierStats(
+            name=self._name,
+            entries=len(self._entries),
+            bytes=self._live_bytes,
+            hits=self._hits,
+            misses=self._misses,
+            evictions=self._evictions,
+            expirations=self._expirations,
+            capacity_bytes=self._max,
+        )
+
+    async def close(self) -> None:
+        self._entries.clear()
+        self._pool.clear()
+        self._live_bytes = self._pooled_bytes = 0
+        self._closed = True
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierError(f"tier {self._name} is closed")
+
+    @staticmethod
+    def _expired(entry: _Entry, now: float) -> bool:
+        return entry.expires_at is not None and entry.expires_at <= now
+
+    def _lookup(self, key: str, *, count: bool) -> _Entry | None:
+        """The live entry (now most recently used), removing it if it expired."""
+        self._check_open()
+        entry = self._entries.get(key)
+        if entry is not None and self._expired(entry, self._clock()):
+            self._remove(key)
+            self._expirations += 1
+            entry = None
+        if entry is None:
+            if count:
+                self._misses += 1
+            return None
+        self._entries.move_to_end(key)
+        if count:
+            self._hits += 1
+        return entry
+
+    def _remove(self, key: str) -> _Entry | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._live_bytes -= len(entry.buf)
+            self._recycle(entry.buf)
+        return entry
+
+    def _recycle(self, buf: bytes | bytearray) -> None:
+        size = len(buf)
+        if not isinstance(buf, bytearray) or size < POOL_MIN_BYTES:
+            return
+        if self._live_bytes + self._pooled_bytes + size > self._max:
+            return  # no room to keep it: let it go
+        self._pool.setdefault(size, []).append(buf)
+        self._pooled_bytes += size
+
+    def _take_pooled(self, size: int) -> bytearray | None:
+        bufs = self._pool.get(size)
+        if not bufs:
+            return None
+        buf = bufs.pop()
+        if not bufs:
+            del self._pool[size]
+        self._pooled_bytes -= size
+        return buf
+
+    def _buffer_for(self, size: int) -> bytearray:
+        """A buffer of exactly ``size`` bytes: a pooled one, an evicted one, or a new one."""
+        buf = self._take_pooled(size)
+        if buf is not None:
+            return buf
+        self._make_room(size)
+        return self._take_pooled(size) or bytearray(size)
+
+    def _make_room(self, size: int) -> None:
+        """Free pooled buffers, then evict least recently used entries, until ``size`` fits.
+
+        An evicted buffer of exactly ``size`` bytes is parked in the pool for the caller.
+        """
+        for pool_size in list(self._pool):
+            if self._live_bytes + self._pooled_bytes + size <= self._max:
+                return
+            self._pooled_bytes -= pool_size * len(self._pool.pop(pool_size))
+        while self._entries and self._live_bytes + self._pooled_bytes + size > self._max:
+            victim, entry = self._entries.popitem(last=False)
+            self._live_bytes -= len(entry.buf)
+            self._evictions += 1
+            self._notify_evict(victim, len(entry.buf))
+            if len(entry.buf) == size and isinstance(entry.buf, bytearray):
+                self._pool.setdefault(size, []).append(entry.buf)
+                self._pooled_bytes += size
+                return
+
+    def _notify_evict(self, key: str, size: int) -> None:
+        log.debug("tier.evict", extra={"tier": self._name, "nbytes": size})
+        if self._on_evict is None:
+            return
+        try:
+            self._on_evict(self._name, key, size)
+        except Exception:
+            log.exception("tier.evict_listener_failed", extra={"tier": self._name})

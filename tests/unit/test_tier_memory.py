@@ -1,0 +1,117 @@
+"""Memory tier specifics: the bytes bound, LRU order, the eviction hook, buffer recycling."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgov.connectors.tiers.memory import POOL_MIN_BYTES, MemoryTier
+from kvgov.errors import TierError
+
+CHUNK = 256 * 1024
+
+
+def _chunk(i: int, size: int = CHUNK) -> bytes:
+    return bytes([i % 256]) * size
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_bytes_bound_evicts_least_recently_used_and_reports_it() -> None:
+    evicted: list[tuple[str, str, int]] = []
+    tier = MemoryTier(4 * CHUNK, on_evict=lambda t, k, n: evicted.append((t, k, n)))
+    for i in range(4):
+        await tier.put(f"k{i}", _chunk(i))
+    assert await tier.get("k0") == _chunk(0)  # k0 is now the most recently used
+    await tier.put("k4", _chunk(4))
+    assert evicted == [("memory", "k1", CHUNK)]
+    assert not await tier.contains("k1")
+    assert await tier.get("k0") == _chunk(0)
+    stats = await tier.stats()
+    assert stats.entries == 4
+    assert stats.bytes == 4 * CHUNK
+    assert stats.evictions == 1
+    assert stats.bytes + tier.pooled_bytes <= stats.capacity_bytes  # type: ignore[operator]
+
+
+async def test_never_exceeds_bound_with_mixed_sizes() -> None:
+    limit = 10 * CHUNK
+    tier = MemoryTier(limit)
+    sizes = [CHUNK, 3 * CHUNK, 100, POOL_MIN_BYTES, 2 * CHUNK + 7, 5 * CHUNK]
+    for i in range(60):
+        size = sizes[i % len(sizes)]
+        await tier.put(f"k{i}", _chunk(i, size))
+        if i % 7 == 0:
+            await tier.delete(f"k{i - 3}")
+        stats = await tier.stats()
+        assert stats.bytes + tier.pooled_bytes <= limit
+        assert await tier.get(f"k{i}") == _chunk(i, size)
+
+
+async def test_steady_state_puts_reuse_evicted_buffers() -> None:
+    tier = MemoryTier(4 * CHUNK)
+    for i in range(4):
+        await tier.put(f"k{i}", _chunk(i))
+    held = {id(tier._entries[f"k{i}"].buf) for i in range(4)}  # white-box: the pooled buffers
+    for i in range(4, 40):
+        await tier.put(f"k{i}", _chunk(i))
+    now = {id(e.buf) for e in tier._entries.values()}
+    assert now == held  # the same four buffers, recycled through evictions
+    for i in range(36, 40):
+        assert await tier.get(f"k{i}") == _chunk(i)
+
+
+async def test_deleted_buffer_is_recycled_for_the_next_put_of_that_size() -> None:
+    tier = MemoryTier(8 * CHUNK)
+    await tier.put("a", _chunk(1))
+    buf_id = id(tier._entries["a"].buf)
+    assert await tier.delete("a")
+    assert tier.pooled_bytes == CHUNK
+    await tier.put("b", _chunk(2))
+    assert id(tier._entries["b"].buf) == buf_id
+    assert tier.pooled_bytes == 0
+    assert await tier.get("b") == _chunk(2)
+
+
+async def test_value_larger_than_the_tier_is_refused() -> None:
+    tier = MemoryTier(2 * CHUNK)
+    with pytest.raises(TierError, match="exceeds"):
+        await tier.put("big", _chunk(0, 2 * CHUNK + 1))
+    assert not await tier.contains("big")
+
+
+async def test_expiry_with_injected_clock_and_sweep() -> None:
+    clock = _Clock()
+    tier = MemoryTier(8 * CHUNK, clock=clock)
+    await tier.put("short", b"s", expires_at=clock.now + 10)
+    await tier.put("long", b"l", expires_at=clock.now + 100)
+    await tier.put("never", b"n")
+    clock.now += 10
+    assert await tier.get("short") is None  # expiry is inclusive: at expires_at it is gone
+    assert await tier.sweep(clock.now + 100) == ["long"]
+    assert [k async for k in tier.iter_keys()] == ["never"]
+    stats = await tier.stats()
+    assert stats.expirations == 2
+    assert stats.misses == 1
+
+
+async def test_a_failing_evict_listener_does_not_break_puts() -> None:
+    def boom(tier: str, key: str, nbytes: int) -> None:
+        raise RuntimeError("listener bug")
+
+    tier = MemoryTier(CHUNK, on_evict=boom)
+    await tier.put("a", _chunk(1))
+    await tier.put("b", _chunk(2))
+    assert await tier.get("b") == _chunk(2)
+
+
+async def test_closed_tier_refuses_work() -> None:
+    tier = MemoryTier(CHUNK)
+    await tier.close()
+    with pytest.raises(TierError, match="closed"):
+        await tier.put("a", b"x")
