@@ -1,0 +1,220 @@
+"""One blocking connection to a kvgov sidecar: connect, HELLO, send a frame, read a reply.
+
+Private to :mod:`kvgov.wire.client`. A connection is used by one thread at a time (the client's
+pool hands it out); any socket error or timeout closes it, because its framing state is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvgov.wire.codec import (
+    HEADER_SIZE,
+    MAX_STREAM_ID,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Flag,
+    FrameHeader,
+    FrameType,
+    WireConnectionError,
+    WireError,
+    decode_header,
+    decode_meta,
+    encode_frame,
+    error_from_meta,
+)
+from kvgov.wire.messages import ServerInfo
+
+Buffer = bytes | bytearray | memoryview
+
+_DISCARD_CHUNK = 1 << 20
+
+
+def parse_address(address: str) -> tuple[int, Any]:
+    """``tcp://host:port``, ``host:port`` or ``unix:///path`` -> (family, sockaddr)."""
+    if address.startswith("unix:"):
+        path = address[len("unix:") :]
+        while path.startswith("//"):
+            path = path[1:]
+        if not path:
+            raise ValueError("unix address needs a path")
+        return socket.AF_UNIX, path
+    if address.startswith("tcp://"):
+        address = address[len("tcp://") :]
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"bad sidecar address {address!r}: expected tcp://host:port or unix:///p")
+    return socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET, (
+        host.strip("[]"),
+        int(port),
+    )
+
+
+def as_bytes_view(data: Buffer | Any) -> memoryview:
+    """A flat byte view of any C-contiguous buffer (bytes, bytearray, numpy, torch storage)."""
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+class Connection:
+    def __init__(self, address: str, *, connect_timeout: float, timeout: float) -> None:
+        family, sockaddr = parse_address(address)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(connect_timeout)
+            sock.connect(sockaddr)
+            sock.settimeout(timeout)
+            if family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as exc:
+            sock.close()
+            raise WireConnectionError(
+                ErrorCode.INTERNAL, f"cannot connect to sidecar at {address}: {exc}"
+            ) from exc
+        self.sock = sock
+        self.closed = False
+        self._next_id = 0
+        self._hdr = bytearray(HEADER_SIZE)
+        self.info: ServerInfo | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+    def hello(self, engine_id: str, token: str | None, role: str) -> ServerInfo:
+        meta: dict[str, Any] = {
+            "version": PROTOCOL_VERSION,
+            "engine": engine_id,
+            "role": role,
+            "client": "kvgov-python",
+        }
+        if token is not None:
+            meta["token"] = token
+        _, reply = self.call(FrameType.HELLO, meta)
+        try:
+            info = ServerInfo(
+                server=str(reply["server"]),
+                version=str(reply["version"]),
+                protocol=int(reply["protocol"]),
+                sidecar_id=str(reply["sidecar"]),
+                max_frame_bytes=int(reply["max_frame_bytes"]),
+                max_batch=int(reply["max_batch"]),
+                engine=str(reply["engine"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            self.close()
+            raise WireError(ErrorCode.BAD_FRAME, "malformed HELLO reply") from exc
+        self.info = info
+        return info
+
+    # -- frames --------------------------------------------------------------------------------
+
+    def new_stream_id(self) -> int:
+        self._next_id = self._next_id + 1 if self._next_id < MAX_STREAM_ID else 1
+        return self._next_id
+
+    def send(
+        self,
+        ftype: FrameType,
+        stream_id: int,
+        meta: Mapping[str, Any] | None,
+        payloads: Sequence[memoryview] = (),
+        flags: Flag = Flag.NONE,
+    ) -> None:
+        total = sum(p.nbytes for p in payloads)
+        head = encode_frame(ftype, stream_id, meta, total, flags)
+        try:
+            if payloads and len(head) + payloads[0].nbytes <= 64 * 1024:
+                # small items: one syscall for header and first payload
+                self.sock.sendall(head + payloads[0])
+                rest: Sequence[memoryview] = payloads[1:]
+            else:
+                self.sock.sendall(head)
+                rest = payloads
+            for part in rest:
+                self.sock.sendall(part)
+        except OSError as exc:
+            self.close()
+            raise WireConnectionError(ErrorCode.INTERNAL, f"send failed: {exc}") from exc
+
+    def recv_exact(self, view: memoryview) -> None:
+        got = 0
+        n = view.nbytes
+        try:
+            while got < n:
+                k = self.sock.recv_into(view[got:], n - got)
+                if k == 0:
+                    raise WireConnectionError(ErrorCode.INTERNAL, "sidecar closed the connection")
+                got += k
+        except OSError as exc:
+            self.close()
+            raise WireConnectionError(ErrorCode.INTERNAL, f"receive failed: {exc}") from exc
+        except WireConnectionError:
+            self.close()
+            raise
+
+    def discard(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, _DISCARD_CHUNK)))
+        while n > 0:
+            step = min(n, scratch.nbytes)
+            self.recv_exact(scratch[:step])
+            n -= step
+
+    def read_frame(self) -> tuple[FrameHeader, dict[str, Any]]:
+        """Read a header and its metadata; the caller then reads ``payload_len`` bytes."""
+        self.recv_exact(memoryview(self._hdr))
+        try:
+            header = decode_header(self._hdr)
+        except WireError:
+            self.close()
+            raise
+        body = bytearray(header.meta_len)
+        if header.meta_len:
+            self.recv_exact(memoryview(body))
+        try:
+            meta = decode_meta(body)
+        except WireError:
+            self.close()
+            raise
+        return header, meta
+
+    def read_reply(self, ftype: FrameType, stream_id: int) -> tuple[FrameHeader, dict[str, Any]]:
+        header, meta = self.read_frame()
+        if header.stream_id != stream_id and not (
+            header.type is FrameType.ERROR and header.stream_id == 0
+        ):
+            self.close()
+            raise WireError(ErrorCode.BAD_FRAME, "reply for another stream")
+        if header.type is FrameType.ERROR:
+            if header.payload_len:
+                self.discard(header.payload_len)
+            error = error_from_meta(meta)
+            if error.fatal or header.stream_id == 0:
+                self.close()
+            raise error
+        if header.type is not ftype or not header.is_reply:
+            self.close()
+            raise WireError(ErrorCode.BAD_FRAME, "unexpected reply type")
+        return header, meta
+
+    def call(
+        self,
+        ftype: FrameType,
+        meta: Mapping[str, Any] | None,
+        payloads: Sequence[memoryview] = (),
+    ) -> tuple[FrameHeader, dict[str, Any]]:
+        """Send a request and read the reply's header and metadata (payload left unread)."""
+        stream_id = self.new_stream_id()
+        self.send(ftype, stream_id, meta, payloads)
+        return self.read_reply(ftype, stream_id)

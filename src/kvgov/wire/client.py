@@ -1,0 +1,384 @@
+"""The engine-side client of the kvgov wire protocol (blocking sockets, thread-safe, stdlib only).
+
+``WireClient`` keeps a small pool of authenticated connections; each call takes one, sends a
+request frame, reads the reply and gives the connection back, so calls from several threads run
+in parallel and a connection is never shared mid-frame. Payloads are sent from the caller's
+buffers and received straight into the caller's buffers (``get_into`` / ``alloc``): no copies.
+
+``ControlChannel`` is a dedicated connection on which the sidecar sends EVICT (purge) messages;
+a callback removes the keys from the engine's local tiers and the channel answers EVICT_ACK.
+See ``docs/protocol.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from kvgov.wire._conn import Buffer, Connection, as_bytes_view
+from kvgov.wire.codec import (
+    ErrorCode,
+    Flag,
+    FrameType,
+    WireConnectionError,
+    WireError,
+)
+from kvgov.wire.messages import (
+    EMPTY_CONTEXT,
+    GetResult,
+    PutAck,
+    PutItem,
+    RequestContext,
+    ServerInfo,
+)
+
+log = logging.getLogger("kvgov.wire.client")
+
+#: ``alloc(result) -> writable buffer of at least result.length bytes`` (or None to skip it)
+Allocator = Callable[[GetResult], Any]
+#: ``on_evict(keys) -> keys actually removed``
+EvictCallback = Callable[[list[str]], Iterable[str]]
+
+
+class WireClient:
+    """Blocking, thread-safe client. Every method raises :class:`WireError` on failure
+    (:class:`WireConnectionError` when the sidecar cannot be reached); an engine-side connector
+    turns those into misses (fail closed)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        engine_id: str,
+        token: str | None = None,
+        timeout: float = 10.0,
+        connect_timeout: float = 2.0,
+        pool_size: int = 4,
+    ) -> None:
+        if pool_size < 1:
+            raise ValueError("pool_size must be at least 1")
+        self.address = address
+        self.engine_id = engine_id
+        self._token = token
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self._idle: queue.LifoQueue[Connection] = queue.LifoQueue()
+        self._slots = threading.BoundedSemaphore(pool_size)
+        self._closing = threading.Event()
+        self.info: ServerInfo | None = None
+
+    # -- pool ----------------------------------------------------------------------------------
+
+    def _connect(self, role: str = "data") -> Connection:
+        conn = Connection(self.address, connect_timeout=self.connect_timeout, timeout=self.timeout)
+        try:
+            self.info = conn.hello(self.engine_id, self._token, role)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _run(self, fn: Callable[[Connection], Any]) -> Any:
+        if self._closing.is_set():
+            raise WireConnectionError(ErrorCode.INTERNAL, "client is closed")
+        if not self._slots.acquire(timeout=self.timeout):
+            raise WireError(ErrorCode.BUSY, "no free connection in the client pool")
+        conn: Connection | None = None
+        try:
+            try:
+                conn = self._idle.get_nowait()
+            except queue.Empty:
+                conn = self._connect()
+            return fn(conn)
+        finally:
+            if conn is not None and not conn.closed:
+                if self._closing.is_set():
+                    conn.close()
+                else:
+                    self._idle.put(conn)
+            self._slots.release()
+
+    def close(self) -> None:
+        self._closing.set()
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return
+
+    def __enter__(self) -> WireClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def hello(self) -> ServerInfo:
+        """Connect (if needed) and return what the sidecar said in HELLO."""
+
+        def op(conn: Connection) -> ServerInfo:
+            if conn.info is None:
+                raise WireError(ErrorCode.INTERNAL, "connection without HELLO")
+            return conn.info
+
+        result: ServerInfo = self._run(op)
+        return result
+
+    def ping(self) -> float:
+        """Round-trip time of a PING, in seconds."""
+
+        def op(conn: Connection) -> float:
+            start = time.perf_counter()
+            conn.call(FrameType.PING, None)
+            return time.perf_counter() - start
+
+        result: float = self._run(op)
+        return result
+
+    def exists(self, key: str, ctx: RequestContext | None = None) -> bool:
+        return self.exists_many([key], ctx)[0]
+
+    def exists_many(self, keys: Sequence[str], ctx: RequestContext | None = None) -> list[bool]:
+        found = self._keys_call(FrameType.EXISTS, keys, ctx, "found")
+        return [bool(x) for x in found]
+
+    def remove(self, key: str, ctx: RequestContext | None = None) -> bool:
+        return self.remove_many([key], ctx)[0]
+
+    def remove_many(self, keys: Sequence[str], ctx: RequestContext | None = None) -> list[bool]:
+        removed = self._keys_call(FrameType.REMOVE, keys, ctx, "removed")
+        return [bool(x) for x in removed]
+
+    def _keys_call(
+        self, ftype: FrameType, keys: Sequence[str], ctx: RequestContext | None, field: str
+    ) -> list[Any]:
+        if not keys:
+            return []
+        meta = {"keys": list(keys), "ctx": (ctx or EMPTY_CONTEXT).to_meta()}
+
+        def op(conn: Connection) -> list[Any]:
+            header, reply = conn.call(ftype, meta)
+            if header.payload_len:
+                conn.discard(header.payload_len)
+            values = reply.get(field)
+            if not isinstance(values, list) or len(values) != len(keys):
+                conn.close()
+                raise WireError(ErrorCode.BAD_FRAME, f"malformed {ftype.name} reply")
+            return values
+
+        result: list[Any] = self._run(op)
+        return result
+
+    def put(
+        self,
+        key: str,
+        data: Buffer | Any,
+        ctx: RequestContext | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> PutAck:
+        """Store one value; the ack says whether the sidecar stored it (and why not)."""
+        return self.put_many([(key, data, meta)], ctx)[0]
+
+    def put_many(
+        self,
+        items: Sequence[
+            tuple[str, Buffer | Any] | tuple[str, Buffer | Any, Mapping[str, Any] | None]
+        ],
+        ctx: RequestContext | None = None,
+    ) -> list[PutAck]:
+        """Store several values in one frame; one ack per item, in order."""
+        if not items:
+            return []
+        views: list[memoryview] = []
+        put_items: list[dict[str, Any]] = []
+        for entry in items:
+            key, data = entry[0], entry[1]
+            item_meta = entry[2] if len(entry) > 2 else None
+            view = as_bytes_view(data)
+            views.append(view)
+            put_items.append(PutItem(key, view.nbytes, item_meta or {}).to_meta())
+        meta = {"items": put_items, "ctx": (ctx or EMPTY_CONTEXT).to_meta()}
+
+        def op(conn: Connection) -> list[PutAck]:
+            stream_id = conn.new_stream_id()
+            conn.send(FrameType.PUT, stream_id, meta, views)
+            header, reply = conn.read_reply(FrameType.PUT, stream_id)
+            if header.payload_len:
+                conn.discard(header.payload_len)
+            results = reply.get("results")
+            if not isinstance(results, list) or len(results) != len(items):
+                conn.close()
+                raise WireError(ErrorCode.BAD_FRAME, "malformed PUT reply")
+            return [_ack(entry[0], r) for entry, r in zip(items, results, strict=True)]
+
+        result: list[PutAck] = self._run(op)
+        return result
+
+    def get_into(
+        self, key: str, buffer: Buffer | Any, ctx: RequestContext | None = None
+    ) -> GetResult | None:
+        """Read a value straight into ``buffer``; None on a miss (a denial is a miss).
+
+        Raises WireError(TOO_LARGE) if the value does not fit (the connection stays usable).
+        """
+        target = as_bytes_view(buffer)
+
+        def alloc(result: GetResult) -> memoryview:
+            if result.length > target.nbytes:
+                raise WireError(ErrorCode.TOO_LARGE, "value larger than the caller's buffer")
+            return target
+
+        return self.get_many([key], ctx, alloc)[0][0]
+
+    def get(self, key: str, ctx: RequestContext | None = None) -> tuple[bytes, GetResult] | None:
+        """Read a value into a new ``bytes`` object (convenient, not for the hot path)."""
+        hit = self.get_many([key], ctx)[0]
+        if hit[0] is None:
+            return None
+        return bytes(hit[1]), hit[0]
+
+    def get_many(
+        self,
+        keys: Sequence[str],
+        ctx: RequestContext | None = None,
+        alloc: Allocator | None = None,
+    ) -> list[tuple[GetResult | None, Any]]:
+        """Read several values in one frame. For each key: ``(result, buffer)`` on a hit (the
+        buffer is what ``alloc`` returned, or a new bytearray), ``(None, None)`` on a miss."""
+        if not keys:
+            return []
+        meta = {"keys": list(keys), "ctx": (ctx or EMPTY_CONTEXT).to_meta()}
+
+        def op(conn: Connection) -> list[tuple[GetResult | None, Any]]:
+            header, reply = conn.call(FrameType.GET, meta)
+            items = reply.get("items")
+            if not isinstance(items, list) or len(items) != len(keys):
+                conn.close()
+                raise WireError(ErrorCode.BAD_FRAME, "malformed GET reply")
+            remaining = header.payload_len
+            out: list[tuple[GetResult | None, Any]] = []
+            pending_error: WireError | None = None
+            for key, item in zip(keys, items, strict=True):
+                if not isinstance(item, dict) or item.get("code") != ErrorCode.OK:
+                    out.append((None, None))
+                    continue
+                length = item.get("len")
+                if not isinstance(length, int) or length < 0 or length > remaining:
+                    conn.close()
+                    raise WireError(ErrorCode.BAD_FRAME, "GET reply lengths exceed payload")
+                result = GetResult(key, length, item.get("meta") or {})
+                remaining -= length
+                buf: Any = None
+                if pending_error is None:
+                    try:
+                        buf = alloc(result) if alloc is not None else bytearray(length)
+                    except WireError as exc:
+                        pending_error = exc
+                if buf is None:
+                    conn.discard(length)
+                    out.append((None, None))
+                    continue
+                conn.recv_exact(as_bytes_view(buf)[:length])
+                out.append((result, buf))
+            if remaining:
+                conn.discard(remaining)
+            if pending_error is not None:
+                raise pending_error
+            return out
+
+        result: list[tuple[GetResult | None, Any]] = self._run(op)
+        return result
+
+    def control(self, on_evict: EvictCallback, *, reconnect_delay: float = 1.0) -> ControlChannel:
+        """Open the control connection that receives EVICT messages (a :class:`ControlChannel`)."""
+        channel = ControlChannel(self, on_evict, reconnect_delay=reconnect_delay)
+        channel.start()
+        return channel
+
+
+def _ack(key: str, result: Any) -> PutAck:
+    if not isinstance(result, dict):
+        return PutAck(key, ErrorCode.INTERNAL, "malformed ack")
+    try:
+        error = ErrorCode(result.get("code", ErrorCode.INTERNAL))
+    except ValueError:
+        error = ErrorCode.INTERNAL
+    reason = result.get("reason")
+    return PutAck(key, error, reason if isinstance(reason, str) else None)
+
+
+class ControlChannel:
+    """A background thread holding a ``role=control`` connection: EVICT in, EVICT_ACK out.
+
+    It reconnects after a failure (every ``reconnect_delay`` seconds) until :meth:`close`.
+    ``connected`` is set while a HELLO-authenticated connection is up.
+    """
+
+    def __init__(
+        self, client: WireClient, on_evict: EvictCallback, *, reconnect_delay: float = 1.0
+    ) -> None:
+        self._client = client
+        self._on_evict = on_evict
+        self._delay = reconnect_delay
+        self._stop = threading.Event()
+        self.connected = threading.Event()
+        self._conn: Connection | None = None
+        self._thread = threading.Thread(target=self._loop, name="kvgov-control", daemon=True)
+        self.evictions = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        conn = self._conn
+        if conn is not None:
+            conn.close()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn = self._client._connect(role="control")
+            except WireError as exc:
+                log.warning("wire.control.connect_failed", extra={"error": exc.error.name})
+                self._stop.wait(self._delay)
+                continue
+            self._conn = conn
+            conn.sock.settimeout(None)  # idle until the sidecar speaks
+            self.connected.set()
+            try:
+                self._serve(conn)
+            except WireError as exc:
+                if not self._stop.is_set():
+                    log.warning("wire.control.lost", extra={"error": exc.error.name})
+            finally:
+                self.connected.clear()
+                conn.close()
+                self._conn = None
+            self._stop.wait(self._delay)
+
+    def _serve(self, conn: Connection) -> None:
+        while not self._stop.is_set():
+            header, meta = conn.read_frame()
+            if header.payload_len:
+                conn.discard(header.payload_len)
+            if header.type is FrameType.PING and not header.is_reply:
+                conn.send(FrameType.PING, header.stream_id, None, flags=Flag.REPLY)
+                continue
+            if header.type is not FrameType.EVICT or header.is_reply:
+                continue  # nothing else is expected; ignore rather than tear the channel down
+            keys = [k for k in meta.get("keys", []) if isinstance(k, str)]
+            try:
+                removed = list(self._on_evict(keys))
+                ack: dict[str, Any] = {"removed": removed}
+            except Exception as exc:  # the callback is the engine's code; report, keep serving
+                log.exception("wire.control.evict_failed")
+                ack = {"removed": [], "error": type(exc).__name__}
+            self.evictions += 1
+            conn.send(FrameType.EVICT_ACK, header.stream_id, ack)

@@ -1,0 +1,235 @@
+"""The kvgov wire protocol's frame codec (stdlib only; see ``docs/protocol.md``).
+
+A frame is a fixed 24-byte little-endian header, a metadata section (a UTF-8 JSON object of
+``meta_len`` bytes) and a raw payload of ``payload_len`` bytes::
+
+    magic "KVGV" | version u8 | type u8 | flags u16 | stream id u32 | meta_len u32 | payload_len u64
+
+The metadata always comes before the payload, so a receiver knows every item's key, length
+and request context before the first KV byte arrives and can decide (policy, destination
+buffer, key) while the bytes are still on the wire.
+
+This module must stay importable inside an inference engine: no third-party imports.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import IntEnum, IntFlag
+from typing import Any
+
+from kvgov.errors import ProtocolError
+
+MAGIC = b"KVGV"
+PROTOCOL_VERSION = 1
+#: ``<4sBBHIIQ``: magic, version, type, flags, stream id, meta length, payload length
+HEADER = struct.Struct("<4sBBHIIQ")
+HEADER_SIZE = HEADER.size  # 24
+#: hard limit on the metadata section (JSON); keys and contexts are small
+MAX_META_BYTES = 1 << 20
+#: stream ids are u32; 0 is reserved for frames that answer no request (fatal errors)
+MAX_STREAM_ID = 0xFFFF_FFFF
+#: LMCache's key string limit is 150 bytes; kvgov allows longer keys but bounds them
+MAX_KEY_BYTES = 1024
+
+
+class FrameType(IntEnum):
+    """What a frame asks for. A reply has the request's type and the REPLY flag (or is ERROR)."""
+
+    HELLO = 1
+    PING = 2
+    EXISTS = 3
+    GET = 4
+    PUT = 5
+    REMOVE = 6
+    EVICT = 7  # server -> engine, on a control connection
+    EVICT_ACK = 8  # engine -> server, same stream id as the EVICT
+    ERROR = 15
+
+
+class Flag(IntFlag):
+    NONE = 0
+    REPLY = 1
+
+
+class ErrorCode(IntEnum):
+    """Explicit error codes, in ERROR frames and per item of batched replies (0 = ok)."""
+
+    OK = 0
+    BAD_FRAME = 1  # fatal: malformed header or metadata; the connection is closed
+    TOO_LARGE = 2  # fatal: frame over the server's limits; the connection is closed
+    UNAUTHENTICATED = 3  # fatal: HELLO missing or refused
+    DENIED = 4  # per item: policy or identity refused the operation
+    NOT_FOUND = 5  # per item: a miss (a denied get is also reported as a miss)
+    INTERNAL = 6  # the server failed; the request may be retried
+    VERSION_MISMATCH = 7  # fatal: protocol version not supported
+    BUSY = 8  # the server is shedding load or shutting down; retry later
+    BAD_REQUEST = 9  # a well-formed frame with invalid content (not fatal)
+
+
+#: errors after which the server closes the connection
+FATAL_ERRORS = frozenset(
+    {
+        ErrorCode.BAD_FRAME,
+        ErrorCode.TOO_LARGE,
+        ErrorCode.UNAUTHENTICATED,
+        ErrorCode.VERSION_MISMATCH,
+    }
+)
+
+
+class WireError(ProtocolError):
+    """A protocol-level failure with its wire :class:`ErrorCode`."""
+
+    code = "wire_error"
+
+    def __init__(self, error: ErrorCode, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.error = error
+
+    @property
+    def fatal(self) -> bool:
+        return self.error in FATAL_ERRORS
+
+
+class WireConnectionError(WireError):
+    """The connection failed, timed out or was closed: its state is unknown, it is discarded."""
+
+    code = "wire_connection"
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    type: FrameType
+    flags: Flag
+    stream_id: int
+    meta_len: int
+    payload_len: int
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def is_reply(self) -> bool:
+        return bool(self.flags & Flag.REPLY)
+
+
+def encode_header(
+    ftype: FrameType,
+    stream_id: int,
+    meta_len: int,
+    payload_len: int = 0,
+    flags: Flag = Flag.NONE,
+) -> bytes:
+    return HEADER.pack(
+        MAGIC, PROTOCOL_VERSION, int(ftype), int(flags), stream_id, meta_len, payload_len
+    )
+
+
+def decode_header(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_payload: int | None = None,
+    max_meta: int = MAX_META_BYTES,
+) -> FrameHeader:
+    """Parse and validate the 24-byte header. Raises :class:`WireError` (always fatal)."""
+    if len(data) < HEADER_SIZE:
+        raise WireError(ErrorCode.BAD_FRAME, "short frame header")
+    magic, version, ftype, flags, stream_id, meta_len, payload_len = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise WireError(ErrorCode.BAD_FRAME, "bad magic")
+    if version != PROTOCOL_VERSION:
+        raise WireError(
+            ErrorCode.VERSION_MISMATCH,
+            f"protocol version {version} not supported (server speaks {PROTOCOL_VERSION})",
+        )
+    try:
+        kind = FrameType(ftype)
+    except ValueError:
+        raise WireError(ErrorCode.BAD_FRAME, f"unknown frame type {ftype}") from None
+    if flags & ~int(Flag.REPLY):
+        raise WireError(ErrorCode.BAD_FRAME, "unknown flags")
+    if meta_len > max_meta:
+        raise WireError(ErrorCode.TOO_LARGE, "metadata section too large")
+    if max_payload is not None and payload_len > max_payload:
+        raise WireError(ErrorCode.TOO_LARGE, "payload too large")
+    return FrameHeader(kind, Flag(flags), stream_id, meta_len, payload_len, version)
+
+
+def encode_meta(meta: Mapping[str, Any] | None) -> bytes:
+    if not meta:
+        return b""
+    return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def decode_meta(data: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Parse a metadata section: empty or a JSON object. Raises :class:`WireError`."""
+    if len(data) == 0:
+        return {}
+    try:
+        value = json.loads(bytes(data))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise WireError(ErrorCode.BAD_FRAME, "metadata is not valid JSON") from exc
+    if not isinstance(value, dict):
+        raise WireError(ErrorCode.BAD_FRAME, "metadata must be a JSON object")
+    return value
+
+
+def encode_frame(
+    ftype: FrameType,
+    stream_id: int,
+    meta: Mapping[str, Any] | None = None,
+    payload_len: int = 0,
+    flags: Flag = Flag.NONE,
+) -> bytes:
+    """Header plus metadata; the caller sends ``payload_len`` payload bytes after it."""
+    body = encode_meta(meta)
+    if len(body) > MAX_META_BYTES:
+        raise WireError(ErrorCode.TOO_LARGE, "metadata section too large")
+    return encode_header(ftype, stream_id, len(body), payload_len, flags) + body
+
+
+def error_meta(error: ErrorCode, message: str) -> dict[str, Any]:
+    return {"code": int(error), "name": error.name.lower(), "message": message}
+
+
+def error_from_meta(meta: Mapping[str, Any]) -> WireError:
+    """Turn an ERROR frame's metadata into the matching exception."""
+    raw = meta.get("code", int(ErrorCode.INTERNAL))
+    try:
+        error = ErrorCode(raw)
+    except ValueError:
+        error = ErrorCode.INTERNAL
+    return WireError(error, str(meta.get("message", error.name.lower())))
+
+
+# -- metadata field helpers (shared by client and server) -------------------------------------
+
+
+def require_str(meta: Mapping[str, Any], name: str, *, max_len: int = MAX_KEY_BYTES) -> str:
+    value = meta.get(name)
+    if not isinstance(value, str) or not value or len(value.encode()) > max_len:
+        raise WireError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a non-empty string")
+    return value
+
+
+def optional_str(meta: Mapping[str, Any], name: str, *, max_len: int = 256) -> str | None:
+    value = meta.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value.encode()) > max_len:
+        raise WireError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a string")
+    return value or None
+
+
+def key_list(meta: Mapping[str, Any], name: str = "keys", *, max_items: int = 4096) -> list[str]:
+    value = meta.get(name)
+    if not isinstance(value, list) or not value or len(value) > max_items:
+        raise WireError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a non-empty list")
+    out: list[str] = []
+    for key in value:
+        if not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_BYTES:
+            raise WireError(ErrorCode.BAD_REQUEST, "keys must be non-empty strings")
+        out.append(key)
+    return out

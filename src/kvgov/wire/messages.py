@@ -1,0 +1,197 @@
+"""Typed records carried in frame metadata, and LMCache cache-key strings (stdlib only).
+
+Shared by the client (:mod:`kvgov.wire.client`) and the sidecar's server, so both sides build
+and read the same JSON shapes documented in ``docs/protocol.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgov.wire.codec import ErrorCode, WireError, optional_str
+
+#: the small per-entry metadata an engine may attach to a put (fmt/dtype/shape...); bounded
+MAX_ITEM_META_BYTES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """Who a KV operation is for: the request, the acting user and the sensitivity label.
+
+    ``user`` is the raw user id as the engine knows it; the sidecar pseudonymises it on
+    arrival and never stores or logs it.
+    """
+
+    request_id: str | None = None
+    user: str | None = None
+    sensitivity: str | None = None
+
+    def to_meta(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        if self.request_id:
+            out["request_id"] = self.request_id
+        if self.user:
+            out["user"] = self.user
+        if self.sensitivity:
+            out["sensitivity"] = self.sensitivity
+        return out
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> RequestContext:
+        if meta is None:
+            return EMPTY_CONTEXT
+        if not isinstance(meta, Mapping):
+            raise WireError(ErrorCode.BAD_REQUEST, "ctx must be an object")
+        return cls(
+            request_id=optional_str(meta, "request_id"),
+            user=optional_str(meta, "user"),
+            sensitivity=optional_str(meta, "sensitivity", max_len=64),
+        )
+
+
+EMPTY_CONTEXT = RequestContext()
+
+
+@dataclass(frozen=True, slots=True)
+class PutItem:
+    """One item of a PUT: its key, byte length and optional entry metadata."""
+
+    key: str
+    length: int
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    ctx: RequestContext | None = None  # overrides the frame's context for this item
+
+    def to_meta(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"key": self.key, "len": self.length}
+        if self.meta:
+            out["meta"] = dict(self.meta)
+        if self.ctx is not None:
+            out["ctx"] = self.ctx.to_meta()
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class PutAck:
+    """The server's answer for one put item: stored (``ok``) or why not."""
+
+    key: str
+    error: ErrorCode
+    reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is ErrorCode.OK
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    """A hit: how many bytes were written and the metadata stored with the entry."""
+
+    key: str
+    length: int
+    meta: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """What HELLO's reply says about the sidecar."""
+
+    server: str
+    version: str
+    protocol: int
+    sidecar_id: str
+    max_frame_bytes: int
+    max_batch: int
+    engine: str
+
+
+def parse_put_items(meta: Mapping[str, Any], payload_len: int, max_items: int) -> list[PutItem]:
+    """Validate a PUT's ``items``: lengths must add up to the payload. Raises BAD_REQUEST."""
+    raw = meta.get("items")
+    if not isinstance(raw, list) or not raw or len(raw) > max_items:
+        raise WireError(ErrorCode.BAD_REQUEST, "items must be a non-empty list")
+    items: list[PutItem] = []
+    total = 0
+    for entry in raw:
+        if not isinstance(entry, Mapping):
+            raise WireError(ErrorCode.BAD_REQUEST, "each item must be an object")
+        key = entry.get("key")
+        length = entry.get("len")
+        if not isinstance(key, str) or not key or len(key.encode()) > 1024:
+            raise WireError(ErrorCode.BAD_REQUEST, "item key must be a non-empty string")
+        if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+            raise WireError(ErrorCode.BAD_REQUEST, "item len must be a non-negative integer")
+        item_meta = entry.get("meta") or {}
+        if not isinstance(item_meta, Mapping) or len(repr(item_meta)) > MAX_ITEM_META_BYTES:
+            raise WireError(ErrorCode.BAD_REQUEST, "item meta must be a small object")
+        ctx = RequestContext.from_meta(entry["ctx"]) if "ctx" in entry else None
+        items.append(PutItem(key, length, dict(item_meta), ctx))
+        total += length
+    if total != payload_len:
+        raise WireError(ErrorCode.BAD_REQUEST, "item lengths do not add up to the payload")
+    return items
+
+
+# -- LMCache cache-key strings ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CacheKey:
+    """An LMCache ``CacheEngineKey`` string, parsed:
+    ``model@world_size@worker_id@chunk_hash_hex@dtype[@layer][@tag%value...]``."""
+
+    raw: str
+    model: str
+    world_size: int
+    worker_id: int
+    chunk_hash: str
+    dtype: str
+    layer: int | None
+    tags: tuple[tuple[str, str], ...]
+
+    def tag(self, name: str) -> str | None:
+        for key, value in self.tags:
+            if key == name:
+                return value
+        return None
+
+    @property
+    def tenant(self) -> str | None:
+        return self.tag("tenant")
+
+    @property
+    def user(self) -> str | None:
+        return self.tag("user")
+
+
+def parse_cache_key(raw: str) -> CacheKey:
+    """Parse a key string; raises :class:`WireError` (BAD_REQUEST) if it is not one.
+
+    A tag name may appear only once: two ``tenant`` tags would let a key claim two identities.
+    """
+    parts = raw.split("@")
+    if len(parts) < 5:
+        raise WireError(ErrorCode.BAD_REQUEST, "not an LMCache cache key")
+    model, world, worker, chunk_hash, dtype, *rest = parts
+    if not model or not chunk_hash or not dtype:
+        raise WireError(ErrorCode.BAD_REQUEST, "cache key has empty fields")
+    try:
+        world_size = int(world)
+        worker_id = int(worker)
+    except ValueError:
+        raise WireError(ErrorCode.BAD_REQUEST, "cache key world size/worker not integers") from None
+    layer: int | None = None
+    if rest and rest[0].isdigit():
+        layer = int(rest[0])
+        rest = rest[1:]
+    tags: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for part in rest:
+        name, sep, value = part.partition("%")
+        if not sep or not name or "%" in value or name in seen:
+            raise WireError(ErrorCode.BAD_REQUEST, "malformed cache key tag")
+        seen.add(name)
+        tags.append((name, value))
+    return CacheKey(raw, model, world_size, worker_id, chunk_hash, dtype, layer, tuple(tags))
