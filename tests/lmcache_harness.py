@@ -1,0 +1,355 @@
+"""A real LMCache 0.5.6 engine on CPU, for tests and benchmarks.
+
+LMCache ships no CPU "GPU connector" that moves bytes (its ``MockGPUConnector`` does nothing),
+so :class:`CpuKVConnector` stands in for the GPU paged KV buffer: a CPU tensor shaped
+``[2, layers, slots, heads * head_dim]`` addressed through a ``slot_mapping``. Everything else
+is LMCache's own code: ``LMCacheEngineBuilder``, the storage manager, the local CPU tier, the
+remote backends, the built-in ``lm://`` connector and ``lmcache_server``.
+
+Builders here make engines with either kvgov's connector (``remote_storage_plugins: ["kvgov"]``)
+or LMCache's built-in ``remote_url: lm://host:port``. Each engine gets its own instance id, so
+several independent engines (think: two vLLM workers on two hosts) live in one process.
+Import this module only from tests marked ``lmcache``: it imports torch and lmcache.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+
+import torch
+from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.gpu_connector import GPUConnectorInterface
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.metadata import LMCacheMetadata
+
+MODEL = "kvgov-test/tiny"
+TENANT_TAG = "lmcache.tag.tenant"
+USER_TAG = "lmcache.tag.user"
+REQUEST_ID = "lmcache.kvgov.request_id"
+ACTING_USER = "lmcache.kvgov.user"
+SENSITIVITY = "lmcache.kvgov.sensitivity"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A tiny model: bytes per chunk = 2 * layers * heads * head_dim * 2 (bf16) * chunk."""
+
+    layers: int = 2
+    heads: int = 2
+    head_dim: int = 32
+    chunk: int = 256
+    slots: int = 4096
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def hidden(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def chunk_bytes(self) -> int:
+        return 2 * self.layers * self.hidden * self.dtype.itemsize * self.chunk
+
+
+class CpuKVConnector(GPUConnectorInterface):  # type: ignore[misc]
+    """Stand-in for the GPU paged KV cache: a CPU tensor ``[2, layers, slots, hidden]``."""
+
+    def __init__(self, geometry: Geometry) -> None:
+        self.geometry = geometry
+        self.kv = torch.zeros(
+            (2, geometry.layers, geometry.slots, geometry.hidden), dtype=geometry.dtype
+        )
+
+    def _slots(self, kwargs: Mapping[str, Any], start: int, end: int) -> torch.Tensor:
+        return torch.as_tensor(kwargs["slot_mapping"], dtype=torch.long)[start:end]
+
+    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        memory_obj.tensor.copy_(self.kv[:, :, self._slots(kwargs, start, end), :])
+        memory_obj.metadata.fmt = MemoryFormat.KV_2LTD
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        self.kv[:, :, self._slots(kwargs, start, end), :] = memory_obj.tensor
+
+    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):  # type: ignore[no-untyped-def]
+        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.from_gpu(obj, start, end, **kwargs)
+
+    def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs):  # type: ignore[no-untyped-def]
+        for obj, start, end in zip(memory_objs or [], starts or [], ends or [], strict=True):
+            self.to_gpu(obj, start, end, **kwargs)
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        g = self.geometry
+        return torch.Size([2, g.layers, num_tokens, g.hidden])
+
+
+def metadata(geometry: Geometry) -> LMCacheMetadata:
+    g = geometry
+    return LMCacheMetadata(
+        model_name=MODEL,
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=g.dtype,
+        kv_shape=(g.layers, 2, g.chunk, g.heads, g.head_dim),
+        chunk_size=g.chunk,
+        role="worker",
+    )
+
+
+def kvgov_config(
+    endpoint: str,
+    *,
+    token: str = "",
+    engine_id: str = "engine-test",
+    geometry: Geometry | None = None,
+    cpu_staging_gb: float = 0.05,
+    extra: Mapping[str, Any] | None = None,
+) -> LMCacheEngineConfig:
+    """LMCache config with kvgov as its only remote tier and the CPU tier as a staging buffer."""
+    g = geometry or Geometry()
+    extra_config: dict[str, Any] = {
+        "remote_storage_plugin.kvgov.module_path": "kvgov.connectors.lmcache",
+        "remote_storage_plugin.kvgov.class_name": "KvgovConnector",
+        "kvgov.endpoint": endpoint,
+        "kvgov.engine_id": engine_id,
+    }
+    if token:
+        extra_config["kvgov.token"] = token
+    extra_config.update(extra or {})
+    return LMCacheEngineConfig.from_defaults(
+        chunk_size=g.chunk,
+        local_cpu=False,
+        max_local_cpu_size=cpu_staging_gb,
+        local_disk=None,
+        remote_url=None,
+        remote_storage_plugins=["kvgov"],
+        extra_config=extra_config,
+    )
+
+
+def lm_config(
+    url: str, *, geometry: Geometry | None = None, cpu_staging_gb: float = 0.05
+) -> LMCacheEngineConfig:
+    """LMCache config with the built-in ``lm://`` connector as its only remote tier."""
+    g = geometry or Geometry()
+    return LMCacheEngineConfig.from_defaults(
+        chunk_size=g.chunk,
+        local_cpu=False,
+        max_local_cpu_size=cpu_staging_gb,
+        local_disk=None,
+        remote_url=url,
+        remote_serde="naive",
+    )
+
+
+def local_config(*, geometry: Geometry | None = None, cpu_gb: float = 0.05) -> LMCacheEngineConfig:
+    """LMCache config with only its local CPU tier (no remote)."""
+    g = geometry or Geometry()
+    return LMCacheEngineConfig.from_defaults(
+        chunk_size=g.chunk, local_cpu=True, max_local_cpu_size=cpu_gb, local_disk=None
+    )
+
+
+@dataclass
+class Engine:
+    """One real ``LMCacheEngine`` plus the CPU KV buffer it reads from and writes to."""
+
+    instance_id: str
+    engine: LMCacheEngine
+    gpu: CpuKVConnector
+    geometry: Geometry
+    closed: bool = field(default=False)
+
+    # --- data ------------------------------------------------------------------------------
+    def fill(self, num_tokens: int, seed: int) -> torch.Tensor:
+        """Write random KV for slots ``[0, num_tokens)``; return a copy of what was written."""
+        gen = torch.Generator().manual_seed(seed)
+        data = torch.randn(
+            (2, self.geometry.layers, num_tokens, self.geometry.hidden), generator=gen
+        ).to(self.geometry.dtype)
+        self.gpu.kv[:, :, :num_tokens, :] = data
+        return data.clone()
+
+    def zero(self) -> None:
+        self.gpu.kv.zero_()
+
+    def kv_bytes(self, num_tokens: int) -> bytes:
+        view = self.gpu.kv[:, :, :num_tokens, :].contiguous()
+        return view.view(torch.uint8).numpy().tobytes()
+
+    # --- LMCache operations --------------------------------------------------------------
+    def store(self, tokens: list[int], request_configs: Mapping[str, str] | None = None) -> None:
+        self.engine.store(
+            torch.tensor(tokens, dtype=torch.long),
+            slot_mapping=torch.arange(len(tokens), dtype=torch.long),
+            request_configs=dict(request_configs or {}),
+        )
+
+    def lookup(self, tokens: list[int], request_configs: Mapping[str, str] | None = None) -> int:
+        return int(
+            self.engine.lookup(
+                torch.tensor(tokens, dtype=torch.long), request_configs=dict(request_configs or {})
+            )
+        )
+
+    def retrieve(self, tokens: list[int], request_configs: Mapping[str, str] | None = None) -> int:
+        """Load cached KV into slots ``[0, len(tokens))``; return how many tokens were loaded."""
+        mask = self.engine.retrieve(
+            torch.tensor(tokens, dtype=torch.long),
+            slot_mapping=torch.arange(len(tokens), dtype=torch.long),
+            request_configs=dict(request_configs or {}),
+        )
+        return int(mask.sum().item())
+
+    def clear(self, tokens: list[int], request_configs: Mapping[str, str] | None = None) -> int:
+        return int(
+            self.engine.clear(
+                torch.tensor(tokens, dtype=torch.long), request_configs=dict(request_configs or {})
+            )
+        )
+
+    # --- introspection -------------------------------------------------------------------
+    def remote_backends(self) -> list[Any]:
+        manager = self.engine.storage_manager
+        if manager is None:
+            return []
+        return [b for name, b in manager.storage_backends.items() if "Remote" in type(b).__name__]
+
+    def remote_connector(self) -> Any:
+        """The connector object inside the first remote backend (unwrapped)."""
+        backends = self.remote_backends()
+        if not backends or backends[0].connection is None:
+            return None
+        conn = backends[0].connection
+        return getattr(conn, "real_connector", conn)
+
+    def wait_remote_puts(self, timeout_s: float = 20.0) -> None:
+        """Wait until every async remote put this engine submitted has finished."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(not b.put_tasks for b in self.remote_backends()):
+                return
+            time.sleep(0.005)
+        raise TimeoutError("remote puts still pending")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        manager = self.engine.storage_manager
+        LMCacheEngineBuilder.destroy(self.instance_id)
+        # LMCache stops its storage loop but never closes it (its self-pipe sockets leak)
+        loop = getattr(manager, "loop", None)
+        if loop is not None and not loop.is_running() and not loop.is_closed():
+            loop.close()
+
+
+def build_engine(
+    config: LMCacheEngineConfig, geometry: Geometry | None = None, name: str = "engine"
+) -> Engine:
+    """Build and post-init a real engine under a fresh instance id."""
+    g = geometry or Geometry()
+    instance_id = f"{name}-{uuid.uuid4().hex[:8]}"
+    gpu = CpuKVConnector(g)
+    engine = LMCacheEngineBuilder.get_or_create(
+        instance_id, config, metadata(g), gpu, lambda t, i: None, lambda o, i: o
+    )
+    engine.post_init()
+    return Engine(instance_id=instance_id, engine=engine, gpu=gpu, geometry=g)
+
+
+@contextmanager
+def engines(
+    *configs: LMCacheEngineConfig, geometry: Geometry | None = None
+) -> Iterator[list[Engine]]:
+    """Several independent engines, destroyed afterwards."""
+    built: list[Engine] = []
+    try:
+        for i, cfg in enumerate(configs):
+            built.append(build_engine(cfg, geometry, name=f"engine{i}"))
+        yield built
+    finally:
+        for e in built:
+            e.close()
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    """``n`` deterministic pseudo-random token ids."""
+    gen = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(1, 32_000, (n,), generator=gen)]
+
+
+def identity(
+    tenant: str | None = None,
+    *,
+    user_scope: str | None = None,
+    request_id: str | None = None,
+    user: str | None = None,
+    sensitivity: str | None = None,
+) -> dict[str, str]:
+    """``request_configs`` as a gateway would set them: tenant tag first, then user tag."""
+    cfg: dict[str, str] = {}
+    if tenant is not None:
+        cfg[TENANT_TAG] = tenant
+    if user_scope is not None:
+        cfg[USER_TAG] = user_scope
+    if request_id is not None:
+        cfg[REQUEST_ID] = request_id
+    if user is not None:
+        cfg[ACTING_USER] = user
+    if sensitivity is not None:
+        cfg[SENSITIVITY] = sensitivity
+    return cfg
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(host: str, port: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {host}:{port}")
+
+
+@contextmanager
+def lmcache_server(port: int | None = None) -> Iterator[str]:
+    """LMCache's own ``lmcache_server`` in a subprocess; yields its ``lm://`` URL."""
+    port = port or free_port()
+    env = dict(os.environ, LMCACHE_TRACK_USAGE="false")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_port("127.0.0.1", port)
+        yield f"lm://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
