@@ -217,7 +217,7 @@ def upgrade() -> None:
         sa.Column("decision_id", sa.String(length=128), nullable=True),
         sa.Column("policy_revision", sa.String(length=128), nullable=True),
         sa.Column("principal", sa.String(length=256), nullable=True),
-        sa.Column("attrs", JSON, nullable=False),
+        sa.Column("attrs", sa.JSON(), nullable=False),
         sa.Column("payload_digest", sa.String(length=64), nullable=True),
         sa.ForeignKeyConstraint(
             ["chain_id"], ["chains.chain_id"], name=op.f("fk_ledger_events_chain_id_chains")
@@ -271,8 +271,8 @@ def upgrade() -> None:
         "event_payloads",
         sa.Column("chain_id", sa.String(length=255), nullable=False),
         sa.Column("seq", sa.BigInteger(), autoincrement=False, nullable=False),
-        sa.Column("salt", sa.LargeBinary(), nullable=False),
-        sa.Column("payload", JSON, nullable=True),
+        sa.Column("salt", sa.LargeBinary(), nullable=True),
+        sa.Column("payload", sa.JSON(), nullable=True),
         sa.Column("erased_at", sa.DateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(
             ["chain_id", "seq"],

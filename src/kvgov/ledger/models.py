@@ -20,6 +20,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    JSON,
     BigInteger,
     Boolean,
     ForeignKey,
@@ -181,13 +182,14 @@ class LedgerEvent(Base):
     decision_id: Mapped[str | None] = mapped_column(String(DECISION_ID))
     policy_revision: Mapped[str | None] = mapped_column(String(REVISION))
     principal: Mapped[str | None] = mapped_column(String(256))
-    attrs: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    #: plain JSON (not JSONB) so the stored text round-trips to the exact values that were hashed
+    attrs: Mapped[dict[str, Any]] = mapped_column(JSON)
     #: hex SHA-256(salt || canonical(payload)) of the erasable payload, if any
     payload_digest: Mapped[str | None] = mapped_column(String(DIGEST))
 
 
 class EventPayload(Base):
-    """Erasable details of an event, outside the chain. Erasure nulls ``payload``."""
+    """Erasable details of an event, outside the chain. Erasure nulls ``payload`` and ``salt``."""
 
     __tablename__ = "event_payloads"
     __table_args__ = (
@@ -200,8 +202,11 @@ class EventPayload(Base):
 
     chain_id: Mapped[str] = mapped_column(String(CHAIN_ID), primary_key=True)
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
-    salt: Mapped[bytes] = mapped_column(LargeBinary)
-    payload: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    #: random salt of ``payload_digest``; dropped with the payload on erasure, so a guess at the
+    #: erased payload can no longer be confirmed against the chained digest
+    salt: Mapped[bytes | None] = mapped_column(LargeBinary)
+    #: plain JSON, like ``ledger_events.attrs``, so ``audit verify`` can re-check the digest
+    payload: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     erased_at: Mapped[datetime | None]
 
 

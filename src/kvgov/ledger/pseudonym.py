@@ -1,0 +1,114 @@
+"""Pseudonyms for users and cache keys: keyed HMAC-SHA256, never plain hashes.
+
+The ledger never holds a raw user id. ``Pseudonymizer.user(tenant, user_id)`` is a keyed,
+tenant-bound HMAC, so the same user id in two tenants gives two unrelated pseudonyms and nobody
+without the key can confirm a guess. Cache key strings can carry a raw user tag, so their
+digests are keyed too (``key_digest``).
+
+The key lives in a 0600 file at ``settings.pseudonym_key_path``, created by ``kvgov init``.
+Destroying it unlinks every pseudonym from the person behind it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from kvgov.errors import StartupError
+
+KEY_BYTES = 32
+#: hex characters of a user pseudonym (128 bits)
+USER_PSEUDONYM_CHARS = 32
+_USER_DOMAIN = b"kvgov/user/v1\x00"
+_KEY_DOMAIN = b"kvgov/cache-key/v1\x00"
+_FILE_HEADER = "kvgov-pseudonym-key-v1"
+
+
+class Pseudonymizer:
+    """Keyed pseudonyms for user ids and cache keys. Thread-safe (holds only the key)."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 16:
+            raise ValueError("pseudonym key must be at least 16 bytes")
+        self._key = bytes(key)
+
+    def __repr__(self) -> str:
+        return "Pseudonymizer(<key hidden>)"
+
+    def user(self, tenant: str, user_id: str) -> str:
+        """The pseudonym of ``user_id`` in ``tenant`` (32 hex characters)."""
+        message = (
+            _USER_DOMAIN
+            + _length_prefixed(tenant.encode("utf-8"))
+            + _length_prefixed(user_id.encode("utf-8"))
+        )
+        digest = hmac.new(self._key, message, hashlib.sha256).hexdigest()
+        return digest[:USER_PSEUDONYM_CHARS]
+
+    def key_digest(self, cache_key: str) -> str:
+        """Keyed digest of a cache key string (64 hex characters)."""
+        return hmac.new(
+            self._key, _KEY_DOMAIN + cache_key.encode("utf-8"), hashlib.sha256
+        ).hexdigest()
+
+    @classmethod
+    def from_file(cls, path: Path) -> Pseudonymizer:
+        return cls(load_pseudonym_key(path))
+
+
+def _length_prefixed(data: bytes) -> bytes:
+    return len(data).to_bytes(4, "big") + data
+
+
+def generate_pseudonym_key_file(path: Path) -> bool:
+    """Create a fresh key file (0600) at ``path`` unless one exists. Returns True if created.
+
+    An existing key is never overwritten: every pseudonym already recorded depends on it.
+    """
+    path = Path(path)
+    if path.exists():
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    body = f"{_FILE_HEADER}\n{secrets.token_hex(KEY_BYTES)}\n".encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, body)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def load_pseudonym_key(path: Path) -> bytes:
+    """Read the key file; refuses a missing, malformed or group/world-readable file."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text(encoding="ascii")
+    except FileNotFoundError:
+        raise StartupError(
+            f"pseudonym key file not found: {path}", hint="run `kvgov init` to create it"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StartupError(f"cannot read pseudonym key file {path}: {exc}") from exc
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise StartupError(
+            f"pseudonym key file {path} is readable by others",
+            hint=f"chmod 600 {path}",
+        )
+    lines = text.split()
+    if len(lines) != 2 or lines[0] != _FILE_HEADER:
+        raise StartupError(f"pseudonym key file {path} is not a kvgov pseudonym key")
+    try:
+        key = bytes.fromhex(lines[1])
+    except ValueError:
+        raise StartupError(f"pseudonym key file {path} is corrupt") from None
+    if len(key) != KEY_BYTES:
+        raise StartupError(f"pseudonym key file {path} holds a key of the wrong size")
+    return key
