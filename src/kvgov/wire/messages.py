@@ -27,6 +27,8 @@ class RequestContext:
     request_id: str | None = None
     user: str | None = None
     sensitivity: str | None = None
+    #: the tenant the gateway authenticated for this request (checked against the key's tag)
+    tenant: str | None = None
 
     def to_meta(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -36,6 +38,8 @@ class RequestContext:
             out["user"] = self.user
         if self.sensitivity:
             out["sensitivity"] = self.sensitivity
+        if self.tenant:
+            out["tenant"] = self.tenant
         return out
 
     @classmethod
@@ -48,6 +52,7 @@ class RequestContext:
             request_id=optional_str(meta, "request_id"),
             user=optional_str(meta, "user"),
             sensitivity=optional_str(meta, "sensitivity", max_len=64),
+            tenant=optional_str(meta, "tenant"),
         )
 
 
