@@ -1,0 +1,263 @@
+"""Purge jobs and steps in the ledger database: create, claim, finish, read.
+
+Functions take a :class:`Session` and never commit: the executor (or the API request) owns the
+transaction. Claiming uses ``SELECT ... FOR UPDATE SKIP LOCKED`` on Postgres, so several
+sidecars sharing one database never take the same step; SQLite serialises writers itself
+(``BEGIN IMMEDIATE``). A claim commits ``running`` at once; a step left ``running`` by a process
+that died is taken again once its lease has expired (or at once by its own sidecar restarting).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import ColumnElement, or_, select, update
+from sqlalchemy.orm import Session
+
+from kvgov.errors import NotFoundError
+from kvgov.ledger.models import PurgeJob, PurgeReceipt, PurgeStep, Sidecar
+from kvgov.proxy.purge.model import (
+    MAX_ATTEMPTS,
+    TERMINAL_STEP_STATES,
+    JobView,
+    PurgeRequest,
+    StepName,
+    StepPlan,
+    StepView,
+    ledger_step_ready,
+)
+from kvgov.types import PurgeKind, PurgeState
+
+_OPEN = (PurgeState.PENDING, PurgeState.RUNNING)
+
+
+def live_sidecars(s: Session, *, now: datetime, max_age_s: float) -> list[str]:
+    """Sidecars that reported within ``max_age_s``: each gets its own tiers/engines steps."""
+    since = now - timedelta(seconds=max_age_s)
+    return list(s.scalars(select(Sidecar.id).where(Sidecar.last_seen_at >= since)))
+
+
+def heartbeat(s: Session, sidecar_id: str, *, now: datetime, chain_id: str | None) -> None:
+    row = s.get(Sidecar, sidecar_id)
+    if row is None:
+        s.add(Sidecar(id=sidecar_id, chain_id=chain_id, started_at=now, last_seen_at=now))
+    else:
+        row.last_seen_at = now
+
+
+def insert_job(
+    s: Session,
+    job_id: str,
+    req: PurgeRequest,
+    subject: str | None,
+    steps: list[StepPlan],
+    *,
+    now: datetime,
+) -> None:
+    s.add(
+        PurgeJob(
+            id=job_id,
+            kind=req.kind,
+            tenant=req.tenant,
+            subject=subject,
+            state=PurgeState.PENDING,
+            dry_run=req.dry_run,
+            requested_by=req.requested_by,
+            created_at=now,
+            updated_at=now,
+        )
+    )
+    s.flush()
+    for plan in steps:
+        s.add(
+            PurgeStep(
+                job_id=job_id,
+                name=str(plan.name),
+                sidecar_id=plan.sidecar_id,
+                state=PurgeState.PENDING,
+                attempts=0,
+                detail={},
+            )
+        )
+    s.flush()
+
+
+def _step_view(row: PurgeStep) -> StepView:
+    return StepView(
+        id=row.id,
+        name=StepName(row.name),
+        sidecar_id=row.sidecar_id,
+        state=row.state,
+        attempts=row.attempts,
+        detail=dict(row.detail or {}),
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+    )
+
+
+def _steps(s: Session, job_id: str) -> list[StepView]:
+    rows = s.scalars(select(PurgeStep).where(PurgeStep.job_id == job_id).order_by(PurgeStep.id))
+    return [_step_view(r) for r in rows]
+
+
+def load_job(s: Session, job_id: str) -> JobView:
+    job = s.get(PurgeJob, job_id)
+    if job is None:
+        raise NotFoundError(f"no purge job {job_id}")
+    receipt = s.get(PurgeReceipt, job_id)
+    return JobView(
+        id=job.id,
+        kind=PurgeKind(job.kind),
+        tenant=job.tenant,
+        subject=job.subject,
+        state=job.state,
+        dry_run=job.dry_run,
+        requested_by=job.requested_by or "",
+        created_at=job.created_at,
+        updated_at=job.updated_at,
+        finished_at=job.finished_at,
+        result=job.result,
+        steps=_steps(s, job_id),
+        receipt=dict(receipt.receipt) if receipt is not None else None,
+    )
+
+
+def open_job_ids(s: Session) -> list[str]:
+    rows = s.scalars(
+        select(PurgeJob.id).where(PurgeJob.state.in_(_OPEN)).order_by(PurgeJob.created_at)
+    )
+    return list(rows)
+
+
+def claim_step(
+    s: Session,
+    *,
+    sidecar_id: str | None,
+    now: datetime,
+    lease_s: float,
+    job_timeout_s: float,
+    job_id: str | None = None,
+) -> tuple[JobView, StepView] | None:
+    """Take one runnable step: a global step, or one of ``sidecar_id``'s own steps.
+
+    The ledger step is only runnable once every other step of its job is terminal or the job has
+    timed out; on timeout the steps nobody took are marked ``incomplete`` (unreachable) first.
+    """
+    stale = now - timedelta(seconds=lease_s)
+    mine: ColumnElement[bool] = PurgeStep.sidecar_id.is_(None)
+    if sidecar_id is not None:
+        mine = or_(mine, PurgeStep.sidecar_id == sidecar_id)
+    query = (
+        select(PurgeStep)
+        .join(PurgeJob, PurgeJob.id == PurgeStep.job_id)
+        .where(
+            PurgeJob.state.in_(_OPEN),
+            mine,
+            or_(
+                PurgeStep.state == PurgeState.PENDING,
+                (PurgeStep.state == PurgeState.RUNNING) & (PurgeStep.started_at < stale),
+            ),
+        )
+        .order_by(PurgeJob.created_at, PurgeStep.id)
+        .limit(32)
+        .with_for_update(of=PurgeStep, skip_locked=True)
+    )
+    if job_id is not None:
+        query = query.where(PurgeStep.job_id == job_id)
+    for row in s.scalars(query).all():
+        job = s.get(PurgeJob, row.job_id)
+        if job is None:  # pragma: no cover - foreign key
+            continue
+        if row.name == StepName.LEDGER:
+            others = [v for v in _steps(s, job.id) if v.name is not StepName.LEDGER]
+            if not ledger_step_ready(
+                others, created_at=job.created_at, now=now, timeout_s=job_timeout_s
+            ):
+                continue
+            _mark_unreachable(s, job.id, now=now)
+        row.state = PurgeState.RUNNING
+        row.attempts += 1
+        row.started_at = now
+        if job.state is PurgeState.PENDING:
+            job.state = PurgeState.RUNNING
+        job.updated_at = now
+        s.flush()
+        return load_job(s, job.id), _step_view(row)
+    return None
+
+
+def _mark_unreachable(s: Session, job_id: str, *, now: datetime) -> None:
+    rows = s.scalars(
+        select(PurgeStep)
+        .where(PurgeStep.job_id == job_id, PurgeStep.name != str(StepName.LEDGER))
+        .with_for_update()
+    )
+    for row in rows:
+        if row.state in TERMINAL_STEP_STATES:
+            continue
+        who = f"sidecar {row.sidecar_id}" if row.sidecar_id else "no executor"
+        row.state = PurgeState.INCOMPLETE
+        row.detail = {
+            **(row.detail or {}),
+            "unreachable": True,
+            "reason": f"{who} did not finish this step before the job timed out",
+        }
+        row.finished_at = now
+
+
+def finish_step(
+    s: Session, step_id: int, state: PurgeState, detail: dict[str, Any], *, now: datetime
+) -> None:
+    row = s.get(PurgeStep, step_id, with_for_update=True)
+    if row is None:  # pragma: no cover - foreign key
+        raise NotFoundError(f"no purge step {step_id}")
+    row.state = state
+    row.detail = detail
+    row.finished_at = now
+
+
+def fail_step(s: Session, step_id: int, error: str, *, now: datetime) -> PurgeState:
+    """Record an error: back to pending for a retry, or ``failed`` after ``MAX_ATTEMPTS``."""
+    row = s.get(PurgeStep, step_id, with_for_update=True)
+    if row is None:  # pragma: no cover - foreign key
+        raise NotFoundError(f"no purge step {step_id}")
+    row.detail = {**(row.detail or {}), "error": error}
+    if row.attempts >= MAX_ATTEMPTS:
+        row.state = PurgeState.FAILED
+        row.finished_at = now
+    else:
+        row.state = PurgeState.PENDING
+    return row.state
+
+
+def release_own_steps(s: Session, sidecar_id: str) -> int:
+    """A (re)starting sidecar takes back the steps its previous process left running."""
+    result = s.execute(
+        update(PurgeStep)
+        .where(PurgeStep.sidecar_id == sidecar_id, PurgeStep.state == PurgeState.RUNNING)
+        .values(state=PurgeState.PENDING)
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+def finish_job(
+    s: Session,
+    job_id: str,
+    *,
+    state: PurgeState,
+    result: dict[str, Any],
+    receipt: dict[str, Any],
+    signature: bytes,
+    now: datetime,
+) -> None:
+    job = s.get(PurgeJob, job_id, with_for_update=True)
+    if job is None:  # pragma: no cover
+        raise NotFoundError(f"no purge job {job_id}")
+    job.state = state
+    job.result = result
+    job.updated_at = now
+    job.finished_at = now
+    existing = s.get(PurgeReceipt, job_id)
+    if existing is None:
+        s.add(PurgeReceipt(job_id=job_id, receipt=receipt, signature=signature, created_at=now))

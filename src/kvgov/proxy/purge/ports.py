@@ -1,0 +1,129 @@
+"""The small interfaces the purge steps drive, and their plain implementations.
+
+* :class:`TierSet` deletes a key from every tier of a list of real :class:`Tier` backends
+  (the sidecar's chain, or the filesystem/Redis tiers a CLI reaches from its configuration),
+  counting per tier and verifying absence afterwards.
+* :class:`KeyShredder` is what ``kvgov.keys.keyring.Keyring.shred`` offers (and, without a
+  keyring, ``WrappedKeyStore.destroy``).
+* :class:`EngineEvictor` tells every connected engine connector to evict keys and waits for the
+  acknowledgements; :class:`NoEngines` is the evictor of a process with no engine connections
+  (the CLI).
+* :class:`Checkpointer` signs the ledger's chain head after the erasure event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvgov.connectors.tiers.base import Tier
+from kvgov.types import WrappedKey
+
+#: deletes run this many keys at a time (filesystem deletes go to threads)
+DELETE_CONCURRENCY = 64
+
+
+@dataclass(slots=True)
+class TierSweep:
+    """What deleting a set of keys from some tiers did."""
+
+    deleted: dict[str, int] = field(default_factory=dict)
+    #: digests of the keys that some tier held (the entries actually removed here)
+    removed_keys: set[str] = field(default_factory=set)
+    #: keys still present after delete (should always be empty), per tier
+    still_present: dict[str, list[str]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def verified(self) -> bool:
+        return not self.still_present and not self.errors
+
+
+class TierSet:
+    """Delete keys from a fixed list of tiers and verify they are gone."""
+
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        self.tiers = list(tiers)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tiers]
+
+    async def delete_all(self, keys: Sequence[str]) -> TierSweep:
+        sweep = TierSweep(deleted={t.name: 0 for t in self.tiers})
+        sem = asyncio.Semaphore(DELETE_CONCURRENCY)
+
+        async def one(tier: Tier, key: str) -> None:
+            async with sem:
+                try:
+                    if await tier.delete(key):
+                        sweep.deleted[tier.name] += 1
+                        sweep.removed_keys.add(key)
+                    if await tier.contains(key):
+                        sweep.still_present.setdefault(tier.name, []).append(key)
+                except Exception as exc:  # noqa: BLE001 - recorded, the step reports it
+                    sweep.errors[tier.name] = f"{type(exc).__name__}: {exc}"
+
+        for tier in self.tiers:
+            await asyncio.gather(*(one(tier, k) for k in keys))
+        return sweep
+
+    async def count_present(self, keys: Sequence[str]) -> dict[str, int]:
+        """How many of ``keys`` each tier holds now (for a dry run)."""
+        out: dict[str, int] = {}
+        for tier in self.tiers:
+            flags = await asyncio.gather(*(tier.contains(k) for k in keys))
+            out[tier.name] = sum(1 for f in flags if f)
+        return out
+
+
+class KeyShredder(Protocol):
+    def shred(self, tenant: str, user: str | None = None) -> Sequence[WrappedKey]:
+        """Destroy the data keys of that scope (``user=None``: every key of the tenant) and
+        return the versions destroyed by this call."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEviction:
+    """One engine connection's answer to an EVICT."""
+
+    engine: str
+    acked: bool
+    removed: int = 0
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "acked": self.acked,
+            "removed": self.removed,
+            "error": self.error,
+        }
+
+
+class EngineEvictor(Protocol):
+    async def evict(self, key_digests: Sequence[str], timeout_s: float) -> list[EngineEviction]:
+        """Send EVICT for those entries to every connected engine; one result per engine."""
+        ...
+
+
+class NoEngines:
+    """The evictor of a process that has no engine connections (the CLI, a test)."""
+
+    async def evict(self, key_digests: Sequence[str], timeout_s: float) -> list[EngineEviction]:
+        return []
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    chain_id: str
+    seq: int
+    head_hash: str
+    signature: str  # base64 Ed25519 signature
+
+
+#: sign the chain head now (after the erasure event is durable)
+Checkpointer = Callable[[], Awaitable[CheckpointInfo | None]]

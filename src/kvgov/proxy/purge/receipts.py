@@ -1,0 +1,106 @@
+"""Signed purge receipts: canonical JSON signed with the ledger's Ed25519 key.
+
+A receipt file is ``{"receipt": {...}, "signature": {"alg", "key_id", "public_key", "value"}}``.
+The signature covers the canonical encoding of ``receipt`` (UTF-8 JSON, sorted keys, no
+whitespace, ASCII only). ``key_id`` is the SHA-256 of the raw public key (hex, first 32 chars),
+so a verifier can tell which ledger key signed it; a receipt only proves something when its key
+is one the verifier already trusts (the ledger's signing key, or a public key file an auditor
+was given), never merely the key embedded in the receipt.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+RECEIPT_FORMAT = "kvgov-purge-receipt/1"
+ALG = "Ed25519"
+
+
+def canonical(doc: Mapping[str, Any]) -> bytes:
+    """The bytes a receipt signature covers."""
+    return json.dumps(
+        doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode("ascii")
+
+
+def raw_public_key(key: Ed25519PublicKey) -> bytes:
+    return key.public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def key_id(public: bytes) -> str:
+    return hashlib.sha256(public).hexdigest()[:32]
+
+
+def sign_receipt(receipt: Mapping[str, Any], key: Ed25519PrivateKey) -> dict[str, Any]:
+    """Wrap ``receipt`` with its Ed25519 signature."""
+    public = raw_public_key(key.public_key())
+    return {
+        "receipt": dict(receipt),
+        "signature": {
+            "alg": ALG,
+            "key_id": key_id(public),
+            "public_key": base64.b64encode(public).decode("ascii"),
+            "value": base64.b64encode(key.sign(canonical(receipt))).decode("ascii"),
+        },
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiptCheck:
+    ok: bool
+    reason: str
+    key_id: str | None = None
+    state: str | None = None
+    purge_id: str | None = None
+
+
+def verify_receipt(doc: Any, trusted: Iterable[bytes]) -> ReceiptCheck:
+    """Check a signed receipt against raw Ed25519 public keys the caller trusts.
+
+    Fails (``ok=False`` with a reason) on a malformed document, an unknown format, a key that is
+    not trusted, or a signature that does not match the receipt's canonical bytes.
+    """
+    if not isinstance(doc, Mapping):
+        return _fail("not a receipt: expected a JSON object")
+    receipt = doc.get("receipt")
+    sig = doc.get("signature")
+    if not isinstance(receipt, Mapping) or not isinstance(sig, Mapping):
+        return _fail("not a receipt: needs 'receipt' and 'signature' objects")
+    purge_id = receipt.get("purge_id") if isinstance(receipt.get("purge_id"), str) else None
+    state = receipt.get("state") if isinstance(receipt.get("state"), str) else None
+    if receipt.get("format") != RECEIPT_FORMAT:
+        return _fail(f"unknown receipt format {receipt.get('format')!r}")
+    if sig.get("alg") != ALG:
+        return _fail(f"unsupported signature algorithm {sig.get('alg')!r}")
+    try:
+        public = base64.b64decode(str(sig.get("public_key", "")), validate=True)
+        value = base64.b64decode(str(sig.get("value", "")), validate=True)
+    except (binascii.Error, ValueError):
+        return _fail("signature or public key is not valid base64")
+    kid = key_id(public)
+    trusted_set = {bytes(t) for t in trusted}
+    if public not in trusted_set:
+        return _fail("signed by a key this verifier does not trust", kid, state, purge_id)
+    try:
+        Ed25519PublicKey.from_public_bytes(public).verify(value, canonical(receipt))
+    except (InvalidSignature, ValueError):
+        return _fail("signature does not match the receipt", kid, state, purge_id)
+    return ReceiptCheck(
+        ok=True, reason="signature valid", key_id=kid, state=state, purge_id=purge_id
+    )
+
+
+def _fail(
+    reason: str, kid: str | None = None, state: str | None = None, purge_id: str | None = None
+) -> ReceiptCheck:
+    return ReceiptCheck(ok=False, reason=reason, key_id=kid, state=state, purge_id=purge_id)

@@ -1,0 +1,110 @@
+"""What a purge covers, found through the ledger, and the ledger-side erasure.
+
+Scope errs on the side of deleting more (KV cache is recomputable): a user purge covers every
+cache entry of the tenant that the user owns *or* that is scoped to the user, in any state (an
+entry marked expired or deleted may still linger in a tier some sidecar could not reach at the
+time); a tenant purge covers every entry of the tenant. Functions take a session and never
+commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import ColumnElement, and_, func, or_, select, tuple_, update
+from sqlalchemy.orm import Session
+
+from kvgov.ledger.models import CacheEntry, DataKey, EventPayload, LedgerEvent, UserRef
+from kvgov.types import EntryState, KeyState
+
+
+@dataclass(frozen=True, slots=True)
+class ScopedEntry:
+    key_digest: str
+    state: EntryState
+    tiers: tuple[str, ...]
+    size: int | None
+
+
+def _entry_filter(tenant: str, subject: str | None) -> ColumnElement[bool]:
+    if subject is None:
+        return CacheEntry.tenant == tenant
+    return and_(
+        CacheEntry.tenant == tenant,
+        or_(CacheEntry.owner == subject, CacheEntry.scope_user == subject),
+    )
+
+
+def scoped_entries(s: Session, tenant: str, subject: str | None) -> list[ScopedEntry]:
+    rows = s.execute(
+        select(CacheEntry.key_digest, CacheEntry.state, CacheEntry.tiers, CacheEntry.size)
+        .where(_entry_filter(tenant, subject))
+        .order_by(CacheEntry.key_digest)
+    )
+    return [
+        ScopedEntry(digest, state, tuple(tiers or ()), size) for digest, state, tiers, size in rows
+    ]
+
+
+def live_keys(s: Session, tenant: str, subject: str | None) -> list[tuple[str, int]]:
+    """Data key versions a shred would destroy (for a dry run)."""
+    q = select(DataKey.key_id, DataKey.version).where(
+        DataKey.tenant == tenant, DataKey.state != KeyState.DESTROYED
+    )
+    if subject is not None:
+        q = q.where(DataKey.user == subject)
+    return [(k, v) for k, v in s.execute(q.order_by(DataKey.key_id, DataKey.version))]
+
+
+def _event_filter(tenant: str, subject: str | None) -> ColumnElement[bool]:
+    if subject is None:
+        return LedgerEvent.tenant == tenant
+    in_scope = select(CacheEntry.key_digest).where(_entry_filter(tenant, subject))
+    return and_(
+        LedgerEvent.tenant == tenant,
+        or_(LedgerEvent.actor == subject, LedgerEvent.key_digest.in_(in_scope)),
+    )
+
+
+def erasable_payloads(s: Session, tenant: str, subject: str | None) -> int:
+    """How many stored payloads of the subject's events are not yet erased."""
+    q = (
+        select(func.count())
+        .select_from(EventPayload)
+        .join(
+            LedgerEvent,
+            and_(
+                LedgerEvent.chain_id == EventPayload.chain_id,
+                LedgerEvent.seq == EventPayload.seq,
+            ),
+        )
+        .where(_event_filter(tenant, subject), EventPayload.erased_at.is_(None))
+    )
+    return int(s.scalar(q) or 0)
+
+
+def erase_payloads(s: Session, tenant: str, subject: str | None, *, now: datetime) -> int:
+    """Drop the erasable payload of every event by or about the subject (the chained rows keep
+    only the salted digest, so the chain still verifies). Returns how many were erased."""
+    events = select(LedgerEvent.chain_id, LedgerEvent.seq).where(_event_filter(tenant, subject))
+    result = s.execute(
+        update(EventPayload)
+        .where(
+            tuple_(EventPayload.chain_id, EventPayload.seq).in_(events),
+            EventPayload.erased_at.is_(None),
+        )
+        .values(payload=None, erased_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+def mark_users_erased(s: Session, tenant: str, subject: str | None, *, now: datetime) -> int:
+    """Set ``user_refs.erased_at`` for the subject (every user of the tenant for a tenant
+    purge). The pseudonym row is kept: it is what the erasure event points at."""
+    q = update(UserRef).where(UserRef.tenant == tenant, UserRef.erased_at.is_(None))
+    if subject is not None:
+        q = q.where(UserRef.pseudonym == subject)
+    result = s.execute(q.values(erased_at=now))
+    return int(getattr(result, "rowcount", 0) or 0)

@@ -1,0 +1,319 @@
+"""The purge service: plan (dry run), create, execute steps, finish with a signed receipt.
+
+The CLI, the REST API and each sidecar's background executor all use this one class. Creating a
+job writes the job, its steps and a ``purge:requested`` event; executing claims one step at a
+time (see :mod:`kvgov.proxy.purge.jobs`) and, when the final ``ledger`` step has run, builds the
+receipt from every step's recorded detail, signs it with the ledger's Ed25519 key and stores it
+with the job's final state in the same transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from kvgov.errors import KvgovError, PurgeError
+from kvgov.ledger.db import utcnow
+from kvgov.ledger.events import Event
+from kvgov.proxy.purge import jobs, scope
+from kvgov.proxy.purge.model import (
+    JobView,
+    PurgeRequest,
+    StepName,
+    StepView,
+    final_state,
+    plan_steps,
+)
+from kvgov.proxy.purge.ports import Checkpointer
+from kvgov.proxy.purge.receipts import RECEIPT_FORMAT, sign_receipt
+from kvgov.proxy.purge.steps import StepContext, run_step
+from kvgov.types import EventKind, Outcome, PurgeState
+
+log = logging.getLogger(__name__)
+
+#: a sidecar counts as live (and gets its own steps) if it reported this recently
+SIDECAR_LIVE_S = 60.0
+
+
+class PurgeService:
+    def __init__(
+        self,
+        ctx: StepContext,
+        *,
+        signing_key: Ed25519PrivateKey,
+        pseudonymize: Callable[[str, str], str],
+        checkpoint: Checkpointer | None = None,
+        lease_s: float = 120.0,
+    ) -> None:
+        self.ctx = ctx
+        self._signing_key = signing_key
+        self._pseudonymize = pseudonymize
+        self._checkpoint = checkpoint
+        self.lease_s = lease_s
+
+    @property
+    def settings(self) -> Any:
+        return self.ctx.settings
+
+    def subject_of(self, req: PurgeRequest) -> str | None:
+        return None if req.user is None else self._pseudonymize(req.tenant, req.user)
+
+    # -- plan / create ---------------------------------------------------------------------
+
+    async def plan(self, req: PurgeRequest) -> dict[str, Any]:
+        """What a purge would delete, changing nothing (``--dry-run``)."""
+        subject = self.subject_of(req)
+
+        def read(s: Any) -> dict[str, Any]:
+            entries = scope.scoped_entries(s, req.tenant, subject)
+            return {
+                "entries": entries,
+                "keys": scope.live_keys(s, req.tenant, subject),
+                "payloads": scope.erasable_payloads(s, req.tenant, subject),
+                "sidecars": jobs.live_sidecars(s, now=utcnow(), max_age_s=SIDECAR_LIVE_S),
+            }
+
+        found = await self.ctx.db(read)
+        entries = found["entries"]
+        present = await self.ctx.tiers.count_present([e.key_digest for e in entries])
+        by_state: dict[str, int] = {}
+        for e in entries:
+            by_state[str(e.state)] = by_state.get(str(e.state), 0) + 1
+        return {
+            "dry_run": True,
+            "kind": str(req.kind),
+            "tenant": req.tenant,
+            "subject": subject,
+            "entries_in_scope": len(entries),
+            "entries_by_state": by_state,
+            "bytes_in_scope": sum(e.size or 0 for e in entries),
+            "present_in_reachable_tiers": present,
+            "keys_to_destroy": [{"key_id": k, "version": v} for k, v in found["keys"]],
+            "payloads_to_erase": found["payloads"],
+            "sidecars": found["sidecars"],
+            "vllm_engines": list(self.settings.purge.vllm_engines),
+        }
+
+    async def create(self, req: PurgeRequest) -> JobView:
+        if req.dry_run:
+            raise PurgeError("a dry run creates no job: call plan()")
+        subject = self.subject_of(req)
+        job_id = str(uuid.uuid4())
+
+        def insert(s: Any) -> JobView:
+            now = utcnow()
+            sidecars = jobs.live_sidecars(s, now=now, max_age_s=SIDECAR_LIVE_S)
+            jobs.insert_job(s, job_id, req, subject, plan_steps(sidecars), now=now)
+            return jobs.load_job(s, job_id)
+
+        job = await self.ctx.db(insert)
+        await self.ctx.emit(
+            [
+                Event(
+                    kind=EventKind.PURGE_REQUESTED,
+                    tenant=req.tenant,
+                    actor=subject,
+                    principal=req.requested_by,
+                    outcome=Outcome.OK,
+                    attrs={
+                        "purge_id": job_id,
+                        "kind": str(req.kind),
+                        "sidecars": sorted({s.sidecar_id for s in job.steps if s.sidecar_id}),
+                    },
+                )
+            ]
+        )
+        log.info("purge.created", extra={"purge_id": job_id, "kind": str(req.kind)})
+        return job
+
+    async def get(self, job_id: str) -> JobView:
+        return await self.ctx.db(lambda s: jobs.load_job(s, job_id))
+
+    # -- execution -------------------------------------------------------------------------
+
+    async def run_one(self, job_id: str | None = None) -> StepView | None:
+        """Claim and run one step this process may run; None when there is none right now."""
+        settings = self.settings
+
+        def claim(s: Any) -> tuple[JobView, StepView] | None:
+            return jobs.claim_step(
+                s,
+                sidecar_id=self.ctx.sidecar_id,
+                now=utcnow(),
+                lease_s=self.lease_s,
+                job_timeout_s=settings.purge.job_timeout_s,
+                job_id=job_id,
+            )
+
+        claimed = await self.ctx.db(claim)
+        if claimed is None:
+            return None
+        job, step = claimed
+        log.info(
+            "purge.step.start",
+            extra={"purge_id": job.id, "step": str(step.name), "sidecar": step.sidecar_id},
+        )
+        try:
+            state, detail = await run_step(self.ctx, job, step)
+        except (KvgovError, OSError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("purge.step.error", extra={"purge_id": job.id, "step": str(step.name)})
+            new_state = await self.ctx.db(lambda s: jobs.fail_step(s, step.id, error, now=utcnow()))
+            if new_state is PurgeState.FAILED and step.name is StepName.LEDGER:
+                await self._finish(job.id, step, None)
+            return step
+        if step.name is StepName.LEDGER:
+            await self._finish(job.id, step, (state, detail))
+        else:
+            await self.ctx.db(lambda s: jobs.finish_step(s, step.id, state, detail, now=utcnow()))
+        log.info("purge.step.done", extra={"purge_id": job.id, "step": str(step.name)})
+        return step
+
+    async def run_until_idle(self, job_id: str | None = None) -> int:
+        """Run steps until none is claimable now; returns how many ran."""
+        count = 0
+        while await self.run_one(job_id) is not None:
+            count += 1
+        return count
+
+    async def wait(self, job_id: str, *, run_local: bool = True) -> JobView:
+        """Run what this process can and poll until the job is finished (bounded by the job
+        timeout: after it, the final step runs and names what did not answer)."""
+        poll = self.settings.purge.poll_interval_s
+        while True:
+            if run_local:
+                await self.run_until_idle(job_id)
+            job = await self.get(job_id)
+            if job.finished:
+                return job
+            await asyncio.sleep(poll)
+
+    # -- the receipt -----------------------------------------------------------------------
+
+    async def _finish(
+        self, job_id: str, ledger_step: StepView, outcome: tuple[PurgeState, dict[str, Any]] | None
+    ) -> None:
+        checkpoint = None
+        if outcome is not None and self._checkpoint is not None:
+            info = await self._checkpoint()
+            if info is not None:
+                checkpoint = {
+                    "chain_id": info.chain_id,
+                    "seq": info.seq,
+                    "head_hash": info.head_hash,
+                    "signature": info.signature,
+                }
+
+        def write(s: Any) -> None:
+            now = utcnow()
+            if outcome is not None:
+                state, detail = outcome
+                detail = {**detail, "checkpoint": checkpoint}
+                jobs.finish_step(s, ledger_step.id, state, detail, now=now)
+            job = jobs.load_job(s, job_id)
+            final = final_state(job.steps) if outcome is not None else PurgeState.FAILED
+            receipt = build_receipt(job, final, finished_at=now.isoformat())
+            signed = sign_receipt(receipt, self._signing_key)
+            result = {
+                "state": str(final),
+                "tiers": receipt["tiers"],
+                "incomplete": receipt["incomplete"],
+            }
+            jobs.finish_job(
+                s,
+                job_id,
+                state=final,
+                result=result,
+                receipt=signed,
+                signature=base64.b64decode(signed["signature"]["value"]),
+                now=now,
+            )
+
+        await self.ctx.db(write)
+        log.info("purge.finished", extra={"purge_id": job_id})
+
+
+def build_receipt(job: JobView, state: PurgeState, *, finished_at: str) -> dict[str, Any]:
+    """The receipt document (unsigned) from the job's recorded steps."""
+    tiers: dict[str, int] = {}
+    keys: list[dict[str, Any]] = []
+    acked: list[str] = []
+    unreachable: list[dict[str, Any]] = []
+    gpu: list[dict[str, Any]] = []
+    incomplete: list[str] = []
+    sidecars_done: list[str] = []
+    entries_in_scope = 0
+    newly_purged = 0
+    verified = True
+    ledger: dict[str, Any] = {}
+    for step in job.steps:
+        d = step.detail
+        if step.state is not PurgeState.COMPLETED and step.name is not StepName.LEDGER:
+            why = d.get("reason") or d.get("error") or "did not complete"
+            incomplete.append(f"{step.label}: {why}")
+        if d.get("unreachable") is True and step.sidecar_id:
+            unreachable.append({"engine": f"sidecar:{step.sidecar_id}", "error": d.get("reason")})
+        if step.name is StepName.TIERS:
+            for name, n in (d.get("deleted") or {}).items():
+                tiers[name] = tiers.get(name, 0) + int(n)
+            entries_in_scope = max(entries_in_scope, int(d.get("entries_in_scope", 0)))
+            newly_purged = max(newly_purged, int(d.get("newly_purged", 0)))
+            verified = verified and bool(d.get("verified", step.state is PurgeState.COMPLETED))
+            if step.sidecar_id and step.state is PurgeState.COMPLETED:
+                sidecars_done.append(step.sidecar_id)
+        elif step.name is StepName.KEYS:
+            keys.extend(d.get("destroyed") or [])
+        elif step.name is StepName.ENGINES:
+            acked.extend(d.get("acknowledged") or [])
+            for u in d.get("unreachable") or []:
+                if isinstance(u, dict):
+                    unreachable.append({"engine": u.get("engine"), "error": u.get("error")})
+        elif step.name is StepName.GPU:
+            gpu.extend(d.get("results") or [])
+        elif step.name is StepName.LEDGER:
+            ledger = {
+                "payloads_erased": d.get("payloads_erased", 0),
+                "users_erased": d.get("users_erased", 0),
+                "erasure_event": d.get("erasure_event"),
+                "payload_event": d.get("payload_event"),
+                "checkpoint": d.get("checkpoint"),
+            }
+            if step.state is not PurgeState.COMPLETED:
+                incomplete.append(f"ledger: {d.get('error') or 'did not complete'}")
+    for e in unreachable:
+        if e["engine"] and not any(str(e["engine"]) in line for line in incomplete):
+            incomplete.append(f"engine {e['engine']} did not acknowledge: {e['error']}")
+    return {
+        "format": RECEIPT_FORMAT,
+        "purge_id": job.id,
+        "state": str(state),
+        "kind": str(job.kind),
+        "tenant": job.tenant,
+        "subject": job.subject,
+        "scope": {
+            "tenant": job.tenant,
+            "subject": job.subject,
+            "rule": "every entry of the tenant"
+            if job.subject is None
+            else "entries of the tenant owned by or scoped to the subject",
+        },
+        "requested_by": job.requested_by,
+        "requested_at": job.created_at.isoformat(),
+        "finished_at": finished_at,
+        "entries_in_scope": entries_in_scope,
+        "entries_purged": newly_purged,
+        "tiers": tiers,
+        "tiers_verified_absent": verified,
+        "keys_destroyed": keys,
+        "engines": {"acknowledged": sorted(set(acked)), "unreachable": unreachable},
+        "gpu_reset": gpu,
+        "sidecars": sorted(set(sidecars_done)),
+        "ledger": ledger,
+        "incomplete": incomplete,
+    }

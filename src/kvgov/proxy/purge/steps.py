@@ -1,0 +1,238 @@
+"""The purge step executors. Each is idempotent: running it again finds nothing left to do.
+
+An executor returns the step's final state and a JSON detail (what it did, counts, who did not
+answer). It raises only for errors worth a retry (a tier backend failing, the database going
+away); the caller then puts the step back to pending, or marks it failed after
+``MAX_ATTEMPTS``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from kvgov.config import Settings
+from kvgov.errors import LedgerBackpressureError, TierError
+from kvgov.ledger.events import Appended, EntryChange, Event, EventSink
+from kvgov.proxy.purge import scope
+from kvgov.proxy.purge.gpu import reset_prefix_caches
+from kvgov.proxy.purge.model import JobView, StepName, StepView
+from kvgov.proxy.purge.ports import EngineEvictor, KeyShredder, TierSet
+from kvgov.types import EntryState, EventKind, Outcome, PurgeState
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+StepOutcome = tuple[PurgeState, dict[str, Any]]
+
+
+@dataclass
+class StepContext:
+    """What the step executors reach: the database, the ledger, and this process's ports."""
+
+    settings: Settings
+    sessions: sessionmaker[Session]
+    sink: EventSink
+    tiers: TierSet
+    shredder: KeyShredder
+    evictor: EngineEvictor
+    #: this process's sidecar id (None for the CLI)
+    sidecar_id: str | None
+    principal: str
+
+    async def db(self, fn: Callable[[Session], T]) -> T:
+        """Run ``fn`` in its own transaction, off the event loop."""
+
+        def run() -> T:
+            with self.sessions.begin() as s:
+                return fn(s)
+
+        return await asyncio.to_thread(run)
+
+    async def emit(self, events: Sequence[Event]) -> list[Appended]:
+        """Queue every event, then wait until all are durable."""
+        futures: list[Awaitable[Appended]] = []
+        for event in events:
+            try:
+                futures.append(self.sink.submit(event))
+            except LedgerBackpressureError:
+                futures.append(self.sink.append(event))
+        return list(await asyncio.gather(*futures))
+
+
+async def run_step(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
+    runner = _RUNNERS[step.name]
+    state, detail = await runner(ctx, job, step)
+    detail["executed_by"] = ctx.principal
+    await ctx.emit(
+        [
+            Event(
+                kind=EventKind.PURGE_STEP,
+                tenant=job.tenant,
+                actor=job.subject,
+                principal=ctx.principal,
+                outcome=Outcome.OK if state is PurgeState.COMPLETED else Outcome.ERROR,
+                reason=str(state),
+                attrs={
+                    "purge_id": job.id,
+                    "step": str(step.name),
+                    "sidecar_id": step.sidecar_id,
+                    "attempt": step.attempts,
+                    "summary": _summary(detail),
+                },
+            )
+        ]
+    )
+    return state, detail
+
+
+def _summary(detail: dict[str, Any]) -> dict[str, Any]:
+    """The chained part of a step event: counts and names, no lists of digests."""
+    keep = ("deleted", "entries_in_scope", "newly_purged", "verified", "acknowledged")
+    out: dict[str, Any] = {k: detail[k] for k in keep if k in detail}
+    if "destroyed" in detail:
+        out["keys_destroyed"] = len(detail["destroyed"])
+    if "unreachable" in detail and isinstance(detail["unreachable"], list):
+        out["unreachable"] = [u.get("engine") for u in detail["unreachable"]]
+    return out
+
+
+async def _tiers(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
+    entries = await ctx.db(lambda s: scope.scoped_entries(s, job.tenant, job.subject))
+    digests = [e.key_digest for e in entries]
+    sweep = await ctx.tiers.delete_all(digests)
+    if sweep.errors:
+        failures = "; ".join(f"{k}: {v}" for k, v in sweep.errors.items())
+        raise TierError("tier delete failed: " + failures)
+    forgotten = 0
+    if step.sidecar_id is not None:
+        # drop this sidecar's in-memory copies of the subject's data keys (idempotent)
+        forgotten = len(await asyncio.to_thread(ctx.shredder.shred, job.tenant, job.subject))
+    removed = sweep.removed_keys
+    newly = [e for e in entries if e.state is not EntryState.PURGED or e.key_digest in removed]
+    events = [
+        Event(
+            kind=EventKind.KV_DELETE,
+            tenant=job.tenant,
+            key_digest=e.key_digest,
+            principal=ctx.principal,
+            outcome=Outcome.OK,
+            reason="purge",
+            attrs={"purge_id": job.id, "removed_here": e.key_digest in removed},
+            entry=EntryChange(key_digest=e.key_digest, state=EntryState.PURGED),
+        )
+        for e in newly
+    ]
+    await ctx.emit(events)
+    detail: dict[str, Any] = {
+        "tiers": ctx.tiers.names,
+        "deleted": sweep.deleted,
+        "entries_in_scope": len(entries),
+        "newly_purged": len([e for e in entries if e.state is not EntryState.PURGED]),
+        "verified": sweep.verified,
+        "keys_forgotten": forgotten,
+    }
+    if sweep.still_present:
+        detail["still_present"] = {k: len(v) for k, v in sweep.still_present.items()}
+        return PurgeState.INCOMPLETE, detail
+    return PurgeState.COMPLETED, detail
+
+
+async def _keys(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
+    destroyed = await asyncio.to_thread(ctx.shredder.shred, job.tenant, job.subject)
+    await ctx.emit(
+        [
+            Event(
+                kind=EventKind.KEY_SHREDDED,
+                tenant=job.tenant,
+                actor=job.subject,
+                principal=ctx.principal,
+                outcome=Outcome.OK,
+                reason="purge",
+                attrs={"purge_id": job.id, "key_id": k.key_id, "version": k.version},
+            )
+            for k in destroyed
+        ]
+    )
+    return PurgeState.COMPLETED, {
+        "destroyed": [{"key_id": k.key_id, "version": k.version} for k in destroyed]
+    }
+
+
+async def _engines(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
+    entries = await ctx.db(lambda s: scope.scoped_entries(s, job.tenant, job.subject))
+    results = await ctx.evictor.evict(
+        [e.key_digest for e in entries], ctx.settings.purge.engine_ack_timeout_s
+    )
+    acked = [r.to_dict() for r in results if r.acked]
+    missing = [r.to_dict() for r in results if not r.acked]
+    detail: dict[str, Any] = {
+        "acknowledged": [r["engine"] for r in acked],
+        "removed": {r["engine"]: r["removed"] for r in acked},
+        "unreachable": missing,
+    }
+    return (PurgeState.INCOMPLETE if missing else PurgeState.COMPLETED), detail
+
+
+async def _gpu(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
+    results = await reset_prefix_caches(
+        list(ctx.settings.purge.vllm_engines), timeout_s=ctx.settings.purge.http_timeout_s
+    )
+    detail: dict[str, Any] = {"results": [r.to_dict() for r in results]}
+    ok = all(r.ok for r in results)
+    return (PurgeState.COMPLETED if ok else PurgeState.INCOMPLETE), detail
+
+
+async def _ledger(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
+    """Erase the payload and record the erasure; the receipt is built by the service."""
+    from kvgov.ledger.db import utcnow
+
+    def erase(s: Session) -> tuple[int, int]:
+        now = utcnow()
+        return (
+            scope.erase_payloads(s, job.tenant, job.subject, now=now),
+            scope.mark_users_erased(s, job.tenant, job.subject, now=now),
+        )
+
+    payloads, users = await ctx.db(erase)
+    kind = EventKind.TENANT_DATA_PURGED if job.subject is None else EventKind.USER_DATA_PURGED
+    erased, purged = await ctx.emit(
+        [
+            Event(
+                kind=EventKind.LEDGER_PAYLOAD_ERASED,
+                tenant=job.tenant,
+                actor=job.subject,
+                principal=ctx.principal,
+                outcome=Outcome.OK,
+                attrs={"purge_id": job.id, "payloads": payloads, "user_refs": users},
+            ),
+            Event(
+                kind=kind,
+                tenant=job.tenant,
+                actor=job.subject,
+                principal=ctx.principal,
+                outcome=Outcome.OK,
+                attrs={"purge_id": job.id, "kind": str(job.kind)},
+            ),
+        ]
+    )
+    return PurgeState.COMPLETED, {
+        "payloads_erased": payloads,
+        "users_erased": users,
+        "payload_event": {"chain_id": erased.chain_id, "seq": erased.seq},
+        "erasure_event": {"chain_id": purged.chain_id, "seq": purged.seq},
+    }
+
+
+_RUNNERS: dict[StepName, Callable[[StepContext, JobView, StepView], Awaitable[StepOutcome]]] = {
+    StepName.TIERS: _tiers,
+    StepName.KEYS: _keys,
+    StepName.ENGINES: _engines,
+    StepName.GPU: _gpu,
+    StepName.LEDGER: _ledger,
+}
