@@ -13,14 +13,22 @@ from kvgov.connectors.tiers.base import (
     Tier,
     TierStats,
 )
+from kvgov.connectors.tiers.chain import ChainHit, TierChain
+from kvgov.connectors.tiers.factory import REGISTRY, build_tiers
+from kvgov.connectors.tiers.filesystem import FilesystemTier
 from kvgov.connectors.tiers.memory import MemoryTier
 
 __all__ = [
+    "REGISTRY",
     "BytesLike",
+    "ChainHit",
     "DestinationTooSmallError",
     "EntryInfo",
     "EvictListener",
+    "FilesystemTier",
     "MemoryTier",
     "Tier",
+    "TierChain",
     "TierStats",
+    "build_tiers",
 ]
