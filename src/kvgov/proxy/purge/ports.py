@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvgov.connectors.tiers.base import Tier
-from kvgov.types import WrappedKey
 
 #: deletes run this many keys at a time (filesystem deletes go to threads)
 DELETE_CONCURRENCY = 64
@@ -79,8 +78,18 @@ class TierSet:
         return out
 
 
+class KeyRef(Protocol):
+    """What a shred reports per destroyed version (``KeyInfo`` and ``WrappedKey`` both fit)."""
+
+    @property
+    def key_id(self) -> str: ...
+
+    @property
+    def version(self) -> int: ...
+
+
 class KeyShredder(Protocol):
-    def shred(self, tenant: str, user: str | None = None) -> Sequence[WrappedKey]:
+    def shred(self, tenant: str, user: str | None = None) -> Sequence[KeyRef]:
         """Destroy the data keys of that scope (``user=None``: every key of the tenant) and
         return the versions destroyed by this call."""
         ...

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 from sqlalchemy.orm import Session, sessionmaker
 
 from kvgov.config import Settings
-from kvgov.errors import LedgerBackpressureError, TierError
-from kvgov.ledger.events import Appended, EntryChange, Event, EventSink
+from kvgov.ledger.events import Appended, Event, EventSink
 from kvgov.proxy.purge import scope
+from kvgov.proxy.purge.deletion import delete_entries, emit_all
 from kvgov.proxy.purge.gpu import reset_prefix_caches
 from kvgov.proxy.purge.model import JobView, StepName, StepView
 from kvgov.proxy.purge.ports import EngineEvictor, KeyShredder, TierSet
@@ -56,13 +56,7 @@ class StepContext:
 
     async def emit(self, events: Sequence[Event]) -> list[Appended]:
         """Queue every event, then wait until all are durable."""
-        futures: list[Awaitable[Appended]] = []
-        for event in events:
-            try:
-                futures.append(self.sink.submit(event))
-            except LedgerBackpressureError:
-                futures.append(self.sink.append(event))
-        return list(await asyncio.gather(*futures))
+        return await emit_all(self.sink, events)
 
 
 async def run_step(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
@@ -104,31 +98,22 @@ def _summary(detail: dict[str, Any]) -> dict[str, Any]:
 
 async def _tiers(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
     entries = await ctx.db(lambda s: scope.scoped_entries(s, job.tenant, job.subject))
-    digests = [e.key_digest for e in entries]
-    sweep = await ctx.tiers.delete_all(digests)
-    if sweep.errors:
-        failures = "; ".join(f"{k}: {v}" for k, v in sweep.errors.items())
-        raise TierError("tier delete failed: " + failures)
+    result = await delete_entries(
+        ctx.tiers,
+        ctx.sink,
+        entries,
+        tenant=job.tenant,
+        new_state=EntryState.PURGED,
+        kind=EventKind.KV_DELETE,
+        reason="purge",
+        principal=ctx.principal,
+        attrs={"purge_id": job.id},
+    )
     forgotten = 0
     if step.sidecar_id is not None:
         # drop this sidecar's in-memory copies of the subject's data keys (idempotent)
         forgotten = len(await asyncio.to_thread(ctx.shredder.shred, job.tenant, job.subject))
-    removed = sweep.removed_keys
-    newly = [e for e in entries if e.state is not EntryState.PURGED or e.key_digest in removed]
-    events = [
-        Event(
-            kind=EventKind.KV_DELETE,
-            tenant=job.tenant,
-            key_digest=e.key_digest,
-            principal=ctx.principal,
-            outcome=Outcome.OK,
-            reason="purge",
-            attrs={"purge_id": job.id, "removed_here": e.key_digest in removed},
-            entry=EntryChange(key_digest=e.key_digest, state=EntryState.PURGED),
-        )
-        for e in newly
-    ]
-    await ctx.emit(events)
+    sweep = result.sweep
     detail: dict[str, Any] = {
         "tiers": ctx.tiers.names,
         "deleted": sweep.deleted,
