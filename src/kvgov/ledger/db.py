@@ -28,8 +28,10 @@ from kvgov.errors import ConfigError, LedgerError, StartupError
 #: SQLite waits this long for a lock before failing with "database is locked"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 
-#: JSONB on Postgres (indexable, compact), JSON text elsewhere
-JSONType = JSON().with_variant(JSONB(), "postgresql")
+#: JSONB on Postgres (indexable, compact), JSON text elsewhere; Python None is SQL NULL
+JSONType = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
+#: JSON kept as written (also on Postgres): for values that are hashed and re-verified
+ExactJSON = JSON(none_as_null=True)
 
 
 class UTCDateTime(TypeDecorator[datetime]):

@@ -20,7 +20,6 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
-    JSON,
     BigInteger,
     Boolean,
     ForeignKey,
@@ -36,7 +35,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from kvgov.ledger.db import JSONType, StrEnumType, UTCDateTime
+from kvgov.ledger.db import ExactJSON, JSONType, StrEnumType, UTCDateTime
 from kvgov.types import (
     EntryState,
     KeyState,
@@ -183,7 +182,7 @@ class LedgerEvent(Base):
     policy_revision: Mapped[str | None] = mapped_column(String(REVISION))
     principal: Mapped[str | None] = mapped_column(String(256))
     #: plain JSON (not JSONB) so the stored text round-trips to the exact values that were hashed
-    attrs: Mapped[dict[str, Any]] = mapped_column(JSON)
+    attrs: Mapped[dict[str, Any]] = mapped_column(ExactJSON)
     #: hex SHA-256(salt || canonical(payload)) of the erasable payload, if any
     payload_digest: Mapped[str | None] = mapped_column(String(DIGEST))
 
@@ -206,7 +205,7 @@ class EventPayload(Base):
     #: erased payload can no longer be confirmed against the chained digest
     salt: Mapped[bytes | None] = mapped_column(LargeBinary)
     #: plain JSON, like ``ledger_events.attrs``, so ``audit verify`` can re-check the digest
-    payload: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    payload: Mapped[dict[str, Any] | None] = mapped_column(ExactJSON)
     erased_at: Mapped[datetime | None]
 
 

@@ -1,0 +1,243 @@
+"""The hash chain: canonical event encoding, Ed25519 checkpoints, and the signing key file.
+
+Encoding version 1 of an event is the UTF-8 of a compact JSON array with the chained fields in
+a fixed order (keys of ``attrs`` sorted, no insignificant whitespace, non-finite numbers
+refused)::
+
+    [1, chain_id, seq, prev_hash, occurred_at, kind, tenant, actor, request_id, key_digest,
+     tier, nbytes, outcome, reason, decision_id, policy_revision, principal, attrs,
+     payload_digest]
+
+``occurred_at`` is ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` in UTC. An event's hash is
+``SHA-256(prev_hash || encoding)`` (``prev_hash`` as 32 raw bytes; the first event of a chain
+links to 32 zero bytes). Re-verification lives in :mod:`kvgov.ledger.verify`.
+
+A checkpoint signs a chain head with Ed25519 over a note in the shape of a C2SP signed note::
+
+    kvgov.ledger/v1 <chain_id>
+    <seq>
+    <base64 head hash>
+    time <signed_at>
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+
+from kvgov.errors import LedgerError, StartupError
+
+ENCODING_VERSION = 1
+GENESIS_HASH = "0" * 64
+NOTE_ORIGIN = "kvgov.ledger/v1"
+
+
+def canonical_json(value: Any) -> str:
+    """Deterministic JSON: sorted keys, compact, UTF-8, no NaN/Infinity."""
+    try:
+        return json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        )
+    except (TypeError, ValueError) as exc:
+        raise LedgerError(f"value is not canonical JSON: {exc}") from exc
+
+
+def normalize_json(value: Mapping[str, Any]) -> dict[str, Any]:
+    """The value as it reads back from a JSON column (tuples become lists, keys strings)."""
+    result: dict[str, Any] = json.loads(canonical_json(value))
+    return result
+
+
+def format_time(moment: datetime) -> str:
+    if moment.tzinfo is None:
+        raise LedgerError("naive datetime in a ledger event")
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass(frozen=True, slots=True)
+class ChainedFields:
+    """Every chained column of a ``ledger_events`` row except ``hash``."""
+
+    chain_id: str
+    seq: int
+    prev_hash: str
+    occurred_at: datetime
+    kind: str
+    tenant: str | None
+    actor: str | None
+    request_id: str | None
+    key_digest: str | None
+    tier: str | None
+    nbytes: int | None
+    outcome: str | None
+    reason: str | None
+    decision_id: str | None
+    policy_revision: str | None
+    principal: str | None
+    attrs: Mapping[str, Any]
+    payload_digest: str | None
+    encoding_version: int = ENCODING_VERSION
+
+
+def encode(fields: ChainedFields) -> bytes:
+    """The canonical bytes of an event (see the module docstring)."""
+    if fields.encoding_version != ENCODING_VERSION:
+        raise LedgerError(f"unknown event encoding version {fields.encoding_version}")
+    return canonical_json(
+        [
+            fields.encoding_version,
+            fields.chain_id,
+            fields.seq,
+            fields.prev_hash,
+            format_time(fields.occurred_at),
+            fields.kind,
+            fields.tenant,
+            fields.actor,
+            fields.request_id,
+            fields.key_digest,
+            fields.tier,
+            fields.nbytes,
+            fields.outcome,
+            fields.reason,
+            fields.decision_id,
+            fields.policy_revision,
+            fields.principal,
+            fields.attrs,
+            fields.payload_digest,
+        ]
+    ).encode("utf-8")
+
+
+def link(fields: ChainedFields) -> str:
+    """The event's hash: hex SHA-256(prev_hash || encoding)."""
+    try:
+        prev = bytes.fromhex(fields.prev_hash)
+    except ValueError:
+        prev = fields.prev_hash.encode("utf-8", "replace")
+    return hashlib.sha256(prev + encode(fields)).hexdigest()
+
+
+def payload_digest(salt: bytes, payload: Mapping[str, Any]) -> str:
+    """hex SHA-256(salt || canonical(payload)): chained in place of the erasable payload."""
+    return hashlib.sha256(salt + canonical_json(payload).encode("utf-8")).hexdigest()
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+
+def checkpoint_note(chain_id: str, seq: int, head_hash: str, signed_at: datetime) -> bytes:
+    """The signed text of a checkpoint."""
+    if any(c in chain_id for c in "\n\r"):
+        raise LedgerError("chain id must not contain line breaks")
+    head = base64.b64encode(bytes.fromhex(head_hash)).decode("ascii")
+    text = f"{NOTE_ORIGIN} {chain_id}\n{seq}\n{head}\ntime {format_time(signed_at)}\n"
+    return text.encode("utf-8")
+
+
+def public_key_bytes(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
+    public = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def key_fingerprint(public_key: bytes) -> str:
+    """Short, stable name of a public key (hex SHA-256 prefix) for reports and logs."""
+    return hashlib.sha256(public_key).hexdigest()[:16]
+
+
+def sign_checkpoint(
+    key: Ed25519PrivateKey, chain_id: str, seq: int, head_hash: str, signed_at: datetime
+) -> bytes:
+    return key.sign(checkpoint_note(chain_id, seq, head_hash, signed_at))
+
+
+def checkpoint_signature_ok(
+    public_key: bytes, signature: bytes, *, chain_id: str, seq: int, head_hash: str, at: datetime
+) -> bool:
+    try:
+        note = checkpoint_note(chain_id, seq, head_hash, at)
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, note)
+    except (InvalidSignature, ValueError, LedgerError):
+        return False
+    return True
+
+
+def signed_note(key_name: str, public_key: bytes, signature: bytes, note: bytes) -> str:
+    """The note plus its C2SP-style signature line, for export to auditors."""
+    key_id = hashlib.sha256(key_name.encode() + b"\n\x01" + public_key).digest()[:4]
+    sig = base64.b64encode(key_id + signature).decode("ascii")
+    return note.decode("utf-8") + f"\n\u2014 {key_name} {sig}\n"
+
+
+# -- signing key file -------------------------------------------------------------------------
+
+
+def generate_signing_key_file(path: Path) -> bool:
+    """Create an Ed25519 private key (PKCS#8 PEM, 0600) unless one exists. True if created."""
+    path = Path(path)
+    if path.exists():
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    pem = Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, pem)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def load_signing_key(path: Path) -> Ed25519PrivateKey:
+    """Load the checkpoint signing key; refuses a missing, loose or non-Ed25519 file."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise StartupError(
+            f"ledger signing key not found: {path}", hint="run `kvgov init` to create it"
+        ) from None
+    if mode & 0o077:
+        raise StartupError(f"ledger signing key {path} is readable by others", hint="chmod 600")
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        raise StartupError(f"ledger signing key {path} is not a PEM private key") from exc
+    if not isinstance(key, Ed25519PrivateKey):
+        raise StartupError(f"ledger signing key {path} is not an Ed25519 key")
+    return key
+
+
+def load_public_key(path: Path) -> bytes:
+    """Raw public key from a PEM file holding either the private or the public key."""
+    data = Path(path).read_bytes()
+    try:
+        if b"PRIVATE KEY" in data:
+            private = serialization.load_pem_private_key(data, password=None)
+            if isinstance(private, Ed25519PrivateKey):
+                return public_key_bytes(private)
+        else:
+            public = serialization.load_pem_public_key(data)
+            if isinstance(public, Ed25519PublicKey):
+                return public_key_bytes(public)
+    except (ValueError, TypeError) as exc:
+        raise StartupError(f"{path} holds no readable Ed25519 key") from exc
+    raise StartupError(f"{path} holds no Ed25519 key")

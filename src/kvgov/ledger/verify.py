@@ -1,0 +1,280 @@
+"""Re-verification of the whole ledger: every chain, every checkpoint, every kept payload.
+
+``verify(engine)`` streams each chain in ``seq`` order, recomputes every hash from the row's
+columns, checks each link, checks each checkpoint's Ed25519 signature and that it matches the
+chain, and re-hashes every payload that has not been erased. For each chain it reports either
+``ok`` or the problems found, the first bad position first, with what kind of tampering the
+evidence points to.
+
+What this can and cannot see: a row changed, removed, inserted or moved anywhere is found; the
+newest events after the last checkpoint can be cut off or rewritten (with recomputed hashes) by
+someone who can bypass the append-only guard, so checkpoints should be frequent and copied
+somewhere the database administrator cannot write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import Engine, Row, select
+
+from kvgov.ledger.chain import (
+    ENCODING_VERSION,
+    GENESIS_HASH,
+    ChainedFields,
+    checkpoint_signature_ok,
+    key_fingerprint,
+    link,
+    payload_digest,
+)
+from kvgov.ledger.models import Chain, Checkpoint, EventPayload, LedgerEvent
+
+_STREAM_ROWS = 5000
+
+
+class Problem(StrEnum):
+    MODIFIED = "modified"  # a row's content does not match its hash
+    DELETED = "deleted"  # a gap in the sequence
+    INSERTED = "inserted"  # a row that links into the chain but was not written by the writer
+    REORDERED = "reordered"  # a genuine row at the wrong position
+    BROKEN_LINK = "broken_link"  # a row whose prev_hash matches nothing
+    BAD_ENCODING = "bad_encoding"  # an encoding version this build does not know
+    BAD_SIGNATURE = "bad_signature"  # a checkpoint whose signature fails
+    CHECKPOINT_MISMATCH = "checkpoint_mismatch"  # a checkpoint naming another head than the chain
+    KEY_MISMATCH = "key_mismatch"  # a checkpoint signed with a key other than the chain's
+    UNTRUSTED_KEY = "untrusted_key"  # the chain's key is not among the trusted ones
+    PAYLOAD_MISMATCH = "payload_mismatch"  # a kept payload that does not match its digest
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    problem: Problem
+    seq: int
+    detail: str
+
+
+@dataclass(slots=True)
+class ChainReport:
+    chain_id: str
+    key_fingerprint: str
+    events: int = 0
+    head_seq: int = 0
+    head_hash: str = GENESIS_HASH
+    checkpoints: int = 0
+    last_checkpoint_seq: int | None = None
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    @property
+    def first_bad(self) -> Finding | None:
+        return min(self.findings, key=lambda f: f.seq) if self.findings else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ok"] = self.ok
+        first = self.first_bad
+        out["first_bad"] = asdict(first) if first else None
+        return out
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    chains: list[ChainReport] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.chains)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "chains": [c.to_dict() for c in self.chains]}
+
+
+def verify(engine: Engine, *, trusted_keys: Collection[bytes] | None = None) -> VerifyReport:
+    """Recompute every chain and check every checkpoint (read-only)."""
+    report = VerifyReport()
+    with engine.connect() as conn:
+        chains = conn.execute(select(Chain.chain_id, Chain.public_key).order_by(Chain.chain_id))
+        for chain_id, public_key in chains.all():
+            chain = ChainReport(chain_id=chain_id, key_fingerprint=key_fingerprint(public_key))
+            if trusted_keys is not None and bytes(public_key) not in trusted_keys:
+                chain.findings.append(
+                    Finding(Problem.UNTRUSTED_KEY, 0, "chain key is not among the trusted keys")
+                )
+            _verify_chain(engine, chain, bytes(public_key))
+            report.chains.append(chain)
+    return report
+
+
+def _events(engine: Engine, chain_id: str) -> Iterator[Row[Any]]:
+    t = LedgerEvent.__table__
+    query = select(t).where(t.c.chain_id == chain_id).order_by(t.c.seq)
+    with engine.connect() as conn:
+        result = conn.execution_options(yield_per=_STREAM_ROWS).execute(query)
+        yield from result
+
+
+def _fields(row: Row[Any], seq: int | None = None) -> ChainedFields:
+    m = row._mapping
+    return ChainedFields(
+        chain_id=m["chain_id"],
+        seq=m["seq"] if seq is None else seq,
+        prev_hash=m["prev_hash"],
+        occurred_at=m["occurred_at"],
+        kind=m["kind"],
+        tenant=m["tenant"],
+        actor=m["actor"],
+        request_id=m["request_id"],
+        key_digest=m["key_digest"],
+        tier=m["tier"],
+        nbytes=m["nbytes"],
+        outcome=m["outcome"],
+        reason=m["reason"],
+        decision_id=m["decision_id"],
+        policy_revision=m["policy_revision"],
+        principal=m["principal"],
+        attrs=m["attrs"] if m["attrs"] is not None else {},
+        payload_digest=m["payload_digest"],
+        encoding_version=m["encoding_version"],
+    )
+
+
+def _seq_of_hash(engine: Engine, chain_id: str, digest: str) -> int | None:
+    """Position of the row whose hash is ``digest`` (a slow scan, only after a failure)."""
+    t = LedgerEvent.__table__
+    with engine.connect() as conn:
+        found = conn.execute(
+            select(t.c.seq).where(t.c.chain_id == chain_id, t.c.hash == digest).limit(1)
+        ).scalar()
+    return int(found) if found is not None else None
+
+
+def _verify_chain(engine: Engine, chain: ChainReport, public_key: bytes) -> None:
+    checkpoints = _checkpoints(engine, chain.chain_id)
+    wanted = {cp.seq for cp in checkpoints}
+    hashes_at: dict[int, str] = {}
+    digests: dict[int, str] = {}
+    expected, prev, before_prev = 1, GENESIS_HASH, GENESIS_HASH
+    for row in _events(engine, chain.chain_id):
+        m = row._mapping
+        seq, stored = m["seq"], m["hash"]
+        if seq != expected:
+            chain.findings.append(
+                Finding(Problem.DELETED, expected, f"events {expected}..{seq - 1} are missing")
+            )
+            break
+        if m["encoding_version"] != ENCODING_VERSION:
+            chain.findings.append(
+                Finding(Problem.BAD_ENCODING, seq, f"encoding v{m['encoding_version']}")
+            )
+            break
+        fields = _fields(row)
+        computed = link(fields)
+        if m["prev_hash"] != prev or computed != stored:
+            chain.findings.append(
+                _diagnose(engine, row, fields, computed, prev=prev, before_prev=before_prev)
+            )
+            break
+        if m["payload_digest"] is not None:
+            digests[seq] = m["payload_digest"]
+        if seq in wanted:
+            hashes_at[seq] = stored
+        before_prev, prev = prev, stored
+        chain.events += 1
+        chain.head_seq, chain.head_hash = seq, stored
+        expected += 1
+    verified_to = chain.head_seq
+    for cp in checkpoints:
+        chain.checkpoints += 1
+        chain.last_checkpoint_seq = cp.seq
+        if bytes(cp.public_key) != public_key:
+            chain.findings.append(
+                Finding(Problem.KEY_MISMATCH, cp.seq, "checkpoint signed by another key")
+            )
+        elif not checkpoint_signature_ok(
+            public_key,
+            bytes(cp.signature),
+            chain_id=chain.chain_id,
+            seq=cp.seq,
+            head_hash=cp.head_hash,
+            at=cp.signed_at,
+        ):
+            chain.findings.append(
+                Finding(Problem.BAD_SIGNATURE, cp.seq, "checkpoint signature does not verify")
+            )
+        elif cp.seq > verified_to and chain.ok:
+            chain.findings.append(
+                Finding(
+                    Problem.CHECKPOINT_MISMATCH,
+                    verified_to + 1,
+                    f"signed checkpoint at {cp.seq} but the chain ends at {verified_to}: "
+                    "events were removed",
+                )
+            )
+        elif cp.seq in hashes_at and hashes_at[cp.seq] != cp.head_hash:
+            chain.findings.append(
+                Finding(Problem.CHECKPOINT_MISMATCH, cp.seq, "chain head differs from checkpoint")
+            )
+    _verify_payloads(engine, chain, digests)
+
+
+def _diagnose(
+    engine: Engine,
+    row: Row[Any],
+    fields: ChainedFields,
+    computed: str,
+    *,
+    prev: str,
+    before_prev: str,
+) -> Finding:
+    m = row._mapping
+    seq = m["seq"]
+    if m["prev_hash"] == prev:
+        return Finding(Problem.MODIFIED, seq, "row content does not match its hash")
+    if m["prev_hash"] == before_prev and fields.seq > 1:
+        original = fields.seq - 1
+        if link(_fields(row, original)) == m["hash"]:
+            return Finding(
+                Problem.INSERTED,
+                seq - 1,
+                f"a row was inserted before {seq} (the row at {seq} links past it)",
+            )
+    pred = _seq_of_hash(engine, fields.chain_id, m["prev_hash"])
+    if pred is not None and pred + 1 != seq and link(_fields(row, pred + 1)) == m["hash"]:
+        return Finding(Problem.REORDERED, seq, f"the row written at {pred + 1} sits at {seq}")
+    if computed == m["hash"]:
+        return Finding(
+            Problem.INSERTED, seq, "a self-consistent row that does not link to its predecessor"
+        )
+    if pred is None and m["prev_hash"] != prev:
+        return Finding(Problem.BROKEN_LINK, seq, "prev_hash links to no row of the chain")
+    return Finding(Problem.MODIFIED, seq, "row content does not match its hash")
+
+
+def _checkpoints(engine: Engine, chain_id: str) -> list[Any]:
+    t = Checkpoint.__table__
+    with engine.connect() as conn:
+        return list(conn.execute(select(t).where(t.c.chain_id == chain_id).order_by(t.c.seq)))
+
+
+def _verify_payloads(engine: Engine, chain: ChainReport, digests: dict[int, str]) -> None:
+    t = EventPayload.__table__
+    query = (
+        select(t.c.seq, t.c.salt, t.c.payload)
+        .where(t.c.chain_id == chain.chain_id, t.c.payload.is_not(None), t.c.salt.is_not(None))
+        .order_by(t.c.seq)
+    )
+    with engine.connect() as conn:
+        for seq, salt, payload in conn.execution_options(yield_per=_STREAM_ROWS).execute(query):
+            if seq > chain.head_seq:
+                break
+            if digests.get(seq) != payload_digest(bytes(salt), payload):
+                chain.findings.append(
+                    Finding(Problem.PAYLOAD_MISMATCH, seq, "payload does not match its digest")
+                )
+                return
