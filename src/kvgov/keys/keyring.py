@@ -1,0 +1,416 @@
+"""The keyring: versioned data keys per tenant and per (tenant, user), wrapped by the KEK.
+
+Key ids: ``t:<tenant>`` for a tenant's key, ``u:<tenant>:<pseudonym>`` for a user-scoped key
+(the caller pseudonymises user ids first). Every version is a row in a
+:class:`~kvgov.keys.store.WrappedKeyStore`, wrapped by the :class:`~kvgov.keys.kek.KekProvider`
+with AAD ``key_id | version | tenant``. Unwrapped keys live only in memory, in a bounded LRU of
+:class:`~kvgov.keys.handle.KeyHandle`\\ s.
+
+Every sealed chunk counts against its key version (counted in memory, added to the store in
+batches); once a version reaches ``rotate_after_chunks`` the next :meth:`Keyring.current`
+rotates, well before AES-GCM's 2**32 random-nonce bound. :meth:`Keyring.shred` destroys the
+wrapped rows and every in-memory copy: data sealed under them can no longer be opened.
+
+Thread-safe: one lock guards the cache and counters; sealing itself runs outside it.
+The keyring records no ledger events itself; ``on_change`` hears about created, rotated and
+shredded versions so the caller (proxy, CLI, purge) can.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from kvgov.config import Settings
+from kvgov.errors import KeyDestroyedError, KeyManagementError, KeyNotFoundError, SealError
+from kvgov.keys.handle import DEK_BYTES, KeyHandle
+from kvgov.keys.kek import KekProvider, load_kek_provider
+from kvgov.keys.sealed import (
+    MAX_KEY_ID_BYTES,
+    SealReader,
+    SealWriter,
+    parse_header,
+    sealed_size,
+)
+from kvgov.keys.store import WrappedKeyStore
+from kvgov.types import EventKind, KeyState, WrappedKey
+
+log = logging.getLogger(__name__)
+
+#: hears ``(KEY_CREATED | KEY_ROTATED | KEY_SHREDDED, the version concerned)``
+KeyListener = Callable[[EventKind, WrappedKey], None]
+
+_MAX_TENANT_BYTES = 64
+
+
+def tenant_key_id(tenant: str) -> str:
+    _check_name("tenant", tenant, _MAX_TENANT_BYTES)
+    return f"t:{tenant}"
+
+
+def user_key_id(tenant: str, user: str) -> str:
+    _check_name("tenant", tenant, _MAX_TENANT_BYTES)
+    _check_name("user pseudonym", user, MAX_KEY_ID_BYTES - _MAX_TENANT_BYTES - 3)
+    return f"u:{tenant}:{user}"
+
+
+def key_id_for(tenant: str, user: str | None) -> str:
+    return tenant_key_id(tenant) if user is None else user_key_id(tenant, user)
+
+
+def tenant_of(key_id: str) -> str | None:
+    """The tenant a key id belongs to, or None when it is not a keyring id."""
+    kind, _, rest = key_id.partition(":")
+    if kind == "t":
+        return rest or None
+    if kind == "u":
+        tenant, sep, user = rest.partition(":")
+        return tenant if sep and tenant and user else None
+    return None
+
+
+def _check_name(what: str, value: str, max_bytes: int) -> None:
+    if not value or ":" in value or not value.isprintable() or any(c.isspace() for c in value):
+        raise KeyManagementError(f"invalid {what} for a key id: empty, or contains ':' or spaces")
+    if len(value.encode()) > max_bytes:
+        raise KeyManagementError(f"{what} is longer than {max_bytes} bytes")
+
+
+def _wrap_aad(key_id: str, version: int, tenant: str) -> bytes:
+    return f"{key_id}\x00{version}\x00{tenant}".encode()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    """What may be shown about a key version: never material, not even wrapped."""
+
+    key_id: str
+    version: int
+    tenant: str
+    user: str | None
+    state: KeyState
+    usage_count: int
+    kek_id: str
+    created_at: datetime
+    destroyed_at: datetime | None = None
+
+    @classmethod
+    def of(cls, row: WrappedKey) -> KeyInfo:
+        return cls(
+            key_id=row.key_id,
+            version=row.version,
+            tenant=row.tenant,
+            user=row.user,
+            state=row.state,
+            usage_count=row.usage_count,
+            kek_id=row.kek_id,
+            created_at=row.created_at,
+            destroyed_at=row.destroyed_at,
+        )
+
+
+class _Entry:
+    """A cached key version with its usage: known total and not yet added to the store."""
+
+    __slots__ = ("handle", "pending", "used")
+
+    def __init__(self, handle: KeyHandle, used: int) -> None:
+        self.handle = handle
+        self.used = used
+        self.pending = 0
+
+
+class Keyring:
+    """Data keys for every tenant and user scope (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: WrappedKeyStore,
+        kek: KekProvider,
+        *,
+        cache_max: int = 4096,
+        rotate_after_chunks: int = 2**28,
+        segment_size: int = 1 << 20,
+        usage_batch: int = 1024,
+        on_change: KeyListener | None = None,
+    ) -> None:
+        if cache_max < 1 or rotate_after_chunks < 1 or usage_batch < 1:
+            raise ValueError("cache_max, rotate_after_chunks and usage_batch must be positive")
+        self._store = store
+        self._kek = kek
+        self._cache_max = cache_max
+        self._rotate_after = rotate_after_chunks
+        self.segment_size = segment_size
+        self._usage_batch = usage_batch
+        self._on_change = on_change
+        self._lock = threading.RLock()
+        self._cache: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
+        self._active: OrderedDict[str, int] = OrderedDict()
+        self._dirty: dict[tuple[str, int], _Entry] = {}
+        self._pending_total = 0
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        store: WrappedKeyStore,
+        kek: KekProvider | None = None,
+        *,
+        on_change: KeyListener | None = None,
+    ) -> Keyring:
+        return cls(
+            store,
+            kek if kek is not None else load_kek_provider(settings),
+            cache_max=settings.keys.dek_cache_max,
+            rotate_after_chunks=settings.keys.rotate_after_chunks,
+            segment_size=settings.keys.segment_size,
+            on_change=on_change,
+        )
+
+    # -- keys --------------------------------------------------------------------------------
+
+    def current(self, tenant: str, user: str | None = None) -> KeyHandle:
+        """The active version for new data of that scope: created on first use, rotated when
+        its usage reached the bound."""
+        key_id = key_id_for(tenant, user)
+        with self._lock:
+            version = self._active.get(key_id)
+            if version is not None:
+                entry = self._cache.get((key_id, version))
+                if entry is not None and entry.used < self._rotate_after:
+                    self._cache.move_to_end((key_id, version))
+                    self._active.move_to_end(key_id)
+                    return entry.handle
+            row = self._store.latest(key_id)
+            if row is None or row.state is not KeyState.ACTIVE:
+                entry = self._create(key_id, tenant, user, row)
+            else:
+                entry = self._cache.get((key_id, row.version)) or self._load(row)
+                if entry.used >= self._rotate_after:
+                    log.info("keys.rotate.usage", extra={"key_id": key_id, "used": entry.used})
+                    entry = self._rotate_locked(key_id, tenant, user)
+            self._set_active(key_id, entry.handle.version)
+            return entry.handle
+
+    def get(self, key_id: str, version: int) -> KeyHandle:
+        """That version, to open data sealed under it (any state but destroyed)."""
+        with self._lock:
+            entry = self._cache.get((key_id, version))
+            if entry is not None:
+                self._cache.move_to_end((key_id, version))
+                return entry.handle
+            row = self._store.get(key_id, version)
+            if row is None:
+                raise KeyNotFoundError(f"no data key {key_id} v{version}")
+            return self._load(row).handle
+
+    def rotate(self, tenant: str, user: str | None = None) -> KeyInfo:
+        """Start a new version for new data; older versions stay readable (retired)."""
+        key_id = key_id_for(tenant, user)
+        with self._lock:
+            entry = self._rotate_locked(key_id, tenant, user)
+            self._set_active(key_id, entry.handle.version)
+            row = self._store.get(key_id, entry.handle.version)
+        if row is None:  # pragma: no cover - the store lost a row it just accepted
+            raise KeyManagementError(f"key {key_id} v{entry.handle.version} vanished")
+        return KeyInfo.of(row)
+
+    def shred(self, tenant: str, user: str | None = None) -> builtins.list[KeyInfo]:
+        """Crypto-shred: destroy every version of the scope (``user=None``: every key of the
+        tenant, user keys included) in the store and in memory. Returns what was destroyed."""
+        _check_name("tenant", tenant, _MAX_TENANT_BYTES)
+        if user is not None:
+            user_key_id(tenant, user)
+        with self._lock:
+            self._flush_locked()
+            destroyed = self._store.destroy(tenant, user)
+            for ident, entry in list(self._cache.items()):
+                handle = entry.handle
+                if handle.tenant == tenant and (user is None or handle.user == user):
+                    handle.destroy()
+                    del self._cache[ident]
+                    self._dirty.pop(ident, None)
+            for key_id in [k for k in self._active if tenant_of(k) == tenant]:
+                if user is None or key_id == user_key_id(tenant, user):
+                    del self._active[key_id]
+        for row in destroyed:
+            log.info("keys.shredded", extra={"key_id": row.key_id, "version": row.version})
+            self._notify(EventKind.KEY_SHREDDED, row)
+        return [KeyInfo.of(row) for row in destroyed]
+
+    def list(self, tenant: str | None = None) -> builtins.list[KeyInfo]:
+        """Every version (of one tenant, or all) with its state and usage; no material."""
+        with self._lock:
+            self._flush_locked()
+            return [KeyInfo.of(row) for row in self._store.versions(tenant)]
+
+    def flush_usage(self) -> None:
+        """Add the usage counted in memory to the store (also done every ``usage_batch``)."""
+        with self._lock:
+            self._flush_locked()
+
+    # -- sealing -----------------------------------------------------------------------------
+
+    def sealer(
+        self,
+        tenant: str,
+        cache_key: bytes,
+        plain_len: int,
+        dst: bytearray | memoryview,
+        *,
+        user: str | None = None,
+        segment_size: int | None = None,
+    ) -> SealWriter:
+        """A :class:`SealWriter` under the scope's active key (``writer.key`` says which)."""
+        return SealWriter(
+            self.current(tenant, user),
+            cache_key,
+            plain_len,
+            dst,
+            segment_size=segment_size or self.segment_size,
+        )
+
+    def reader(
+        self, sealed: bytes | bytearray | memoryview, *, tenant: str, cache_key: bytes
+    ) -> SealReader:
+        """A :class:`SealReader` with the key named in the chunk's header, refusing a key of
+        another tenant before looking it up; :class:`KeyDestroyedError` if it was shredded."""
+        header = parse_header(sealed)
+        owner = tenant_of(header.key_id)
+        if owner != tenant:
+            raise SealError(
+                f"sealed under a key of another tenant: key {header.key_id!r} does not belong"
+                f" to tenant {tenant!r}"
+            )
+        key = self.get(header.key_id, header.key_version)
+        return SealReader(sealed, key, tenant=tenant, cache_key=cache_key)
+
+    def seal(
+        self,
+        tenant: str,
+        cache_key: bytes,
+        data: bytes | bytearray | memoryview,
+        *,
+        user: str | None = None,
+        segment_size: int | None = None,
+    ) -> bytearray:
+        """Seal into a new buffer (convenience; the data path uses :meth:`sealer`)."""
+        plain = memoryview(data).cast("B")
+        seg = segment_size or self.segment_size
+        out = bytearray(sealed_size(len(plain), seg))
+        self.sealer(tenant, cache_key, len(plain), out, user=user, segment_size=seg).seal_from(
+            plain
+        )
+        return out
+
+    def open_into(
+        self,
+        sealed: bytes | bytearray | memoryview,
+        dst: bytearray | memoryview,
+        *,
+        tenant: str,
+        cache_key: bytes,
+    ) -> int:
+        return self.reader(sealed, tenant=tenant, cache_key=cache_key).open_into(dst)
+
+    def open(
+        self, sealed: bytes | bytearray | memoryview, *, tenant: str, cache_key: bytes
+    ) -> bytearray:
+        """Open into a new buffer (convenience; the data path uses :meth:`open_into`)."""
+        reader = self.reader(sealed, tenant=tenant, cache_key=cache_key)
+        out = bytearray(reader.header.plain_len)
+        reader.open_into(out)
+        return out
+
+    # -- internals (call with the lock held) -------------------------------------------------
+
+    def _create(
+        self, key_id: str, tenant: str, user: str | None, previous: WrappedKey | None
+    ) -> _Entry:
+        version = 1 if previous is None else previous.version + 1
+        dek = secrets.token_bytes(DEK_BYTES)
+        row = WrappedKey(
+            key_id=key_id,
+            version=version,
+            tenant=tenant,
+            user=user,
+            state=KeyState.ACTIVE,
+            wrapped=self._kek.wrap(dek, _wrap_aad(key_id, version, tenant)),
+            kek_id=self._kek.kek_id,
+            created_at=datetime.now(UTC),
+        )
+        self._store.add(row)
+        entry = self._cache_entry(row, dek)
+        kind = EventKind.KEY_CREATED if version == 1 else EventKind.KEY_ROTATED
+        log.info("keys.created", extra={"key_id": key_id, "version": version})
+        self._notify(kind, row)
+        return entry
+
+    def _rotate_locked(self, key_id: str, tenant: str, user: str | None) -> _Entry:
+        self._flush_locked()
+        latest = self._store.latest(key_id)
+        if latest is not None and latest.state is KeyState.ACTIVE:
+            self._store.set_state(key_id, latest.version, KeyState.RETIRED)
+        return self._create(key_id, tenant, user, latest)
+
+    def _load(self, row: WrappedKey) -> _Entry:
+        if row.state is KeyState.DESTROYED or row.wrapped is None:
+            when = f" at {row.destroyed_at.isoformat()}" if row.destroyed_at else ""
+            raise KeyDestroyedError(
+                f"data key {row.key_id} v{row.version} was destroyed (crypto-shredded){when}",
+                hint="data sealed under it is unrecoverable by design",
+            )
+        dek = self._kek.unwrap(row.wrapped, _wrap_aad(row.key_id, row.version, row.tenant))
+        return self._cache_entry(row, dek)
+
+    def _cache_entry(self, row: WrappedKey, dek: bytes) -> _Entry:
+        cell: builtins.list[_Entry] = []
+        handle = KeyHandle(
+            row.key_id,
+            row.version,
+            row.tenant,
+            row.user,
+            dek,
+            on_use=lambda _h: self._count(cell[0]),
+        )
+        entry = _Entry(handle, row.usage_count)
+        cell.append(entry)
+        self._cache[(row.key_id, row.version)] = entry
+        while len(self._cache) > self._cache_max:
+            self._cache.popitem(last=False)
+        return entry
+
+    def _set_active(self, key_id: str, version: int) -> None:
+        self._active[key_id] = version
+        self._active.move_to_end(key_id)
+        while len(self._active) > self._cache_max:
+            self._active.popitem(last=False)
+
+    def _count(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.used += 1
+            entry.pending += 1
+            handle = entry.handle
+            self._dirty[(handle.key_id, handle.version)] = entry
+            self._pending_total += 1
+            if self._pending_total >= self._usage_batch:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        for ident, entry in list(self._dirty.items()):
+            if entry.pending:
+                self._store.add_usage(ident[0], ident[1], entry.pending)
+                self._pending_total -= entry.pending
+                entry.pending = 0
+            del self._dirty[ident]
+        self._pending_total = max(self._pending_total, 0)
+
+    def _notify(self, kind: EventKind, row: WrappedKey) -> None:
+        if self._on_change is not None:
+            self._on_change(kind, row)
