@@ -1,0 +1,309 @@
+"""Who is calling the control plane, and what they may see.
+
+Bearer tokens (``Authorization: Bearer kvgov_...``) are looked up by their SHA-256 in the
+``api_tokens`` table (see :mod:`kvgov.ledger.tokens`); the raw token is never stored or logged.
+Each token has a role and optionally a tenant:
+
+- ``auditor`` reads the compliance API; ``admin`` also purges and manages tokens and keys;
+  ``engine`` tokens belong to the data plane and get 403 on every control-plane route.
+- a tenant-scoped token sees only its tenant: list filters are forced to it, and asking for
+  another tenant (or an object of another tenant) is 403.
+
+Every request authenticated as an admin is recorded in the ledger (``api:access``) before it is
+served; if the ledger cannot record it, the request is refused (503).
+
+The dashboard also accepts a short-lived session cookie that ``POST /dashboard/login`` issues in
+exchange for a token (see :mod:`kvgov.proxy.api.dashboard`); the ``/v1`` API accepts bearer
+tokens only, so the cookie cannot be used for cross-site requests against it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Annotated, Protocol
+
+from fastapi import Depends, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from kvgov.config import Settings
+from kvgov.errors import AuthError, ForbiddenError
+from kvgov.ledger.db import make_sessionmaker, utcnow
+from kvgov.ledger.events import Event, EventSink
+from kvgov.ledger.tokens import TokenRecord, TokenRepository
+from kvgov.logging import get_logger
+from kvgov.types import EventKind, Role
+
+log = get_logger(__name__)
+
+SESSION_COOKIE = "kvgov_dashboard"
+SESSION_TTL_S = 8 * 3600
+#: ``last_used_at`` is refreshed at most this often per token (one write per request is waste)
+_TOUCH_EVERY = timedelta(seconds=60)
+
+
+class UserPseudonymizer(Protocol):
+    """What the API needs of :class:`kvgov.ledger.pseudonym.Pseudonymizer`."""
+
+    def user(self, tenant: str, user_id: str) -> str: ...
+
+
+@dataclass
+class ApiContext:
+    """What the control-plane routes need, built once by the application factory."""
+
+    settings: Settings
+    engine: Engine
+    sink: EventSink
+    pseudonymizer: UserPseudonymizer
+    #: signs dashboard session cookies; random per process unless given
+    session_secret: bytes
+    _sessions: Callable[[], Session] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._sessions = make_sessionmaker(self.engine)
+
+    def session(self) -> Session:
+        return self._sessions()
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """The authenticated caller."""
+
+    #: what ledger events record as ``principal``: ``token:<id>`` or ``anonymous``
+    id: str
+    name: str
+    role: Role
+    tenant: str | None
+    token_id: str | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role is Role.ADMIN
+
+    def tenant_filter(self, requested: str | None) -> str | None:
+        """The tenant a list query must be restricted to (forced for tenant-scoped tokens)."""
+        if self.tenant is None:
+            return requested
+        if requested is None or requested == self.tenant:
+            return self.tenant
+        raise ForbiddenError(f"this token is scoped to tenant {self.tenant!r}")
+
+    def check_tenant(self, tenant: str | None) -> None:
+        """403 unless this caller may see an object of ``tenant``."""
+        if self.tenant is not None and tenant != self.tenant:
+            raise ForbiddenError(f"this token is scoped to tenant {self.tenant!r}")
+
+
+ANONYMOUS = Principal(id="anonymous", name="auth disabled", role=Role.ADMIN, tenant=None)
+
+
+def principal_for(record: TokenRecord) -> Principal:
+    return Principal(
+        id=f"token:{record.id}",
+        name=record.name,
+        role=record.role,
+        tenant=record.tenant,
+        token_id=record.id,
+    )
+
+
+def api_context(request: Request) -> ApiContext:
+    ctx = getattr(request.app.state, "kvgov_api", None)
+    if not isinstance(ctx, ApiContext):
+        raise RuntimeError("the kvgov API routes were mounted without include_v1()")
+    return ctx
+
+
+Context = Annotated[ApiContext, Depends(api_context)]
+
+
+def db_session(ctx: Context) -> Iterator[Session]:
+    """A read session per request; the API's read routes never write, so it is rolled back."""
+    session = ctx.session()
+    try:
+        yield session
+    finally:
+        session.rollback()
+        session.close()
+
+
+DbSession = Annotated[Session, Depends(db_session)]
+
+
+# -- tokens -------------------------------------------------------------------------------------
+
+
+bearer_scheme = HTTPBearer(
+    auto_error=False,
+    scheme_name="bearer",
+    description="A kvgov control-plane token (`kvgov token create --role auditor`).",
+)
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
+
+
+def verify_token(ctx: ApiContext, token: str) -> Principal:
+    """The principal of a raw bearer token; :class:`AuthError` for unknown or revoked tokens."""
+    with ctx.session() as session:
+        repo = TokenRepository(session)
+        record = repo.verify(token)
+        if record is None:
+            raise AuthError("invalid or revoked token")
+        now = utcnow()
+        if record.last_used_at is None or now - record.last_used_at > _TOUCH_EVERY:
+            repo.touch(record.id, now)
+            session.commit()
+    return principal_for(record)
+
+
+def principal_by_token_id(ctx: ApiContext, token_id: str) -> Principal:
+    with ctx.session() as session:
+        record = TokenRepository(session).get(token_id)
+    if record is None or record.revoked_at is not None:
+        raise AuthError("the session's token was revoked")
+    return principal_for(record)
+
+
+def _authenticate_sync(
+    ctx: ApiContext,
+    request: Request,
+    credentials: HTTPAuthorizationCredentials | None,
+    *,
+    allow_cookie: bool,
+) -> Principal:
+    if not ctx.settings.api.auth:
+        return ANONYMOUS
+    if credentials is not None and credentials.credentials:
+        return verify_token(ctx, credentials.credentials)
+    if allow_cookie:
+        cookie = request.cookies.get(SESSION_COOKIE)
+        if cookie:
+            token_id = read_session(ctx.session_secret, cookie)
+            if token_id is not None:
+                return principal_by_token_id(ctx, token_id)
+    raise AuthError("a bearer token is required")
+
+
+async def authenticate(request: Request, ctx: Context, credentials: Credentials) -> Principal:
+    return await run_in_threadpool(
+        _authenticate_sync, ctx, request, credentials, allow_cookie=False
+    )
+
+
+async def authenticate_dashboard(
+    request: Request, ctx: Context, credentials: Credentials
+) -> Principal:
+    return await run_in_threadpool(_authenticate_sync, ctx, request, credentials, allow_cookie=True)
+
+
+async def record_admin_access(ctx: ApiContext, request: Request, principal: Principal) -> None:
+    """Append ``api:access`` for an admin request and wait until it is durable.
+
+    Only the route template and the names of query parameters are recorded: values (a user id
+    in ``/v1/users/{user}/...``) could be personal data.
+    """
+    if not principal.is_admin:
+        return
+    route = request.scope.get("route")
+    template = getattr(route, "path", request.url.path)
+    await ctx.sink.append(
+        Event(
+            kind=EventKind.API_ACCESS,
+            tenant=principal.tenant or request.query_params.get("tenant"),
+            principal=principal.id,
+            attrs={
+                "method": request.method,
+                "route": str(template),
+                "query": sorted(set(request.query_params.keys())),
+            },
+        )
+    )
+
+
+def require(*roles: Role) -> Callable[..., Awaitable[Principal]]:
+    """A dependency admitting only ``roles`` (admins are always admitted) and auditing admins."""
+    allowed = frozenset(roles) | {Role.ADMIN}
+
+    async def dependency(
+        request: Request,
+        ctx: Context,
+        principal: Annotated[Principal, Depends(authenticate)],
+    ) -> Principal:
+        if principal.role not in allowed:
+            raise ForbiddenError(f"role {principal.role.value!r} may not use this endpoint")
+        await record_admin_access(ctx, request, principal)
+        return principal
+
+    return dependency
+
+
+async def _require_global_admin(
+    request: Request,
+    ctx: Context,
+    principal: Annotated[Principal, Depends(authenticate)],
+) -> Principal:
+    if principal.role is not Role.ADMIN:
+        raise ForbiddenError(f"role {principal.role.value!r} may not use this endpoint")
+    if principal.tenant is not None:
+        raise ForbiddenError("managing tokens needs an admin token that is not tenant-scoped")
+    await record_admin_access(ctx, request, principal)
+    return principal
+
+
+#: auditors and admins (every read route)
+Reader = Annotated[Principal, Depends(require(Role.AUDITOR))]
+#: admins only (purges, keys)
+Admin = Annotated[Principal, Depends(require(Role.ADMIN))]
+#: admins that are not tenant-scoped (token management)
+GlobalAdmin = Annotated[Principal, Depends(_require_global_admin)]
+
+
+# -- dashboard sessions -----------------------------------------------------------------------
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def issue_session(secret: bytes, token_id: str, *, now: float | None = None) -> str:
+    """A signed cookie value naming the token and an expiry (the raw token is not in it)."""
+    issued = time.time() if now is None else now
+    body = _b64(json.dumps({"t": token_id, "exp": int(issued) + SESSION_TTL_S}).encode())
+    mac = hmac.new(secret, body.encode(), hashlib.sha256).digest()
+    return f"{body}.{_b64(mac)}"
+
+
+def read_session(secret: bytes, value: str, *, now: float | None = None) -> str | None:
+    """The token id of a valid, unexpired session cookie, else None."""
+    body, _, mac = value.partition(".")
+    if not body or not mac:
+        return None
+    expected = hmac.new(secret, body.encode(), hashlib.sha256).digest()
+    try:
+        if not hmac.compare_digest(expected, _unb64(mac)):
+            return None
+        data = json.loads(_unb64(body))
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    token_id, exp = data.get("t"), data.get("exp")
+    if not isinstance(token_id, str) or not isinstance(exp, int):
+        return None
+    if exp < (time.time() if now is None else now):
+        return None
+    return token_id

@@ -1,0 +1,56 @@
+"""The ``/v1`` compliance API and the dashboard, mounted on the control-plane app.
+
+The application factory calls :func:`include_v1` once with an :class:`ApiContext`; nothing is
+built at import time. The purge routes (another module) use the same auth dependencies
+(:data:`kvgov.proxy.api.auth.Admin`) and problem responses.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, FastAPI
+
+from kvgov.proxy.api.auth import ApiContext
+from kvgov.proxy.api.problems import install_problem_handlers
+
+API_DESCRIPTION = """\
+Read the kvgov ledger: cache entries, request provenance, user footprints, policy decisions,
+ledger integrity, checkpoints and per-tenant stats.
+
+**Auth**: `Authorization: Bearer <token>` (create one with `kvgov token create`). Roles:
+`auditor` reads, `admin` also purges and manages tokens and keys, `engine` tokens are refused
+(403). A tenant-scoped token sees only its tenant. Every admin request is a ledger event.
+
+**Errors** are `application/problem+json` (RFC 9457) with a stable `code`.
+**Lists** are cursor-paginated: follow `next` until it is null.
+User ids are pseudonymised server-side exactly as in the ledger; raw ids are never returned.
+"""
+
+OPENAPI_TAGS = [
+    {"name": "cache data", "description": "Entries, provenance and user footprints."},
+    {"name": "audit", "description": "Decisions, ledger integrity, checkpoints, stats."},
+    {"name": "tokens", "description": "Control-plane tokens (global admins only)."},
+    {"name": "dashboard", "description": "The read-only compliance dashboard page."},
+]
+
+
+def v1_router() -> APIRouter:
+    from kvgov.proxy.api.v1 import audit, entries, tokens
+
+    router = APIRouter(prefix="/v1")
+    router.include_router(entries.router)
+    router.include_router(audit.router)
+    router.include_router(tokens.router)
+    return router
+
+
+def include_v1(app: FastAPI, ctx: ApiContext) -> None:
+    """Mount ``/v1`` and ``/dashboard`` on ``app`` and answer its errors as problem+json."""
+    from kvgov.proxy.api import dashboard
+
+    app.state.kvgov_api = ctx
+    install_problem_handlers(app)
+    app.include_router(v1_router())
+    dashboard.mount(app)
+    app.description = (app.description or "") + API_DESCRIPTION
+    app.openapi_tags = [*(app.openapi_tags or []), *OPENAPI_TAGS]
+    app.openapi_schema = None

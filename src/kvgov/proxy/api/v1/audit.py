@@ -1,0 +1,250 @@
+"""``/v1`` routes for auditors: policy decisions, ledger integrity, checkpoints, tenant stats."""
+
+from __future__ import annotations
+
+import base64
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Request
+from fastapi.concurrency import run_in_threadpool
+
+from kvgov.ledger import queries_api as q
+from kvgov.ledger.db import utcnow
+from kvgov.ledger.verify import VerifyReport, verify
+from kvgov.proxy.api.auth import Context, DbSession, Reader
+from kvgov.proxy.api.pagination import (
+    DEFAULT_LIMIT,
+    CursorParam,
+    LimitParam,
+    Page,
+    next_link,
+    time_key,
+    time_seq_key,
+)
+from kvgov.proxy.api.problems import problem_responses
+from kvgov.proxy.api.v1.params import SAFE_TEXT, SinceQuery, TenantQuery, UntilQuery, utc
+from kvgov.proxy.api.v1.schemas import (
+    ChainReport,
+    CheckpointOut,
+    Decision,
+    StatsOut,
+    TenantStatsOut,
+    VerifyOut,
+)
+from kvgov.types import Operation
+
+router = APIRouter(tags=["audit"])
+
+
+class DecisionOutcome(StrEnum):
+    ALLOW = "allow"
+    DENY = "deny"
+
+
+@router.get(
+    "/decisions",
+    summary="List policy decisions",
+    description="Recorded policy decisions, newest first, by outcome, reason, tenant, time.",
+    response_model=Page[Decision],
+    responses=problem_responses(401, 403, 422),
+)
+def list_decisions(
+    *,
+    request: Request,
+    principal: Reader,
+    session: DbSession,
+    tenant: TenantQuery = None,
+    outcome: Annotated[
+        DecisionOutcome | None, Query(description="allow or deny.", examples=["deny"])
+    ] = None,
+    reason: Annotated[
+        str | None,
+        Query(
+            max_length=256,
+            pattern=SAFE_TEXT,
+            description="A reason code the decision carries.",
+            examples=["sensitivity_not_cacheable"],
+        ),
+    ] = None,
+    operation: Annotated[
+        Operation | None, Query(description="KV operation decided on.", examples=["put"])
+    ] = None,
+    since: SinceQuery = None,
+    until: UntilQuery = None,
+    limit: LimitParam = DEFAULT_LIMIT,
+    cursor: CursorParam = None,
+) -> Page[Decision]:
+    rows = q.list_decisions(
+        session,
+        tenant=principal.tenant_filter(tenant),
+        allowed=None if outcome is None else outcome is DecisionOutcome.ALLOW,
+        reason=reason,
+        operation=None if operation is None else operation.value,
+        since=utc(since, "since"),
+        until=utc(until, "until"),
+        after=time_key(cursor),
+        limit=limit + 1,
+    )
+    key = None
+    if len(rows) > limit:
+        key = (rows[limit - 1].first_seen_at, rows[limit - 1].decision_id)
+    items = [
+        Decision(
+            decision_id=r.decision_id,
+            tenant=r.tenant,
+            operation=r.operation,
+            outcome="allow" if r.allowed else "deny",
+            reasons=list(r.reasons or []),
+            tiers=list(r.tiers or []),
+            ttl_s=r.ttl_s,
+            scope=r.scope,
+            policy_revision=r.policy_revision,
+            data_revision=r.data_revision,
+            input_digest=r.input_digest,
+            first_seen_at=r.first_seen_at,
+            chain_id=r.chain_id,
+            seq=r.seq,
+        )
+        for r in rows[:limit]
+    ]
+    return Page[Decision](items=items, limit=limit, next=next_link(request, key))
+
+
+def report_out(report: VerifyReport) -> VerifyOut:
+    """The ledger's :class:`~kvgov.ledger.verify.VerifyReport` in the API's shape."""
+    chains = []
+    for c in report.chains:
+        first = c.first_bad
+        chains.append(
+            ChainReport(
+                chain_id=c.chain_id,
+                ok=c.ok,
+                events=c.events,
+                head_seq=c.head_seq,
+                head_hash=c.head_hash,
+                checkpoints=c.checkpoints,
+                last_checkpoint_seq=c.last_checkpoint_seq,
+                problem=None if first is None else first.problem.value,
+                position=None if first is None else first.seq,
+                detail=None if first is None else first.detail,
+                findings=len(c.findings),
+            )
+        )
+    return VerifyOut(ok=report.ok, verified_at=utcnow(), chains=chains)
+
+
+@router.get(
+    "/audit/verify",
+    summary="Verify the ledger",
+    description=(
+        "Recompute every hash chain and check every checkpoint signature (the same check as "
+        "`kvgov audit verify`). `ok` is false, with the first bad position per chain, when "
+        "anything was modified, deleted, inserted or reordered."
+    ),
+    response_model=VerifyOut,
+    responses=problem_responses(401, 403),
+)
+async def audit_verify(principal: Reader, ctx: Context) -> VerifyOut:
+    report = await run_in_threadpool(verify, ctx.engine)
+    return report_out(report)
+
+
+@router.get(
+    "/audit/checkpoints",
+    summary="List signed checkpoints",
+    description="Signed chain heads, newest first (Ed25519 over chain id, size and head hash).",
+    response_model=Page[CheckpointOut],
+    responses=problem_responses(401, 403, 422),
+)
+def list_checkpoints(
+    *,
+    request: Request,
+    principal: Reader,
+    session: DbSession,
+    chain_id: Annotated[
+        str | None,
+        Query(
+            max_length=255, pattern=SAFE_TEXT, description="Only this chain.", examples=["node-a"]
+        ),
+    ] = None,
+    limit: LimitParam = DEFAULT_LIMIT,
+    cursor: CursorParam = None,
+) -> Page[CheckpointOut]:
+    rows = q.list_checkpoints(
+        session, chain_id=chain_id, after=time_seq_key(cursor), limit=limit + 1
+    )
+    key: tuple[datetime, str, int] | None = None
+    if len(rows) > limit:
+        last = rows[limit - 1]
+        key = (last.signed_at, last.chain_id, last.seq)
+    items = [
+        CheckpointOut(
+            chain_id=r.chain_id,
+            seq=r.seq,
+            head_hash=r.head_hash,
+            signed_at=r.signed_at,
+            signature=base64.b64encode(r.signature).decode(),
+            public_key=base64.b64encode(r.public_key).decode(),
+        )
+        for r in rows[:limit]
+    ]
+    return Page[CheckpointOut](items=items, limit=limit, next=next_link(request, key))
+
+
+def stats_out(s: q.TenantStats) -> TenantStatsOut:
+    return TenantStatsOut(
+        tenant=s.tenant,
+        entries=s.live_entries,
+        entries_by_state=s.entries_by_state,
+        live_bytes_by_tier=s.live_bytes_by_tier,
+        puts=s.puts,
+        hits=s.hits,
+        misses=s.misses,
+        hit_rate=s.hit_rate,
+        denials=s.denials,
+    )
+
+
+@router.get(
+    "/stats",
+    summary="Per-tenant stats",
+    description=(
+        "For every tenant the caller may see: live entries, entries by state, live bytes per "
+        "tier, and puts, hits, misses, hit rate and denials counted from ledger events "
+        "(since `since` when given)."
+    ),
+    response_model=StatsOut,
+    responses=problem_responses(401, 403, 422),
+)
+def all_stats(
+    *, principal: Reader, session: DbSession, tenant: TenantQuery = None, since: SinceQuery = None
+) -> StatsOut:
+    tenant = principal.tenant_filter(tenant)
+    stats = q.tenant_stats(
+        session, tenants=None if tenant is None else [tenant], since=utc(since, "since")
+    )
+    return StatsOut(tenants=[stats_out(s) for s in stats])
+
+
+@router.get(
+    "/tenants/{tenant}/stats",
+    summary="One tenant's stats",
+    description="The same numbers as `/v1/stats` for one tenant (zeros for an unknown tenant).",
+    response_model=TenantStatsOut,
+    responses=problem_responses(401, 403, 422),
+)
+def tenant_stats(
+    *,
+    tenant: Annotated[
+        str,
+        Path(min_length=1, max_length=128, pattern=SAFE_TEXT, examples=["acme"]),
+    ],
+    principal: Reader,
+    session: DbSession,
+    since: SinceQuery = None,
+) -> TenantStatsOut:
+    principal.check_tenant(tenant)
+    stats = q.tenant_stats(session, tenants=[tenant], since=utc(since, "since"))
+    return stats_out(stats[0])

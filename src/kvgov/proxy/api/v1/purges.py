@@ -1,0 +1,163 @@
+"""``/v1/purges``: the right to be forgotten over REST (the same service as ``kvgov purge``).
+
+``POST /v1/purges`` creates a durable purge job and answers 202 with it (the sidecars' purge
+executors run it; poll ``GET /v1/purges/{id}`` until ``state`` is ``completed`` or
+``incomplete`` and read the signed ``receipt``). With ``dry_run`` it answers 200 with what would
+be deleted and changes nothing. Admins only; a tenant-scoped admin may purge only its tenant.
+The user id in the body is pseudonymised at once and never stored or returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, FastAPI, Path, Request, status
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvgov.proxy.api.auth import Admin
+from kvgov.proxy.api.problems import problem_responses
+from kvgov.proxy.purge.model import JobView, PurgeRequest
+from kvgov.proxy.purge.service import PurgeService
+
+router = APIRouter(tags=["purges"])
+
+_JOB_ID = "0b7d4f0e-6a3c-4d8e-9b61-2f1c5a7e9d30"
+
+
+class PurgeCreate(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"tenant": "acme", "user": "u42", "dry_run": False}]},
+    )
+
+    tenant: str = Field(min_length=1, max_length=128, description="tenant to purge in")
+    user: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="raw user id (pseudonymised on arrival); omit to purge the whole tenant",
+    )
+    dry_run: bool = Field(default=False, description="report what would be deleted, change nothing")
+
+
+class PurgeStepOut(BaseModel):
+    name: str
+    sidecar_id: str | None
+    state: str
+    attempts: int
+    detail: dict[str, Any]
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class PurgeJobOut(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "id": _JOB_ID,
+                    "kind": "user",
+                    "tenant": "acme",
+                    "subject": "3f9c2a51b0d84e6f9a7c11d2e8b45a90",
+                    "state": "completed",
+                    "dry_run": False,
+                    "requested_by": "token:5b0c8a8e",
+                    "created_at": "2026-11-21T10:15:02Z",
+                    "updated_at": "2026-11-21T10:15:04Z",
+                    "finished_at": "2026-11-21T10:15:04Z",
+                    "result": {"state": "completed", "tiers": {"memory": 12}, "incomplete": []},
+                    "steps": [],
+                    "receipt": None,
+                }
+            ]
+        }
+    )
+
+    id: str
+    kind: str
+    tenant: str
+    subject: str | None = Field(description="pseudonym of the erased user")
+    state: str
+    dry_run: bool
+    requested_by: str
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+    result: dict[str, Any] | None
+    steps: list[PurgeStepOut]
+    receipt: dict[str, Any] | None = Field(description="the signed receipt once finished")
+
+
+def job_out(job: JobView) -> PurgeJobOut:
+    data = job.to_dict()
+    return PurgeJobOut.model_validate(data)
+
+
+def _service(request: Request) -> PurgeService:
+    service = getattr(request.app.state, "kvgov_purge", None)
+    if not isinstance(service, PurgeService):
+        raise RuntimeError("the purge routes were mounted without include_purges()")
+    return service
+
+
+@router.post(
+    "/purges",
+    summary="Purge a user or a tenant",
+    description="Create a purge job (202) that every sidecar executes; with `dry_run`, report "
+    "what would be deleted (200) and change nothing.",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=PurgeJobOut,
+    responses={
+        200: {"description": "Dry run: what would be deleted"},
+        **problem_responses(401, 403, 422),
+    },
+)
+async def create_purge(body: PurgeCreate, principal: Admin, request: Request) -> Any:
+    principal.check_tenant(body.tenant)
+    service = _service(request)
+    req = PurgeRequest(
+        tenant=body.tenant, user=body.user, dry_run=body.dry_run, requested_by=principal.id
+    )
+    if body.dry_run:
+        return JSONResponse(await service.plan(req), status_code=status.HTTP_200_OK)
+    job = await service.create(req)
+    wake: Callable[[], None] | None = getattr(request.app.state, "kvgov_purge_wake", None)
+    if wake is not None:
+        wake()
+    return job_out(job)
+
+
+@router.get(
+    "/purges/{purge_id}",
+    summary="A purge job",
+    description="The job, its steps and, once finished, its signed receipt.",
+    response_model=PurgeJobOut,
+    responses=problem_responses(401, 403, 404, 422),
+)
+async def get_purge(
+    purge_id: Annotated[
+        str, Path(min_length=1, max_length=36, pattern=r"^[0-9a-f-]+$", examples=[_JOB_ID])
+    ],
+    principal: Admin,
+    request: Request,
+) -> PurgeJobOut:
+    job = await _service(request).get(purge_id)
+    principal.check_tenant(job.tenant)
+    return job_out(job)
+
+
+def include_purges(
+    app: FastAPI, service: PurgeService, *, wake: Callable[[], None] | None = None
+) -> None:
+    """Mount the purge routes (after :func:`kvgov.proxy.api.v1.include_v1`)."""
+    app.state.kvgov_purge = service
+    app.state.kvgov_purge_wake = wake
+    app.include_router(router, prefix="/v1")
+    app.openapi_tags = [
+        *(app.openapi_tags or []),
+        {"name": "purges", "description": "Right to be forgotten: purge jobs and receipts."},
+    ]
+    app.openapi_schema = None

@@ -1,0 +1,108 @@
+"""``/v1/tokens``: admins manage control-plane tokens over REST (same as ``kvgov token``).
+
+Creating or revoking a token is a ledger event (``token:created`` / ``token:revoked``), recorded
+before the change is committed: the ledger may name a token whose commit then failed, never the
+other way round.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Response, status
+from fastapi.concurrency import run_in_threadpool
+
+from kvgov.ledger.events import Event
+from kvgov.ledger.tokens import TokenRecord, TokenRepository
+from kvgov.proxy.api.auth import Context, GlobalAdmin, Principal
+from kvgov.proxy.api.problems import problem_responses
+from kvgov.proxy.api.v1.schemas import TokenCreate, TokenCreated, TokenOut
+from kvgov.types import EventKind
+
+router = APIRouter(tags=["tokens"])
+
+TokenIdPath = Annotated[
+    str,
+    Path(
+        min_length=1,
+        max_length=36,
+        pattern=r"^[0-9a-f-]+$",
+        examples=["5b0c8a8e-1f0e-4f55-9d73-2d7f9a3b8c11"],
+    ),
+]
+
+
+def token_out(record: TokenRecord) -> TokenOut:
+    return TokenOut(
+        id=record.id,
+        name=record.name,
+        role=record.role,
+        tenant=record.tenant,
+        created_at=record.created_at,
+        revoked_at=record.revoked_at,
+        last_used_at=record.last_used_at,
+    )
+
+
+def _token_event(kind: EventKind, record: TokenRecord, principal: Principal) -> Event:
+    return Event(
+        kind=kind,
+        tenant=record.tenant,
+        principal=principal.id,
+        attrs={"token_id": record.id, "role": record.role.value},
+    )
+
+
+@router.get(
+    "/tokens",
+    summary="List tokens",
+    description="Every control-plane token (never the token itself). Admins without a tenant.",
+    response_model=list[TokenOut],
+    responses=problem_responses(401, 403),
+)
+async def list_tokens(principal: GlobalAdmin, ctx: Context) -> list[TokenOut]:
+    def run() -> list[TokenRecord]:
+        with ctx.session() as session:
+            return TokenRepository(session).all()
+
+    return [token_out(r) for r in await run_in_threadpool(run)]
+
+
+@router.post(
+    "/tokens",
+    summary="Create a token",
+    description="Create a token; the response carries the bearer token, shown only this once.",
+    status_code=status.HTTP_201_CREATED,
+    response_model=TokenCreated,
+    responses=problem_responses(401, 403, 422),
+)
+async def create_token(body: TokenCreate, principal: GlobalAdmin, ctx: Context) -> TokenCreated:
+    session = ctx.session()
+    try:
+        record, token = await run_in_threadpool(
+            TokenRepository(session).create, body.role, tenant=body.tenant, name=body.name
+        )
+        await ctx.sink.append(_token_event(EventKind.TOKEN_CREATED, record, principal))
+        await run_in_threadpool(session.commit)
+    finally:
+        await run_in_threadpool(session.close)
+    return TokenCreated(**token_out(record).model_dump(), token=token)
+
+
+@router.delete(
+    "/tokens/{token_id}",
+    summary="Revoke a token",
+    description="Revoke a token at once (idempotent). Its dashboard sessions end with it.",
+    status_code=status.HTTP_204_NO_CONTENT,
+    response_class=Response,
+    responses=problem_responses(401, 403, 404, 422),
+)
+async def revoke_token(token_id: TokenIdPath, principal: GlobalAdmin, ctx: Context) -> Response:
+    session = ctx.session()
+    try:
+        record = await run_in_threadpool(TokenRepository(session).revoke, token_id)
+        await ctx.sink.append(_token_event(EventKind.TOKEN_REVOKED, record, principal))
+        await run_in_threadpool(session.commit)
+    finally:
+        await run_in_threadpool(session.close)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
