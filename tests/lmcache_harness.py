@@ -38,6 +38,7 @@ MODEL = "kvgov-test/tiny"
 TENANT_TAG = "lmcache.tag.tenant"
 USER_TAG = "lmcache.tag.user"
 REQUEST_ID = "lmcache.kvgov.request_id"
+AUTH_TENANT = "lmcache.kvgov.tenant"
 ACTING_USER = "lmcache.kvgov.user"
 SENSITIVITY = "lmcache.kvgov.sensitivity"
 
@@ -116,9 +117,14 @@ def kvgov_config(
     engine_id: str = "engine-test",
     geometry: Geometry | None = None,
     cpu_staging_gb: float = 0.05,
+    local_cpu: bool = False,
     extra: Mapping[str, Any] | None = None,
 ) -> LMCacheEngineConfig:
-    """LMCache config with kvgov as its only remote tier and the CPU tier as a staging buffer."""
+    """LMCache config with kvgov as its only remote tier.
+
+    ``local_cpu=False`` (the governed default) keeps the CPU tier as a staging buffer only, so
+    every hit goes through kvgov; ``True`` also caches in the engine's CPU tier (EVICT tests).
+    """
     g = geometry or Geometry()
     extra_config: dict[str, Any] = {
         "remote_storage_plugin.kvgov.module_path": "kvgov.connectors.lmcache",
@@ -131,7 +137,7 @@ def kvgov_config(
     extra_config.update(extra or {})
     return LMCacheEngineConfig.from_defaults(
         chunk_size=g.chunk,
-        local_cpu=False,
+        local_cpu=local_cpu,
         max_local_cpu_size=cpu_staging_gb,
         local_disk=None,
         remote_url=None,
@@ -234,7 +240,7 @@ class Engine:
         if not backends or backends[0].connection is None:
             return None
         conn = backends[0].connection
-        return getattr(conn, "real_connector", conn)
+        return conn.getWrappedConnector() if hasattr(conn, "getWrappedConnector") else conn
 
     def wait_remote_puts(self, timeout_s: float = 20.0) -> None:
         """Wait until every async remote put this engine submitted has finished."""
@@ -299,6 +305,7 @@ def identity(
     request_id: str | None = None,
     user: str | None = None,
     sensitivity: str | None = None,
+    auth_tenant: str | None = None,
 ) -> dict[str, str]:
     """``request_configs`` as a gateway would set them: tenant tag first, then user tag."""
     cfg: dict[str, str] = {}
@@ -312,6 +319,8 @@ def identity(
         cfg[ACTING_USER] = user
     if sensitivity is not None:
         cfg[SENSITIVITY] = sensitivity
+    if auth_tenant is not None:
+        cfg[AUTH_TENANT] = auth_tenant
     return cfg
 
 

@@ -1,0 +1,301 @@
+"""``KvgovConnector``: LMCache's remote tier, served by the kvgov sidecar.
+
+Registered through LMCache's ``remote_storage_plugins`` (see ``docs/lmcache.md``), LMCache builds
+it as ``KvgovConnector(loop=..., local_cpu_backend=..., config=...)`` and calls it from its
+storage event loop (async methods) and from the engine thread (sync methods). It is thin: no
+policy, no keys. Every operation becomes one kvgov wire frame carrying the key strings (tenant
+and user scope are tags inside them) and the request context from ``request_configs``.
+
+It fails closed and never breaks inference: any error, timeout or unreachable sidecar is a miss
+(``exists`` False, ``get`` None) or a skipped put, and no exception reaches LMCache. After a
+connection failure a backoff skips the sidecar for a while, so a dead sidecar costs nothing.
+A control connection receives the sidecar's EVICT messages and removes those keys from the
+engine's local CPU and disk tiers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from kvgov.connectors.lmcache import local_tiers
+from kvgov.connectors.lmcache.backoff import Backoff
+from kvgov.connectors.lmcache.identity import key_string, request_context
+from kvgov.connectors.lmcache.settings import ConnectorSettings
+from kvgov.wire import ControlChannel, GetResult, RequestContext, WireClient, WireConnectionError
+
+log = logging.getLogger("kvgov.connectors.lmcache")
+
+T = TypeVar("T")
+
+
+class KvgovConnector(RemoteConnector):  # type: ignore[misc]
+    """A LMCache ``RemoteConnector`` that forwards to the kvgov sidecar."""
+
+    def __init__(self, loop: Any, local_cpu_backend: Any, config: Any) -> None:
+        metadata = getattr(local_cpu_backend, "metadata", None)
+        #: the scheduler role passes a stub CPU backend with no metadata and no allocator
+        self.worker = metadata is not None
+        if self.worker:
+            super().__init__(config, metadata)
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.settings = ConnectorSettings.from_extra_config(getattr(config, "extra_config", None))
+        s = self.settings
+        self.client = WireClient(
+            s.endpoint,
+            engine_id=s.engine_id,
+            token=s.token,
+            timeout=s.timeout_s,
+            connect_timeout=s.connect_timeout_s,
+            pool_size=s.pool_size,
+        )
+        #: blocking wire calls run here, so LMCache's event loop never waits on a socket
+        self.pool = ThreadPoolExecutor(max_workers=s.pool_size, thread_name_prefix="kvgov-conn")
+        self.backoff = Backoff(s.backoff_initial_s, s.backoff_max_s)
+        self.control: ControlChannel | None = None
+        if self.worker and s.control:
+            self.control = self.client.control(
+                on_evict=self.evict_local, reconnect_delay=s.control_reconnect_s
+            )
+        log.info(
+            "lmcache.connector.created",
+            extra={"engine_id": s.engine_id, "worker": self.worker, "control": s.control},
+        )
+
+    # -- fail closed ---------------------------------------------------------------------------
+
+    def _guard(self, op: str, fn: Callable[[], T], *, default: T) -> T:
+        if not self.backoff.allow():
+            return default
+        try:
+            result = fn()
+        except WireConnectionError as exc:
+            self.backoff.failure()
+            log.warning("lmcache.connector.unreachable", extra={"op": op, "error": exc.code})
+            return default
+        except Exception as exc:  # noqa: BLE001 - nothing may escape into LMCache
+            log.warning("lmcache.connector.failed", extra={"op": op, "error": type(exc).__name__})
+            return default
+        self.backoff.success()
+        return result
+
+    async def _aguard(self, op: str, fn: Callable[[], T], *, default: T) -> T:
+        if not self.backoff.allow():
+            return default
+        call = functools.partial(self._guard, op, fn, default=default)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, call)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _frames(self, keys: Sequence[Any], item_bytes: Sequence[int]) -> Iterator[list[int]]:
+        """Index groups that share one request context and fit the frame/batch limits."""
+        info = self.client.info
+        max_items = info.max_batch if info else 4096
+        max_bytes = min(self.settings.max_frame_bytes, info.max_frame_bytes if info else 1 << 62)
+        group: list[int] = []
+        ctx: RequestContext | None = None
+        size = 0
+        for i, key in enumerate(keys):
+            key_ctx = request_context(key)
+            if group and (
+                key_ctx != ctx or len(group) >= max_items or size + item_bytes[i] > max_bytes
+            ):
+                yield group
+                group, size = [], 0
+            if not group:
+                ctx = key_ctx
+            group.append(i)
+            size += item_bytes[i]
+        if group:
+            yield group
+
+    def _exists_prefix(self, keys: Sequence[Any]) -> int:
+        if not keys:
+            return 0
+        count = 0
+        for group in self._frames(keys, [0] * len(keys)):
+            found = self.client.exists_many(
+                [key_string(keys[i]) for i in group], request_context(keys[group[0]])
+            )
+            for hit in found:
+                if not hit:
+                    return count
+                count += 1
+        return count
+
+    def _put_many(self, keys: Sequence[Any], objs: Sequence[MemoryObj]) -> int:
+        stored = 0
+        sizes = [int(obj.get_size()) for obj in objs]
+        for group in self._frames(keys, sizes):
+            items = [(key_string(keys[i]), objs[i].byte_array, _entry_meta(objs[i])) for i in group]
+            acks = self.client.put_many(items, request_context(keys[group[0]]))
+            stored += sum(1 for ack in acks if ack.ok)
+        return stored
+
+    def _get_many(self, keys: Sequence[Any]) -> list[MemoryObj | None]:
+        """Read hits straight into buffers allocated from LMCache's CPU backend."""
+        out: list[MemoryObj | None] = [None] * len(keys)
+        if not self.worker:
+            return out
+        full = int(self.full_chunk_size_bytes)
+        for group in self._frames(keys, [full] * len(keys)):
+            allocated: list[MemoryObj] = []
+
+            def alloc(result: GetResult, allocated: list[MemoryObj] = allocated) -> Any:
+                obj = self._allocate(result)
+                if obj is None:
+                    return None
+                allocated.append(obj)
+                return obj.byte_array
+
+            try:
+                replies = self.client.get_many(
+                    [key_string(keys[i]) for i in group], request_context(keys[group[0]]), alloc
+                )
+            except BaseException:
+                for obj in allocated:
+                    obj.ref_count_down()
+                raise
+            by_buffer = iter(allocated)
+            for i, (result, _buf) in zip(group, replies, strict=True):
+                if result is not None:
+                    out[i] = next(by_buffer)
+        return out
+
+    def _allocate(self, result: GetResult) -> MemoryObj | None:
+        """A MemoryObj of the stored shape/dtype/format, or None to skip the item."""
+        meta = result.meta
+        try:
+            shape = torch.Size([int(d) for d in meta["shape"]])
+            dtype = getattr(torch, str(meta["dtype"]))
+            fmt = MemoryFormat(int(meta["fmt"]))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            if result.length != self.full_chunk_size_bytes:
+                return None
+            shape, dtype, fmt = self.meta_shapes[0], self.meta_dtypes[0], self.meta_fmt
+        if not isinstance(dtype, torch.dtype) or shape.numel() * dtype.itemsize != result.length:
+            log.warning("lmcache.connector.bad_entry_meta")
+            return None
+        obj: MemoryObj | None = self.local_cpu_backend.allocate(shape, dtype, fmt, busy_loop=False)
+        return obj
+
+    # -- RemoteConnector: single-key operations ------------------------------------------------
+
+    async def exists(self, key: Any) -> bool:
+        return await self._aguard("exists", lambda: self._exists_prefix([key]) == 1, default=False)
+
+    def exists_sync(self, key: Any) -> bool:
+        return self._guard("exists", lambda: self._exists_prefix([key]) == 1, default=False)
+
+    async def get(self, key: Any) -> MemoryObj | None:
+        result: list[MemoryObj | None] = await self._aguard(
+            "get", lambda: self._get_many([key]), default=[None]
+        )
+        return result[0]
+
+    async def put(self, key: Any, memory_obj: MemoryObj) -> None:
+        # LMCache drops its reference when this returns: the bytes are sent before returning
+        await self._aguard("put", lambda: self._put_many([key], [memory_obj]), default=0)
+
+    async def close(self) -> None:
+        self.close_sync()
+
+    def close_sync(self) -> None:
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+        self.client.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def remove_sync(self, key: Any) -> bool:
+        def remove() -> bool:
+            return self.client.remove(key_string(key), request_context(key))
+
+        return self._guard("remove", remove, default=False)
+
+    def support_ping(self) -> bool:
+        return True
+
+    async def ping(self) -> int:
+        """0 when the sidecar answers, 1 otherwise (LMCache's health check convention)."""
+        ok = await self._aguard("ping", lambda: self.client.ping() >= 0, default=False)
+        return 0 if ok else 1
+
+    # -- RemoteConnector: batched operations --------------------------------------------------
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: list[Any]) -> list[MemoryObj | None]:
+        default: list[MemoryObj | None] = [None] * len(keys)
+        return await self._aguard("get", lambda: self._get_many(keys), default=default)
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: list[Any], memory_objs: list[MemoryObj]) -> None:
+        await self._aguard("put", lambda: self._put_many(keys, memory_objs), default=0)
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[Any]) -> int:
+        return self._guard("exists", lambda: self._exists_prefix(keys), default=0)
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(
+        self, lookup_id: str, keys: list[Any], pin: bool = False
+    ) -> int:
+        return await self._aguard("exists", lambda: self._exists_prefix(keys), default=0)
+
+    def support_batched_get_non_blocking(self) -> bool:
+        return True
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[Any]) -> list[MemoryObj]:
+        objs = await self.batched_get(keys)
+        prefix: list[MemoryObj] = []
+        for i, obj in enumerate(objs):
+            if obj is None:
+                for rest in objs[i + 1 :]:
+                    if rest is not None:
+                        rest.ref_count_down()
+                break
+            prefix.append(obj)
+        return prefix
+
+    # -- control: EVICT ------------------------------------------------------------------------
+
+    def evict_local(self, keys: list[str]) -> list[str]:
+        """Remove ``keys`` from this engine's local tiers (the sidecar's EVICT)."""
+        if not self.worker:
+            return []
+        return local_tiers.evict(self.local_cpu_backend, keys)
+
+    def __repr__(self) -> str:
+        return f"<KvgovConnector {self.settings.endpoint} engine={self.settings.engine_id}>"
+
+    # defined last: inside the class body this name shadows the builtin ``list``
+    async def list(self) -> list[str]:
+        # the wire protocol has no listing: an engine has no business enumerating other keys
+        return []
+
+
+def _entry_meta(obj: MemoryObj) -> dict[str, Any]:
+    """What the connector needs to allocate the destination of a later get."""
+    meta = obj.meta
+    return {
+        "fmt": int(meta.fmt.value),
+        "dtype": str(meta.dtype).removeprefix("torch."),
+        "shape": [int(d) for d in meta.shape],
+    }
