@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvgov.connectors.tiers.filesystem import HEADER, FilesystemTier, encode_header, file_name
+from kvgov.connectors.tiers.filesystem import FilesystemTier
+from kvgov.connectors.tiers.fsformat import HEADER, encode_header, file_name
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 

@@ -2,11 +2,9 @@
 
 Layout: ``<root>/<xx>/<name>`` where ``xx`` is a one-byte BLAKE2b fan-out of the key and
 ``name`` is the key itself when it is a plain token (the data plane's keys are hex digests) or
-``~`` + a BLAKE2b digest of it otherwise. Each file is a 24-byte header, the key, then the value
-exactly as given (the pipeline gives ciphertext; this tier never sees plaintext)::
-
-    magic "KVGT" | version u8 | flags u8 (bit 0: has expiry) | key length u16 |
-    expires_at f64 | value length u64 | key (UTF-8) | value
+``~`` + a BLAKE2b digest of it otherwise. Each file is a small header, the key, then the value
+exactly as given (the pipeline gives ciphertext; this tier never sees plaintext); the format is
+in :mod:`~kvgov.connectors.tiers.fsformat`.
 
 A put writes ``.<name>.<random>.tmp`` beside the target, fsyncs it (``fsync=True``), renames it
 over the target and fsyncs the directory, so a crash leaves the old value or the new one, never
@@ -19,17 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import logging
 import math
 import os
 import re
 import secrets
-import struct
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -41,46 +36,23 @@ from kvgov.connectors.tiers.base import (
     as_bytes_view,
     check_key,
 )
+from kvgov.connectors.tiers.fsformat import (
+    CorruptEntryError,
+    encode_header,
+    fanout,
+    file_name,
+    fsync_dir,
+    parse_file,
+    read_header,
+    write_all,
+)
 from kvgov.errors import TierError
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-MAGIC = b"KVGT"
-VERSION = 1
-HEADER = struct.Struct("<4sBBHdQ")
-_HAS_EXPIRY = 0x01
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9_-]{1,200}")
-_FANOUT = re.compile(r"[0-9a-f]{2}")
-
-
-@dataclass(frozen=True, slots=True)
-class _Meta:
-    size: int
-    expires_at: float | None
-
-
-class _CorruptEntryError(Exception):
-    """A file that does not hold what its name promises (truncated, foreign, wrong key)."""
-
-
-def file_name(key: str) -> str:
-    """The file name a key is stored under (the key itself when it is a plain token)."""
-    if _PLAIN_NAME.fullmatch(key):
-        return key
-    return "~" + hashlib.blake2b(key.encode(), digest_size=20).hexdigest()
-
-
-def _fanout(key: str) -> str:
-    return hashlib.blake2b(key.encode(), digest_size=1).hexdigest()
-
-
-def encode_header(key: str, size: int, expires_at: float | None) -> bytes:
-    key_bytes = key.encode()
-    flags = _HAS_EXPIRY if expires_at is not None else 0
-    expiry = expires_at if expires_at is not None else 0.0
-    return HEADER.pack(MAGIC, VERSION, flags, len(key_bytes), expiry, size) + key_bytes
+_FANOUT_DIR = re.compile(r"[0-9a-f]{2}")
 
 
 class FilesystemTier:
@@ -101,7 +73,7 @@ class FilesystemTier:
         self._clock = clock
         self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, f"kvgov-tier-{name}")
         self._lock = threading.Lock()  # guards the index, the byte count and renames
-        self._index: dict[str, _Meta] = {}
+        self._index: dict[str, EntryInfo] = {}
         self._bytes = 0
         self._hits = self._misses = self._expirations = 0
         self._closed = False
@@ -135,7 +107,7 @@ class FilesystemTier:
 
     def path_of(self, key: str) -> Path:
         """Where ``key``'s file lives (whether or not it exists)."""
-        return self._root / _fanout(key) / file_name(key)
+        return self._root / fanout(key) / file_name(key)
 
     # -- the Tier protocol -------------------------------------------------------------------
 
@@ -175,8 +147,7 @@ class FilesystemTier:
         return None if meta is None else meta.size
 
     async def info(self, key: str) -> EntryInfo | None:
-        meta = await self._live(key)
-        return None if meta is None else EntryInfo(meta.size, meta.expires_at)
+        return await self._live(key)
 
     async def contains(self, key: str) -> bool:
         return await self._live(key) is not None
@@ -230,10 +201,10 @@ class FilesystemTier:
             raise TierError(f"tier {self._name} is closed")
 
     @staticmethod
-    def _expired(meta: _Meta, now: float) -> bool:
+    def _expired(meta: EntryInfo, now: float) -> bool:
         return meta.expires_at is not None and meta.expires_at <= now
 
-    async def _live(self, key: str) -> _Meta | None:
+    async def _live(self, key: str) -> EntryInfo | None:
         """The index entry if live; an expired one is removed (from disk too) and is a miss."""
         self._check_open()
         meta = self._index.get(key)
@@ -267,8 +238,8 @@ class FilesystemTier:
         try:
             fd = self._create(tmp)
             try:
-                _write_all(fd, memoryview(encode_header(key, data.nbytes, expires_at)))
-                _write_all(fd, data)
+                write_all(fd, memoryview(encode_header(key, data.nbytes, expires_at)))
+                write_all(fd, data)
                 if self._fsync:
                     os.fsync(fd)
             finally:
@@ -276,10 +247,10 @@ class FilesystemTier:
             with self._lock:
                 tmp.replace(path)
                 old = self._index.get(key)
-                self._index[key] = _Meta(data.nbytes, expires_at)
+                self._index[key] = EntryInfo(data.nbytes, expires_at)
                 self._bytes += data.nbytes - (old.size if old else 0)
             if self._fsync:
-                _fsync_dir(path.parent)
+                fsync_dir(path.parent)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise TierError(f"tier {self._name}: write failed: {exc.strerror}") from exc
@@ -291,7 +262,7 @@ class FilesystemTier:
         except FileNotFoundError:
             tmp.parent.mkdir(mode=0o700, exist_ok=True)
             if self._fsync:
-                _fsync_dir(self._root)
+                fsync_dir(self._root)
             return os.open(tmp, flags, 0o600)
 
     def _open_entry(self, key: str) -> tuple[int, int] | None:
@@ -304,10 +275,10 @@ class FilesystemTier:
         except OSError as exc:
             raise TierError(f"tier {self._name}: read failed: {exc.strerror}") from exc
         try:
-            stored_key, size, _expiry = _read_header(fd)
+            stored_key, size, _expiry = read_header(fd)
             if stored_key != key:
-                raise _CorruptEntryError("key mismatch")
-        except _CorruptEntryError as exc:
+                raise CorruptEntryError("key mismatch")
+        except CorruptEntryError as exc:
             os.close(fd)
             self._drop_corrupt(key, path, str(exc))
             return None
@@ -352,7 +323,7 @@ class FilesystemTier:
         finally:
             os.close(fd)
 
-    def _unlink(self, key: str) -> _Meta | None:
+    def _unlink(self, key: str) -> EntryInfo | None:
         path = self.path_of(key)
         with self._lock:
             meta = self._index.pop(key, None)
@@ -365,7 +336,7 @@ class FilesystemTier:
             except OSError as exc:
                 raise TierError(f"tier {self._name}: delete failed: {exc.strerror}") from exc
         if self._fsync:
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         return meta
 
     def _unlink_many(self, keys: list[str], now: float) -> list[str]:
@@ -399,7 +370,7 @@ class FilesystemTier:
             raise TierError(f"tier {self._name}: cannot create {self._root}: {exc}") from exc
         stray = corrupt = 0
         for sub in sorted(self._root.iterdir()):
-            if not sub.is_dir() or not _FANOUT.fullmatch(sub.name):
+            if not sub.is_dir() or not _FANOUT_DIR.fullmatch(sub.name):
                 continue
             for path in sub.iterdir():
                 if path.name.endswith(".tmp"):
@@ -407,8 +378,8 @@ class FilesystemTier:
                     stray += 1
                     continue
                 try:
-                    key, meta = _parse_file(path)
-                except (_CorruptEntryError, OSError):
+                    key, meta = parse_file(path)
+                except (CorruptEntryError, OSError):
                     path.unlink(missing_ok=True)
                     corrupt += 1
                     continue
@@ -428,47 +399,3 @@ class FilesystemTier:
                 "corrupt_removed": corrupt,
             },
         )
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    done = 0
-    while done < data.nbytes:
-        done += os.write(fd, data[done:])
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _read_exact(fd: int, n: int) -> bytes:
-    data = os.read(fd, n)
-    if len(data) != n:
-        raise _CorruptEntryError("short header")
-    return data
-
-
-def _read_header(fd: int) -> tuple[str, int, float | None]:
-    """Key, value length and expiry from the header at the start of ``fd``."""
-    magic, version, flags, key_len, expiry, size = HEADER.unpack(_read_exact(fd, HEADER.size))
-    if magic != MAGIC or version != VERSION:
-        raise _CorruptEntryError("not a kvgov tier file")
-    try:
-        key = _read_exact(fd, key_len).decode()
-    except UnicodeDecodeError as exc:
-        raise _CorruptEntryError("bad key") from exc
-    if os.fstat(fd).st_size != HEADER.size + key_len + size:
-        raise _CorruptEntryError("length mismatch")
-    return key, size, (expiry if flags & _HAS_EXPIRY else None)
-
-
-def _parse_file(path: Path) -> tuple[str, _Meta]:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        key, size, expires_at = _read_header(fd)
-    finally:
-        os.close(fd)
-    return key, _Meta(size, expires_at)
