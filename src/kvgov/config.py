@@ -138,6 +138,10 @@ class PurgeSettings(_Section):
     #: a job not finished by every registered sidecar after this many seconds ends `incomplete`
     job_timeout_s: float = Field(default=300.0, gt=0.0)
     poll_interval_s: float = Field(default=1.0, gt=0.0)
+    #: a step left ``running`` this long by a process that died is taken by another executor
+    step_lease_s: float = Field(default=120.0, gt=0.0)
+    #: a sidecar that reported within this many seconds gets its own purge steps
+    sidecar_live_s: float = Field(default=60.0, gt=0.0)
 
 
 class Settings(BaseSettings):
