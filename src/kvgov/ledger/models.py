@@ -17,7 +17,7 @@ Every timestamp is a timezone-aware UTC :class:`~kvgov.ledger.db.UTCDateTime`.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     BigInteger,
@@ -30,6 +30,7 @@ from sqlalchemy import (
     MetaData,
     SmallInteger,
     String,
+    Table,
     Text,
     UniqueConstraint,
 )
@@ -335,6 +336,11 @@ class ApiToken(Base):
     created_at: Mapped[datetime]
     revoked_at: Mapped[datetime | None]
     last_used_at: Mapped[datetime | None]
+
+
+def table(model: type[Base]) -> Table:
+    """The Core ``Table`` of a model (typed, for bulk statements)."""
+    return cast("Table", model.__table__)
 
 
 #: the tables whose rows may never change once written (guarded by triggers, migration 0002)

@@ -30,7 +30,7 @@ from kvgov.ledger.chain import (
     link,
     payload_digest,
 )
-from kvgov.ledger.models import Chain, Checkpoint, EventPayload, LedgerEvent
+from kvgov.ledger.models import Chain, Checkpoint, EventPayload, LedgerEvent, table
 
 _STREAM_ROWS = 5000
 
@@ -112,7 +112,7 @@ def verify(engine: Engine, *, trusted_keys: Collection[bytes] | None = None) -> 
 
 
 def _events(engine: Engine, chain_id: str) -> Iterator[Row[Any]]:
-    t = LedgerEvent.__table__
+    t = table(LedgerEvent)
     query = select(t).where(t.c.chain_id == chain_id).order_by(t.c.seq)
     with engine.connect() as conn:
         result = conn.execution_options(yield_per=_STREAM_ROWS).execute(query)
@@ -146,7 +146,7 @@ def _fields(row: Row[Any], seq: int | None = None) -> ChainedFields:
 
 def _seq_of_hash(engine: Engine, chain_id: str, digest: str) -> int | None:
     """Position of the row whose hash is ``digest`` (a slow scan, only after a failure)."""
-    t = LedgerEvent.__table__
+    t = table(LedgerEvent)
     with engine.connect() as conn:
         found = conn.execute(
             select(t.c.seq).where(t.c.chain_id == chain_id, t.c.hash == digest).limit(1)
@@ -257,13 +257,13 @@ def _diagnose(
 
 
 def _checkpoints(engine: Engine, chain_id: str) -> list[Any]:
-    t = Checkpoint.__table__
+    t = table(Checkpoint)
     with engine.connect() as conn:
         return list(conn.execute(select(t).where(t.c.chain_id == chain_id).order_by(t.c.seq)))
 
 
 def _verify_payloads(engine: Engine, chain: ChainReport, digests: dict[int, str]) -> None:
-    t = EventPayload.__table__
+    t = table(EventPayload)
     query = (
         select(t.c.seq, t.c.salt, t.c.payload)
         .where(t.c.chain_id == chain.chain_id, t.c.payload.is_not(None), t.c.salt.is_not(None))

@@ -1,0 +1,363 @@
+"""One writer batch, applied in one transaction: chain the events and update the indexes.
+
+:func:`prepare` turns an :class:`~kvgov.ledger.events.Event` into plain row values (refusing
+what the database could not store faithfully); :func:`apply_batch` then, inside the caller's
+transaction, locks the chain, reads its head, assigns ``seq`` and hashes in order, inserts the
+events (COPY on Postgres, a multi-row insert elsewhere), their payloads, and applies the
+index changes the events carry (cache entries, requests, user references, policy decisions).
+The caller commits; nothing here does.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, bindparam, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from kvgov.errors import LedgerError
+from kvgov.ledger.chain import (
+    ENCODING_VERSION,
+    GENESIS_HASH,
+    ChainedFields,
+    canonical_json,
+    link,
+    normalize_json,
+    payload_digest,
+)
+from kvgov.ledger.events import Appended, EntryChange, Event
+from kvgov.ledger.models import (
+    CacheEntry,
+    Chain,
+    EventPayload,
+    LedgerEvent,
+    PolicyDecision,
+    Request,
+    UserRef,
+    table,
+)
+from kvgov.types import EventKind
+
+_SALT_BYTES = 16
+_EVENT_COLUMNS = [
+    "chain_id",
+    "seq",
+    "prev_hash",
+    "hash",
+    "encoding_version",
+    "occurred_at",
+    "kind",
+    "tenant",
+    "actor",
+    "request_id",
+    "key_digest",
+    "tier",
+    "nbytes",
+    "outcome",
+    "reason",
+    "decision_id",
+    "policy_revision",
+    "principal",
+    "attrs",
+    "payload_digest",
+]
+_TEXT_FIELDS = (
+    "tenant",
+    "actor",
+    "request_id",
+    "key_digest",
+    "tier",
+    "reason",
+    "decision_id",
+    "policy_revision",
+    "principal",
+)
+_ENTRY_OPTIONAL = [
+    "tenant",
+    "owner",
+    "scope_user",
+    "scope",
+    "sensitivity",
+    "model",
+    "size",
+    "tiers",
+    "key_id",
+    "key_version",
+    "expires_at",
+    "decision_id",
+    "policy_revision",
+]
+
+#: set when an entry is created, never changed by later events
+_KEEP_ON_UPDATE = frozenset({"key_digest", "created_at", "created_request_id", "chain_id"})
+
+
+@dataclass(slots=True)
+class Prepared:
+    """An event reduced to the values the batch writes (no seq or hash yet)."""
+
+    event: Event
+    attrs: dict[str, Any]
+    payload: dict[str, Any] | None
+    salt: bytes | None
+    payload_digest: str | None
+
+
+def prepare(event: Event) -> Prepared:
+    """Check and normalise one event. Raises :class:`LedgerError` for what cannot be stored."""
+    for name in _TEXT_FIELDS:
+        value = getattr(event, name)
+        if value is not None and ("\x00" in value):
+            raise LedgerError(f"event field {name} contains a NUL character")
+    if event.occurred_at.tzinfo is None:
+        raise LedgerError("event occurred_at must be timezone-aware")
+    attrs = normalize_json(event.attrs)
+    if "\\u0000" in canonical_json(attrs):
+        raise LedgerError("event attrs contain a NUL character")
+    payload: dict[str, Any] | None = None
+    salt: bytes | None = None
+    digest: str | None = None
+    if event.payload is not None:
+        payload = normalize_json(event.payload)
+        salt = os.urandom(_SALT_BYTES)
+        digest = payload_digest(salt, payload)
+    return Prepared(event, attrs, payload, salt, digest)
+
+
+def read_head(conn: Connection, chain_id: str) -> tuple[int, str]:
+    """Lock the chain (Postgres: its ``chains`` row) and return its last (seq, hash)."""
+    chains = table(Chain)
+    locked = conn.execute(
+        select(chains.c.chain_id).where(chains.c.chain_id == chain_id).with_for_update()
+    ).first()
+    if locked is None:
+        raise LedgerError(f"chain {chain_id!r} is not registered")
+    events = table(LedgerEvent)
+    row = conn.execute(
+        select(events.c.seq, events.c.hash)
+        .where(events.c.chain_id == chain_id)
+        .order_by(events.c.seq.desc())
+        .limit(1)
+    ).first()
+    if row is None:
+        return 0, GENESIS_HASH
+    return int(row[0]), str(row[1])
+
+
+def apply_batch(conn: Connection, chain_id: str, batch: list[Prepared]) -> list[Appended]:
+    """Append ``batch`` to the chain inside the caller's transaction; return the positions."""
+    seq, prev = read_head(conn, chain_id)
+    rows: list[dict[str, Any]] = []
+    for item in batch:
+        e = item.event
+        seq += 1
+        fields = ChainedFields(
+            chain_id=chain_id,
+            seq=seq,
+            prev_hash=prev,
+            occurred_at=e.occurred_at,
+            kind=str(e.kind),
+            tenant=e.tenant,
+            actor=e.actor,
+            request_id=e.request_id,
+            key_digest=e.key_digest,
+            tier=e.tier,
+            nbytes=e.nbytes,
+            outcome=None if e.outcome is None else str(e.outcome),
+            reason=e.reason,
+            decision_id=e.decision_id,
+            policy_revision=e.policy_revision,
+            principal=e.principal,
+            attrs=item.attrs,
+            payload_digest=item.payload_digest,
+        )
+        digest = link(fields)
+        rows.append(
+            {
+                "chain_id": chain_id,
+                "seq": seq,
+                "prev_hash": prev,
+                "hash": digest,
+                "encoding_version": ENCODING_VERSION,
+                "occurred_at": e.occurred_at,
+                "kind": fields.kind,
+                "tenant": e.tenant,
+                "actor": e.actor,
+                "request_id": e.request_id,
+                "key_digest": e.key_digest,
+                "tier": e.tier,
+                "nbytes": e.nbytes,
+                "outcome": fields.outcome,
+                "reason": e.reason,
+                "decision_id": e.decision_id,
+                "policy_revision": e.policy_revision,
+                "principal": e.principal,
+                "attrs": item.attrs,
+                "payload_digest": item.payload_digest,
+            }
+        )
+        prev = digest
+    _insert_events(conn, rows)
+    payloads = [
+        {"chain_id": chain_id, "seq": r["seq"], "salt": it.salt, "payload": it.payload}
+        for r, it in zip(rows, batch, strict=True)
+        if it.payload is not None
+    ]
+    if payloads:
+        conn.execute(table(EventPayload).insert(), payloads)
+    _apply_indexes(conn, chain_id, batch, rows)
+    return [Appended(chain_id, r["seq"]) for r in rows]
+
+
+def _insert_events(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    if conn.dialect.name == "postgresql":
+        raw = conn.connection.driver_connection
+        if raw is None:  # pragma: no cover - a live connection always has one
+            raise LedgerError("no driver connection for COPY")
+        copy_sql = f"COPY ledger_events ({', '.join(_EVENT_COLUMNS)}) FROM STDIN"
+        with raw.cursor() as cur, cur.copy(copy_sql) as copy:
+            for r in rows:
+                values = [r[c] for c in _EVENT_COLUMNS]
+                values[18] = canonical_json(r["attrs"])
+                copy.write_row(values)
+        return
+    conn.execute(table(LedgerEvent).insert(), rows)
+
+
+def _insert(conn: Connection, table: Any) -> Any:
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    return dialect.insert(table)
+
+
+def _apply_indexes(
+    conn: Connection, chain_id: str, batch: list[Prepared], rows: list[dict[str, Any]]
+) -> None:
+    requests: dict[str, dict[str, Any]] = {}
+    users: dict[str, dict[str, Any]] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    decisions: dict[str, dict[str, Any]] = {}
+    for item, row in zip(batch, rows, strict=True):
+        e = item.event
+        at = e.occurred_at
+        if e.request_id is not None:
+            req = requests.setdefault(
+                e.request_id,
+                {"request_id": e.request_id, "first_seen_at": at, "tenant": None, "actor": None},
+            )
+            req["last_seen_at"] = at
+            req["tenant"] = req["tenant"] or e.tenant
+            req["actor"] = req["actor"] or e.actor
+            req["principal"] = e.principal
+        if e.actor is not None and e.tenant is not None:
+            users.setdefault(e.actor, {"pseudonym": e.actor, "tenant": e.tenant, "created_at": at})
+        if e.entry is not None:
+            _merge_entry(entries, e.entry, e, chain_id)
+            tenant = e.entry.tenant or e.tenant
+            for who in (e.entry.owner, e.entry.scope_user):
+                if who is not None and tenant is not None:
+                    users.setdefault(who, {"pseudonym": who, "tenant": tenant, "created_at": at})
+        if e.kind == EventKind.POLICY_DECISION:
+            decision = _decision_row(item, row)
+            if decision is not None:
+                decisions.setdefault(decision["decision_id"], decision)
+    if users:
+        stmt = _insert(conn, table(UserRef)).on_conflict_do_nothing(index_elements=["pseudonym"])
+        conn.execute(stmt, list(users.values()))
+    if requests:
+        ins = _insert(conn, table(Request))
+        stmt = ins.on_conflict_do_update(
+            index_elements=["request_id"],
+            set_={"last_seen_at": ins.excluded.last_seen_at},
+        )
+        conn.execute(stmt, list(requests.values()))
+    if decisions:
+        stmt = _insert(conn, table(PolicyDecision)).on_conflict_do_nothing(
+            index_elements=["decision_id"]
+        )
+        conn.execute(stmt, list(decisions.values()))
+    if entries:
+        _write_entries(conn, entries)
+
+
+def _merge_entry(
+    entries: dict[str, dict[str, Any]], change: EntryChange, event: Event, chain_id: str
+) -> None:
+    """Fold successive changes to one key within a batch: later non-None values win."""
+    at = event.occurred_at
+    current = entries.get(change.key_digest)
+    if current is None:
+        current = {
+            "key_digest": change.key_digest,
+            "created_at": at,
+            "created_request_id": change.request_id or event.request_id,
+            "chain_id": chain_id,
+        }
+        entries[change.key_digest] = current
+    current["state"] = change.state
+    current["updated_at"] = at
+    if change.tenant is None and event.tenant is not None:
+        current.setdefault("tenant", event.tenant)
+    for name in _ENTRY_OPTIONAL:
+        value = getattr(change, name)
+        if value is not None:
+            current[name] = list(value) if name == "tiers" else value
+
+
+def _write_entries(conn: Connection, entries: dict[str, dict[str, Any]]) -> None:
+    entries_t = table(CacheEntry)
+    existing = set(
+        conn.execute(
+            select(entries_t.c.key_digest).where(entries_t.c.key_digest.in_(list(entries)))
+        ).scalars()
+    )
+    fresh = [_full_entry(v) for k, v in entries.items() if k not in existing]
+    if fresh:
+        # another chain may create the same key between the SELECT and here: its row wins, and
+        # this event still records what happened
+        stmt = _insert(conn, entries_t).on_conflict_do_nothing(index_elements=["key_digest"])
+        conn.execute(stmt, fresh)
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for key in existing:
+        change = entries[key]
+        cols = tuple(sorted(c for c in change if c not in _KEEP_ON_UPDATE))
+        groups.setdefault(cols, []).append({"b_key": key, **{f"v_{c}": change[c] for c in cols}})
+    for cols, params in groups.items():
+        stmt = (
+            update(entries_t)
+            .where(entries_t.c.key_digest == bindparam("b_key"))
+            .values({c: bindparam(f"v_{c}") for c in cols})
+        )
+        conn.execute(stmt, params)
+
+
+def _full_entry(change: dict[str, Any]) -> dict[str, Any]:
+    row = dict.fromkeys(_ENTRY_OPTIONAL)
+    row.update(change)
+    if row.get("tiers") is None:
+        row["tiers"] = []
+    return row
+
+
+def _decision_row(item: Prepared, row: dict[str, Any]) -> dict[str, Any] | None:
+    a = item.attrs
+    decision_id = a.get("decision_id") or item.event.decision_id
+    if not decision_id:
+        return None
+    return {
+        "decision_id": str(decision_id),
+        "policy_revision": a.get("policy_revision") or item.event.policy_revision,
+        "data_revision": a.get("data_revision"),
+        "input_digest": a.get("input_digest"),
+        "allowed": bool(a.get("allowed", False)),
+        "reasons": list(a.get("reasons") or []),
+        "tiers": list(a.get("tiers") or []),
+        "ttl_s": a.get("ttl_s"),
+        "scope": a.get("scope"),
+        "tenant": item.event.tenant,
+        "operation": a.get("operation"),
+        "first_seen_at": item.event.occurred_at,
+        "chain_id": row["chain_id"],
+        "seq": row["seq"],
+    }

@@ -1,0 +1,97 @@
+"""Writing signed checkpoints of a chain head (the signing itself is in :mod:`.chain`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy import Engine, select
+
+from kvgov.errors import LedgerError
+from kvgov.ledger.chain import (
+    checkpoint_note,
+    key_fingerprint,
+    public_key_bytes,
+    sign_checkpoint,
+    signed_note,
+)
+from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE, utcnow
+from kvgov.ledger.models import Chain, Checkpoint, LedgerEvent, table
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    chain_id: str
+    seq: int
+    head_hash: str
+    signed_at: datetime
+    signature: bytes
+    public_key: bytes
+
+    def note(self) -> str:
+        """The checkpoint as a signed note, for handing to an auditor."""
+        body = checkpoint_note(self.chain_id, self.seq, self.head_hash, self.signed_at)
+        name = f"kvgov-{key_fingerprint(self.public_key)}"
+        return signed_note(name, self.public_key, self.signature, body)
+
+
+def write_checkpoint(
+    engine: Engine, chain_id: str, key: Ed25519PrivateKey
+) -> CheckpointInfo | None:
+    """Sign and store the current head of ``chain_id``. None when the chain is empty or its
+    head is already checkpointed. The key must be the chain's own."""
+    public = public_key_bytes(key)
+    chains = table(Chain)
+    events = table(LedgerEvent)
+    cps = table(Checkpoint)
+    with engine.connect() as plain:
+        conn = plain.execution_options(**{SQLITE_BEGIN_IMMEDIATE: True})
+        with conn.begin():
+            chain_key = conn.execute(
+                select(chains.c.public_key).where(chains.c.chain_id == chain_id)
+            ).scalar()
+            if chain_key is None:
+                raise LedgerError(f"no chain {chain_id!r} in the ledger")
+            if bytes(chain_key) != public:
+                raise LedgerError(
+                    f"chain {chain_id!r} is signed by another key",
+                    hint="run `kvgov audit checkpoint` on the node that owns the chain",
+                )
+            head = conn.execute(
+                select(events.c.seq, events.c.hash)
+                .where(events.c.chain_id == chain_id)
+                .order_by(events.c.seq.desc())
+                .limit(1)
+            ).first()
+            if head is None:
+                return None
+            seq, head_hash = int(head[0]), str(head[1])
+            exists = conn.execute(
+                select(cps.c.seq).where(cps.c.chain_id == chain_id, cps.c.seq == seq)
+            ).first()
+            if exists is not None:
+                return None
+            signed_at = utcnow()
+            signature = sign_checkpoint(key, chain_id, seq, head_hash, signed_at)
+            info = CheckpointInfo(chain_id, seq, head_hash, signed_at, signature, public)
+            conn.execute(
+                cps.insert().values(
+                    chain_id=chain_id,
+                    seq=seq,
+                    head_hash=head_hash,
+                    signed_at=signed_at,
+                    signature=signature,
+                    public_key=public,
+                )
+            )
+            return info
+
+
+def chains_of_key(engine: Engine, key: Ed25519PrivateKey) -> list[str]:
+    """Ids of the chains whose checkpoints ``key`` signs."""
+    public = public_key_bytes(key)
+    chains = table(Chain)
+    with engine.connect() as conn:
+        rows = conn.execute(select(chains.c.chain_id, chains.c.public_key)).all()
+    return sorted(cid for cid, pk in rows if bytes(pk) == public)
