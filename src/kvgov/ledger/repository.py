@@ -1,0 +1,104 @@
+"""Read queries over the ledger that the proxy, the API and the purge need.
+
+A ``LedgerRepository`` works inside the caller's :class:`~sqlalchemy.orm.Session` and never
+commits: the edge (request handler, CLI command, purge step) owns the transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session
+
+from kvgov.ledger.models import CacheEntry, Checkpoint, LedgerEvent, PolicyDecision
+from kvgov.types import EntryState
+
+
+@dataclass(frozen=True, slots=True)
+class ChainHead:
+    chain_id: str
+    seq: int
+    hash: str
+    #: the newest signed checkpoint of the chain, if any
+    checkpoint_seq: int | None
+
+
+class LedgerRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def entries(
+        self,
+        *,
+        tenant: str | None = None,
+        owner: str | None = None,
+        scope_user: str | None = None,
+        user: str | None = None,
+        states: Sequence[EntryState] | None = None,
+        limit: int | None = None,
+    ) -> list[CacheEntry]:
+        """Cache entries matching every filter given. ``user`` matches entries the user owns
+        or is scoped to (what a purge of that user must erase)."""
+        query = select(CacheEntry)
+        if tenant is not None:
+            query = query.where(CacheEntry.tenant == tenant)
+        if owner is not None:
+            query = query.where(CacheEntry.owner == owner)
+        if scope_user is not None:
+            query = query.where(CacheEntry.scope_user == scope_user)
+        if user is not None:
+            query = query.where(or_(CacheEntry.owner == user, CacheEntry.scope_user == user))
+        if states is not None:
+            query = query.where(CacheEntry.state.in_(list(states)))
+        query = query.order_by(CacheEntry.created_at, CacheEntry.key_digest)
+        if limit is not None:
+            query = query.limit(limit)
+        return list(self.session.scalars(query))
+
+    def entry(self, key_digest: str) -> CacheEntry | None:
+        return self.session.get(CacheEntry, key_digest)
+
+    def events_for_request(self, request_id: str) -> list[LedgerEvent]:
+        """Every event of one request, in the order it happened."""
+        query = (
+            select(LedgerEvent)
+            .where(LedgerEvent.request_id == request_id)
+            .order_by(LedgerEvent.occurred_at, LedgerEvent.chain_id, LedgerEvent.seq)
+        )
+        return list(self.session.scalars(query))
+
+    def events_for_key(self, key_digest: str) -> list[LedgerEvent]:
+        query = (
+            select(LedgerEvent)
+            .where(LedgerEvent.key_digest == key_digest)
+            .order_by(LedgerEvent.occurred_at, LedgerEvent.chain_id, LedgerEvent.seq)
+        )
+        return list(self.session.scalars(query))
+
+    def chain_heads(self) -> list[ChainHead]:
+        """The newest event and checkpoint of every chain."""
+        last = (
+            select(LedgerEvent.chain_id, func.max(LedgerEvent.seq).label("seq"))
+            .group_by(LedgerEvent.chain_id)
+            .subquery()
+        )
+        cps = (
+            select(Checkpoint.chain_id, func.max(Checkpoint.seq).label("cp"))
+            .group_by(Checkpoint.chain_id)
+            .subquery()
+        )
+        query = (
+            select(LedgerEvent.chain_id, LedgerEvent.seq, LedgerEvent.hash, cps.c.cp)
+            .join(
+                last,
+                (last.c.chain_id == LedgerEvent.chain_id) & (last.c.seq == LedgerEvent.seq),
+            )
+            .outerjoin(cps, cps.c.chain_id == LedgerEvent.chain_id)
+            .order_by(LedgerEvent.chain_id)
+        )
+        return [ChainHead(c, s, h, cp) for c, s, h, cp in self.session.execute(query)]
+
+    def decision(self, decision_id: str) -> PolicyDecision | None:
+        return self.session.get(PolicyDecision, decision_id)
