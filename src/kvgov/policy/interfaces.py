@@ -168,10 +168,34 @@ def _plain(value: object) -> object:
     return value.value if isinstance(value, StrEnum) else value
 
 
+def canonical_json(doc: Mapping[str, Any]) -> str:
+    """The canonical JSON text of a document: sorted keys, no whitespace, UTF-8."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def document_digest(doc: Mapping[str, Any]) -> str:
-    """SHA-256 (hex) of a document's canonical JSON: sorted keys, no whitespace."""
-    raw = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(raw.encode("utf-8")).hexdigest()
+    """SHA-256 (hex) of a document's canonical JSON."""
+    return text_digest(canonical_json(doc))
+
+
+def safe_digest(inp: PolicyInput) -> str:
+    """The input digest, even for an input that cannot be serialised (then of its repr)."""
+    try:
+        return document_digest(inp.to_document())
+    except (TypeError, ValueError):
+        return text_digest(repr(inp))
+
+
+def validated_document(inp: PolicyInput) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
+    """``(document, ())`` for a well-formed input, else ``(None, deny reasons)``."""
+    problems = input_problems(inp)
+    if problems:
+        return None, tuple(f"{DenyReason.INVALID_INPUT}:{p}" for p in problems)
+    return inp.to_document(), ()
 
 
 def input_problems(inp: PolicyInput) -> tuple[str, ...]:
