@@ -39,6 +39,7 @@ class DenyReason(StrEnum):
     OPA_UNAVAILABLE = "opa_unavailable"  # connection refused, reset, DNS...
     OPA_BAD_STATUS = "opa_bad_status"  # a non-200 reply
     OPA_UNDEFINED = "opa_undefined"  # HTTP 200 without ``result``
+    OPA_INVALID_REPLY = "opa_invalid_reply"  # not JSON, or not an object
     NOT_RECORDED = "decision_not_recorded"  # an allow the ledger could not take
 
 

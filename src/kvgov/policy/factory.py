@@ -1,0 +1,56 @@
+"""``build_policy_engine(settings)``: the configured engine, validated, cached and recorded.
+
+Engines by ``policy.engine``: ``embedded`` (regorus in process, the default), ``opa`` (an OPA
+server over REST) and ``unsafe-allow-all`` (development only; Settings refuses it in
+production). For the first two the policy directory and data file are loaded and checked here:
+invalid Rego or data raises :class:`kvgov.errors.PolicyError` naming the file and line, and
+startup stops. Every engine comes wrapped in :class:`CachingPolicyEngine`, which serves
+:meth:`decide_cached` and applies the recording rule with the given recorder.
+"""
+
+from __future__ import annotations
+
+from kvgov.config import Settings
+from kvgov.policy.bundle import PolicyBundle, load_bundle
+from kvgov.policy.cache import CachingPolicyEngine
+from kvgov.policy.interfaces import DecisionRecorder, PolicyEngine
+
+
+def load_configured_bundle(settings: Settings) -> PolicyBundle:
+    """Policies and data from ``policy.policy_dir`` / ``policy.data_file`` (or the shipped)."""
+    return load_bundle(settings.policy.policy_dir, settings.policy.data_file)
+
+
+def build_inner_engine(settings: Settings) -> PolicyEngine:
+    """The configured engine without cache or recording."""
+    policy = settings.policy
+    if policy.engine == "unsafe-allow-all":
+        from kvgov.policy.allow_all import UnsafeAllowAll
+
+        return UnsafeAllowAll(tuple(settings.tiers.chain))
+
+    def loader() -> PolicyBundle:
+        return load_configured_bundle(settings)
+
+    bundle = loader()
+    if policy.engine == "opa":
+        from kvgov.policy.opa import OpaRestPolicyEngine
+
+        token = policy.opa_token.get_secret_value() if policy.opa_token else None
+        return OpaRestPolicyEngine(
+            bundle, url=policy.opa_url, timeout_s=policy.opa_timeout_s, token=token, loader=loader
+        )
+    from kvgov.policy.embedded import EmbeddedPolicyEngine
+
+    return EmbeddedPolicyEngine(bundle, loader=loader)
+
+
+def build_policy_engine(
+    settings: Settings, *, recorder: DecisionRecorder | None = None
+) -> CachingPolicyEngine:
+    """The engine the sidecar uses. Raises PolicyError when the policies or data are invalid."""
+    return CachingPolicyEngine(
+        build_inner_engine(settings),
+        recorder=recorder,
+        max_entries=settings.policy.cache_max_entries,
+    )

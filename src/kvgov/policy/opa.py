@@ -1,0 +1,219 @@
+"""OPA over REST through ``opa-python-client`` (production: OPA runs as its own sidecar).
+
+Decisions are ``POST /v1/data/kvgov/authz/decision`` with ``{"input": ...}`` via
+``AsyncOpaClient.query_rule``. The client lives inside ``async with`` (entered on first use,
+left by :meth:`OpaRestPolicyEngine.aclose`), retries are off (a retry is a second timeout on
+the data path) and the whole call, pooled-connection wait included, runs under
+``asyncio.timeout(policy.opa_timeout_s)``.
+
+Fail closed: a timeout (``opa_timeout``), a transport error (``opa_unavailable``), a non-200
+reply (``opa_bad_status:<code>``), a reply that is not JSON (``opa_invalid_reply``) and an
+undefined decision (HTTP 200 without ``result``: ``opa_undefined``) are all denies.
+
+Revisions: OPA is loaded with the same policy directory and data file (``kvgov policy push``,
+or a bundle built from them), so the engine reports the revision of those local sources.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvgov.errors import PolicyError
+from kvgov.logging import get_logger
+from kvgov.policy.bundle import PolicyBundle
+from kvgov.policy.interfaces import (
+    DATA_PATH,
+    DECISION_RULE,
+    POLICY_PACKAGE,
+    Decision,
+    DenyReason,
+    PolicyInput,
+    PolicyRevision,
+    canonical_json,
+    safe_digest,
+    text_digest,
+    validated_document,
+)
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class OpaEndpoint:
+    host: str
+    port: int
+    ssl: bool
+
+    @classmethod
+    def parse(cls, url: str) -> OpaEndpoint:
+        """``http(s)://host[:port]``; raises :class:`PolicyError` for anything else."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise PolicyError(f"policy.opa_url must be http(s)://host[:port], got {url!r}")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise PolicyError(f"policy.opa_url must not carry a path or query: {url!r}")
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 8181)
+        except ValueError as exc:
+            raise PolicyError(f"policy.opa_url has an invalid port: {url!r}") from exc
+        return cls(parts.hostname, port, parts.scheme == "https")
+
+
+class OpaRestPolicyEngine:
+    """:class:`kvgov.policy.interfaces.PolicyEngine` asking an OPA server."""
+
+    def __init__(
+        self,
+        bundle: PolicyBundle,
+        *,
+        url: str,
+        timeout_s: float,
+        token: str | None = None,
+        loader: Callable[[], PolicyBundle] | None = None,
+    ) -> None:
+        self.endpoint = OpaEndpoint.parse(url)
+        self.timeout_s = timeout_s
+        self._token = token
+        self._bundle = bundle
+        self._loader = loader
+        self._stack: AsyncExitStack | None = None
+        self._client: Any = None
+        self._opening = asyncio.Lock()
+
+    @property
+    def revision(self) -> PolicyRevision:
+        return self._bundle.revision
+
+    def decide_cached(self, inp: PolicyInput) -> Decision | None:
+        return None
+
+    async def _opened(self) -> Any:
+        if self._client is not None:
+            return self._client
+        async with self._opening:
+            if self._client is None:
+                from opa_client import AsyncOpaClient
+
+                stack = AsyncExitStack()
+                client = AsyncOpaClient(
+                    host=self.endpoint.host,
+                    port=self.endpoint.port,
+                    ssl=self.endpoint.ssl,
+                    token=self._token,
+                    retries=0,
+                    timeout=self.timeout_s,
+                )
+                self._client = await stack.enter_async_context(client)
+                self._stack = stack
+        return self._client
+
+    async def decide(self, inp: PolicyInput) -> Decision:
+        import aiohttp
+
+        revision = self._bundle.revision
+        operation = inp.operation if isinstance(inp.operation, str) else None
+        doc, problems = validated_document(inp)
+        if doc is None:
+            return Decision.deny(
+                *problems, revision=revision, input_digest=safe_digest(inp), operation=operation
+            )
+        digest = text_digest(canonical_json(doc))
+
+        def deny(reason: str) -> Decision:
+            log.warning("policy.opa_denied", extra={"reason": reason, "input_digest": digest})
+            return Decision.deny(
+                reason, revision=revision, input_digest=digest, operation=operation
+            )
+
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                client = await self._opened()
+                body = await client.query_rule(doc, POLICY_PACKAGE, DECISION_RULE)
+        except TimeoutError:
+            return deny(DenyReason.OPA_TIMEOUT)
+        except aiohttp.ContentTypeError:
+            return deny(DenyReason.OPA_INVALID_REPLY)
+        except aiohttp.ClientResponseError as exc:
+            return deny(f"{DenyReason.OPA_BAD_STATUS}:{exc.status}")
+        except (aiohttp.ClientError, OSError):
+            return deny(DenyReason.OPA_UNAVAILABLE)
+        except ValueError:
+            return deny(DenyReason.OPA_INVALID_REPLY)
+        except Exception as exc:  # noqa: BLE001 - fail closed on whatever the client raises
+            log.error("policy.opa_error", extra={"error": type(exc).__name__})
+            return deny(DenyReason.OPA_UNAVAILABLE)
+        if not isinstance(body, dict):
+            return deny(DenyReason.OPA_INVALID_REPLY)
+        if "result" not in body:
+            return deny(DenyReason.OPA_UNDEFINED)
+        decision = Decision.from_result(
+            body["result"], revision=revision, input_digest=digest, operation=operation
+        )
+        opa_id = body.get("decision_id")
+        if isinstance(opa_id, str) and opa_id:  # OPA's decision log id, when logging is on
+            decision = replace(decision, decision_id=opa_id)
+        return decision
+
+    async def reload(self) -> PolicyRevision:
+        if self._loader is not None:
+            self._bundle = self._loader()
+        return self._bundle.revision
+
+    async def aclose(self) -> None:
+        stack, self._stack, self._client = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+
+def policy_id(module_name: str) -> str:
+    """The OPA policy id a module is pushed under: ``kvgov/<path without .rego>``."""
+    stem = module_name.removesuffix(".rego")
+    return f"kvgov/{stem}"
+
+
+async def push_bundle(
+    bundle: PolicyBundle,
+    *,
+    url: str,
+    token: str | None = None,
+    timeout_s: float = 5.0,
+    include_tests: bool = True,
+) -> list[str]:
+    """Load the bundle's policies (and tests) and its data into an OPA server.
+
+    Returns what was written (policy ids and the data path). Raises :class:`PolicyError` when
+    OPA refuses or cannot be reached. Policies are sent as they are (no v0 rewriting), so what
+    runs in OPA is what the revision names.
+    """
+    from opa_client import AsyncOpaClient
+
+    endpoint = OpaEndpoint.parse(url)
+    written: list[str] = []
+    modules = bundle.modules + (bundle.tests if include_tests else ())
+    try:
+        async with AsyncOpaClient(
+            host=endpoint.host,
+            port=endpoint.port,
+            ssl=endpoint.ssl,
+            token=token,
+            timeout=timeout_s,
+        ) as client:
+            for module in modules:
+                pid = policy_id(module.name)
+                await client.update_policy_from_string(module.source, pid, rego_compat=False)
+                written.append(pid)
+            data_endpoint = DATA_PATH.replace(".", "/")
+            await client.update_or_create_data(dict(bundle.config), data_endpoint)
+            written.append(f"data/{data_endpoint}")
+    except Exception as exc:  # the client raises many unrelated types; re-raised as ours
+        detail = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+        raise PolicyError(
+            f"pushing policies to OPA at {url} failed after {len(written)} of "
+            f"{len(modules) + 1} writes: {detail}"
+        ) from exc
+    return written
