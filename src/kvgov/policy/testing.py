@@ -74,6 +74,13 @@ def run_tests(rules: Iterable[str], evaluate: RuleEvaluator, *, engine: str) -> 
     return RegoTestReport(engine=engine, results=tuple(results))
 
 
+def _constant(value: object) -> RuleEvaluator:
+    def evaluate(_rule: str) -> object:
+        return value
+
+    return evaluate
+
+
 def regorus_evaluator(bundle: PolicyBundle) -> RuleEvaluator:
     """Evaluate rules of the bundle's policies and tests with regorus' interpreter."""
     import regorus
@@ -118,5 +125,5 @@ async def run_opa(
                 results.append(RegoTestResult(rule, passed=False, error=f"OPA: {exc!r}"))
                 continue
             value = body.get("result", UNDEFINED) if isinstance(body, dict) else UNDEFINED
-            results.extend(run_tests([rule], lambda _r, v=value: v, engine="opa").results)
+            results.extend(run_tests([rule], _constant(value), engine="opa").results)
     return RegoTestReport(engine=f"opa ({url})", results=tuple(results))
