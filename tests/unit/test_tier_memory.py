@@ -115,3 +115,23 @@ async def test_closed_tier_refuses_work() -> None:
     await tier.close()
     with pytest.raises(TierError, match="closed"):
         await tier.put("a", b"x")
+
+
+async def test_steady_state_puts_allocate_no_chunk_sized_memory() -> None:
+    import tracemalloc
+
+    size = 2 * 1024 * 1024
+    tier = MemoryTier(4 * size)
+    data = memoryview(bytearray(_chunk(7, size)))
+    for i in range(4):
+        await tier.put(f"warm{i}", data)
+    dst = memoryview(bytearray(size))
+    tracemalloc.start()
+    try:
+        for i in range(16):
+            await tier.put(f"k{i}", data)
+            assert await tier.get_into(f"k{i}", dst) == size
+        _current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < size // 4  # no chunk-sized allocation (nor a temporary copy) per put or get

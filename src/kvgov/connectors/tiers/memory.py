@@ -95,7 +95,8 @@ class MemoryTier:
             stored = bytes(src)
         else:
             stored = self._buffer_for(size)
-            stored[:] = src  # same length: one memcpy into the recycled buffer, no resize
+            # a memoryview slice assignment is one memcpy (bytearray[:] = view copies twice)
+            memoryview(stored)[:] = src
         self._entries[key] = _Entry(stored, expires_at)
         self._live_bytes += size
 
