@@ -42,20 +42,22 @@ _UNDEFINED = '"<undefined>"'
 _Evaluator = Callable[[str], str]
 
 
-def _compile(bundle: PolicyBundle) -> tuple[_Evaluator, str]:
+def _compile(bundle: PolicyBundle, *, rvm: bool = True) -> tuple[_Evaluator, str]:
     """Build the evaluator for a bundle: RVM bytecode when it compiles, else the interpreter."""
     import regorus
 
     data_json = json.dumps(bundle.data_document())
     modules = [(m.name, m.source) for m in bundle.modules]
-    try:
-        program = regorus.Program.compile_from_modules(data_json, modules, [DECISION_PATH])
-    except RuntimeError as exc:
-        log.warning(
-            "policy.rvm_unavailable",
-            extra={"error": rego_error_text(exc).splitlines()[-1:], "mode": "interpreter"},
-        )
-    else:
+    program = None
+    if rvm:
+        try:
+            program = regorus.Program.compile_from_modules(data_json, modules, [DECISION_PATH])
+        except RuntimeError as exc:
+            log.warning(
+                "policy.rvm_unavailable",
+                extra={"error": rego_error_text(exc).splitlines()[-1:], "mode": "interpreter"},
+            )
+    if program is not None:
         vm = regorus.Rvm()
         vm.load_program(program)
         vm.set_data_json(data_json)
@@ -83,12 +85,18 @@ class EmbeddedPolicyEngine:
     """:class:`kvgov.policy.interfaces.PolicyEngine` evaluating Rego in process with regorus."""
 
     def __init__(
-        self, bundle: PolicyBundle, *, loader: Callable[[], PolicyBundle] | None = None
+        self,
+        bundle: PolicyBundle,
+        *,
+        loader: Callable[[], PolicyBundle] | None = None,
+        rvm: bool = True,
     ) -> None:
+        """``rvm=False`` forces regorus' interpreter (for comparisons; slower)."""
         self._lock = threading.Lock()
         self._loader = loader
         self._bundle = bundle
-        self._evaluate, self.mode = _compile(bundle)
+        self._rvm = rvm
+        self._evaluate, self.mode = _compile(bundle, rvm=rvm)
 
     @classmethod
     def from_paths(
@@ -149,7 +157,7 @@ class EmbeddedPolicyEngine:
         if self._loader is None:
             return self._bundle.revision
         bundle = self._loader()  # raises PolicyError: the current policies keep answering
-        evaluate, mode = _compile(bundle)
+        evaluate, mode = _compile(bundle, rvm=self._rvm)
         with self._lock:
             self._bundle, self._evaluate, self.mode = bundle, evaluate, mode
         log.info(
