@@ -255,3 +255,11 @@ def test_from_settings(tmp_path: Path, store: CountingStore) -> None:
     ring = Keyring.from_settings(settings, store)
     assert ring.segment_size == settings.keys.segment_size
     assert ring.open(ring.seal("acme", CK, b"x"), tenant="acme", cache_key=CK) == b"x"
+
+
+def test_close_flushes_usage(store: CountingStore, kek: FileKekProvider) -> None:
+    ring = Keyring(store, kek)
+    sealed = ring.seal("acme", CK, b"x")
+    ring.close()
+    assert [k.usage_count for k in InMemoryKeyStore.versions(store, "acme")] == [1]
+    assert ring.open(sealed, tenant="acme", cache_key=CK) == b"x"  # reloads from the store

@@ -255,6 +255,13 @@ class Keyring:
         with self._lock:
             self._flush_locked()
 
+    def close(self) -> None:
+        """Flush usage and drop every in-memory key (call on shutdown)."""
+        with self._lock:
+            self._flush_locked()
+            self._cache.clear()
+            self._active.clear()
+
     # -- sealing -----------------------------------------------------------------------------
 
     def sealer(
@@ -345,7 +352,15 @@ class Keyring:
             kek_id=self._kek.kek_id,
             created_at=datetime.now(UTC),
         )
-        self._store.add(row)
+        try:
+            self._store.add(row)
+        except ValueError:
+            # another process created that version first: use theirs
+            theirs = self._store.get(key_id, version)
+            if theirs is None or theirs.state is not KeyState.ACTIVE:
+                raise
+            log.info("keys.create.lost_race", extra={"key_id": key_id, "version": version})
+            return self._load(theirs)
         entry = self._cache_entry(row, dek)
         kind = EventKind.KEY_CREATED if version == 1 else EventKind.KEY_ROTATED
         log.info("keys.created", extra={"key_id": key_id, "version": version})

@@ -1,0 +1,179 @@
+"""``kvgov keys`` end to end on Postgres: ciphertext copied aside is dead after a shred, other
+tenants and users are unaffected, the ledger records it, list never shows material."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, select
+from typer.testing import CliRunner
+
+from kvgov.cli.main import build_app
+from kvgov.config import Settings
+from kvgov.errors import KeyDestroyedError
+from kvgov.keys.kek import FileKekProvider, generate_kek_file
+from kvgov.keys.keyring import Keyring
+from kvgov.keys.sealed import parse_header
+from kvgov.ledger.chain import generate_signing_key_file
+from kvgov.ledger.db import make_engine, upgrade
+from kvgov.ledger.keystore import SqlKeyStore
+from kvgov.ledger.models import LedgerEvent, table
+from kvgov.ledger.pseudonym import Pseudonymizer, generate_pseudonym_key_file
+from kvgov.ledger.verify import verify
+from kvgov.types import EventKind, KeyState
+
+pytestmark = pytest.mark.postgres
+
+CK = b"llama|chunk-42"
+
+
+@pytest.fixture
+def cfg(tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    monkeypatch.setenv("KVGOV_DATA_DIR", str(tmp_path / "kvgov"))
+    monkeypatch.setenv("KVGOV_DATABASE_URL", pg_url)
+    settings = Settings()
+    upgrade(pg_url)
+    generate_signing_key_file(settings.signing_key_path)
+    generate_pseudonym_key_file(settings.pseudonym_key_path)
+    generate_kek_file(settings.kek_path)
+    return settings
+
+
+@pytest.fixture
+def engine(cfg: Settings) -> Iterator[Engine]:
+    eng = make_engine(cfg.database_url, pool_size=2)
+    yield eng
+    eng.dispose()
+
+
+def keyring(cfg: Settings, engine: Engine) -> Keyring:
+    """A sidecar's keyring: its own process state, the shared database and KEK."""
+    return Keyring(SqlKeyStore(engine), FileKekProvider(cfg.kek_path))
+
+
+def kvgov(*args: str, input: str | None = None) -> tuple[int, str]:
+    result = CliRunner().invoke(build_app(), list(args), input=input, catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def ledger_rows(engine: Engine, kind: EventKind) -> list[dict[str, object]]:
+    t = table(LedgerEvent)
+    with engine.connect() as conn:
+        rows = conn.execute(select(t).where(t.c.kind == str(kind)).order_by(t.c.seq)).all()
+    return [dict(r._mapping) for r in rows]
+
+
+def test_shred_a_user_then_the_tenant(cfg: Settings, engine: Engine, tmp_path: Path) -> None:
+    alice = Pseudonymizer.from_file(cfg.pseudonym_key_path).user("acme", "alice@example.com")
+    ring = keyring(cfg, engine)
+    data = {
+        "alice": os.urandom(50_000),
+        "bob": os.urandom(5000),
+        "acme": os.urandom(7000),
+        "globex": os.urandom(7000),
+    }
+    sealed = {
+        "alice": ring.seal("acme", CK, data["alice"], user=alice),
+        "bob": ring.seal("acme", CK, data["bob"], user="bob-pseudonym"),
+        "acme": ring.seal("acme", CK, data["acme"]),
+        "globex": ring.seal("globex", CK, data["globex"]),
+    }
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    for name, blob in sealed.items():  # an attacker's (or a backup's) copy of the ciphertext
+        (aside / name).write_bytes(blob)
+
+    # without --yes it asks, and "no" changes nothing
+    code, out = kvgov(
+        "keys", "shred", "--tenant", "acme", "--user", "alice@example.com", input="n\n"
+    )
+    assert code == 1 and "Destroy the keys of user" in out
+    assert keyring(cfg, engine).open(sealed["alice"], tenant="acme", cache_key=CK) == data["alice"]
+
+    code, out = kvgov("keys", "shred", "--tenant", "acme", "--user", "alice@example.com", "--yes")
+    assert code == 0, out
+    assert f"u:acme:{alice} v1" in out
+    assert "alice@example.com" not in out
+
+    fresh = keyring(cfg, engine)  # a process that never saw the keys
+    with pytest.raises(KeyDestroyedError, match="was destroyed"):
+        fresh.open((aside / "alice").read_bytes(), tenant="acme", cache_key=CK)
+    assert fresh.open((aside / "bob").read_bytes(), tenant="acme", cache_key=CK) == data["bob"]
+    assert fresh.open((aside / "acme").read_bytes(), tenant="acme", cache_key=CK) == data["acme"]
+    assert (
+        fresh.open((aside / "globex").read_bytes(), tenant="globex", cache_key=CK) == data["globex"]
+    )
+    # the running sidecar's keyring drops its in-memory copy when it shreds the same scope
+    assert ring.shred("acme", alice) == []
+    with pytest.raises(KeyDestroyedError):
+        ring.open(sealed["alice"], tenant="acme", cache_key=CK)
+
+    shredded = ledger_rows(engine, EventKind.KEY_SHREDDED)
+    assert [(r["tenant"], r["actor"], r["attrs"]) for r in shredded] == [
+        ("acme", alice, {"key_id": f"u:acme:{alice}", "version": 1}),
+    ]
+    assert shredded[0]["principal"] == "cli" and shredded[0]["outcome"] == "ok"
+
+    # the whole tenant: every remaining acme key, user keys included; globex untouched
+    code, out = kvgov("keys", "shred", "--tenant", "acme", "--dry-run")
+    assert code == 0 and "would destroy" in out and "t:acme v1" in out
+    code, out = kvgov("keys", "shred", "--tenant", "acme", "--yes", "--json")
+    assert code == 0, out
+    report = json.loads(out)
+    assert sorted(k["key_id"] for k in report["destroyed"]) == ["t:acme", "u:acme:bob-pseudonym"]
+    assert len(report["ledger"]) == 2
+    fresh = keyring(cfg, engine)
+    for name in ("alice", "bob", "acme"):
+        with pytest.raises(KeyDestroyedError):
+            fresh.open((aside / name).read_bytes(), tenant="acme", cache_key=CK)
+    assert (
+        fresh.open((aside / "globex").read_bytes(), tenant="globex", cache_key=CK) == data["globex"]
+    )
+    assert len(ledger_rows(engine, EventKind.KEY_SHREDDED)) == 3
+    code, out = kvgov("keys", "shred", "--tenant", "acme", "--yes")
+    assert code == 0 and "nothing to destroy" in out
+    assert verify(engine).ok
+
+
+def test_rotate_and_list(cfg: Settings, engine: Engine) -> None:
+    ring = keyring(cfg, engine)
+    old = ring.seal("globex", CK, b"v1 data" * 100)
+    code, out = kvgov("keys", "rotate", "--tenant", "globex")
+    assert code == 0, out
+    assert "t:globex: new writes use v2" in out
+    fresh = keyring(cfg, engine)
+    new = fresh.seal("globex", CK, b"v2 data")
+    assert parse_header(new).key_version == 2
+    assert fresh.open(old, tenant="globex", cache_key=CK) == b"v1 data" * 100
+    rotated = ledger_rows(engine, EventKind.KEY_ROTATED)
+    assert [r["attrs"] for r in rotated] == [{"key_id": "t:globex", "version": 2}]
+
+    ring.flush_usage()  # a sidecar adds its usage counts in batches (and on close)
+    code, out = kvgov("keys", "list", "--tenant", "globex", "--json")
+    assert code == 0, out
+    listed = json.loads(out)
+    assert [(k["version"], k["state"], k["usage_count"]) for k in listed] == [
+        (1, KeyState.RETIRED, 1),
+        (2, KeyState.ACTIVE, 0),  # the new process has not flushed its usage yet
+    ]
+    assert all("wrapped" not in k for k in listed)
+    for row in SqlKeyStore(engine).versions("globex"):
+        assert row.wrapped is not None
+        assert base64.b64encode(row.wrapped).decode() not in out
+        assert row.wrapped.hex() not in out
+    code, out = kvgov("keys", "list")
+    assert code == 0 and "t:globex" in out and "retired" in out
+    # a user key of a new tenant, rotated from the CLI: created, then rotated
+    code, out = kvgov("keys", "rotate", "--tenant", "initech", "--user", "carol")
+    assert code == 0 and "v1" in out
+    assert verify(engine).ok
+
+
+def test_bad_usage(cfg: Settings) -> None:
+    code, _ = kvgov("keys", "shred", "--yes")
+    assert code == 2
