@@ -33,6 +33,10 @@ def new_token() -> str:
     return TOKEN_PREFIX + secrets.token_urlsafe(32)
 
 
+def new_token_id() -> str:
+    return str(uuid.uuid4())
+
+
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
@@ -71,12 +75,19 @@ class TokenRepository:
         self._session = session
 
     def create(
-        self, role: Role, *, tenant: str | None = None, name: str = ""
+        self,
+        role: Role,
+        *,
+        tenant: str | None = None,
+        name: str = "",
+        token_id: str | None = None,
     ) -> tuple[TokenRecord, str]:
-        """Store a new token; returns its record and the raw token (shown once, never stored)."""
+        """Store a new token; returns its record and the raw token (shown once, never stored).
+
+        ``token_id`` lets the caller record the creation in the ledger before this write."""
         token = new_token()
         row = ApiToken(
-            id=str(uuid.uuid4()),
+            id=token_id or new_token_id(),
             name=name or f"{role.value}-token",
             token_hash=hash_token(token),
             role=Role(role),

@@ -1,8 +1,8 @@
 """``/v1/tokens``: admins manage control-plane tokens over REST (same as ``kvgov token``).
 
 Creating or revoking a token is a ledger event (``token:created`` / ``token:revoked``), recorded
-before the change is committed: the ledger may name a token whose commit then failed, never the
-other way round.
+before the change is written: the ledger may name a token whose commit then failed, never the
+other way round (and on SQLite the single writer is never waited on while holding a write).
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Response, status
 from fastapi.concurrency import run_in_threadpool
 
+from kvgov.errors import NotFoundError
 from kvgov.ledger.events import Event
-from kvgov.ledger.tokens import TokenRecord, TokenRepository
+from kvgov.ledger.tokens import TokenRecord, TokenRepository, new_token_id
 from kvgov.proxy.api.auth import Context, GlobalAdmin, Principal
 from kvgov.proxy.api.problems import problem_responses
 from kvgov.proxy.api.v1.schemas import TokenCreate, TokenCreated, TokenOut
-from kvgov.types import EventKind
+from kvgov.types import EventKind, Role
 
 router = APIRouter(tags=["tokens"])
 
@@ -44,12 +45,14 @@ def token_out(record: TokenRecord) -> TokenOut:
     )
 
 
-def _token_event(kind: EventKind, record: TokenRecord, principal: Principal) -> Event:
+def _token_event(
+    kind: EventKind, token_id: str, role: Role, tenant: str | None, principal: Principal
+) -> Event:
     return Event(
         kind=kind,
-        tenant=record.tenant,
+        tenant=tenant,
         principal=principal.id,
-        attrs={"token_id": record.id, "role": record.role.value},
+        attrs={"token_id": token_id, "role": role.value},
     )
 
 
@@ -77,15 +80,20 @@ async def list_tokens(principal: GlobalAdmin, ctx: Context) -> list[TokenOut]:
     responses=problem_responses(401, 403, 422),
 )
 async def create_token(body: TokenCreate, principal: GlobalAdmin, ctx: Context) -> TokenCreated:
-    session = ctx.session()
-    try:
-        record, token = await run_in_threadpool(
-            TokenRepository(session).create, body.role, tenant=body.tenant, name=body.name
-        )
-        await ctx.sink.append(_token_event(EventKind.TOKEN_CREATED, record, principal))
-        await run_in_threadpool(session.commit)
-    finally:
-        await run_in_threadpool(session.close)
+    token_id = new_token_id()
+    await ctx.sink.append(
+        _token_event(EventKind.TOKEN_CREATED, token_id, body.role, body.tenant, principal)
+    )
+
+    def run() -> tuple[TokenRecord, str]:
+        with ctx.session() as session:
+            out = TokenRepository(session).create(
+                body.role, tenant=body.tenant, name=body.name, token_id=token_id
+            )
+            session.commit()
+            return out
+
+    record, token = await run_in_threadpool(run)
     return TokenCreated(**token_out(record).model_dump(), token=token)
 
 
@@ -98,11 +106,20 @@ async def create_token(body: TokenCreate, principal: GlobalAdmin, ctx: Context) 
     responses=problem_responses(401, 403, 404, 422),
 )
 async def revoke_token(token_id: TokenIdPath, principal: GlobalAdmin, ctx: Context) -> Response:
-    session = ctx.session()
-    try:
-        record = await run_in_threadpool(TokenRepository(session).revoke, token_id)
-        await ctx.sink.append(_token_event(EventKind.TOKEN_REVOKED, record, principal))
-        await run_in_threadpool(session.commit)
-    finally:
-        await run_in_threadpool(session.close)
+    def find() -> TokenRecord | None:
+        with ctx.session() as session:
+            return TokenRepository(session).get(token_id)
+
+    def run() -> None:
+        with ctx.session() as session:
+            TokenRepository(session).revoke(token_id)
+            session.commit()
+
+    found = await run_in_threadpool(find)
+    if found is None:
+        raise NotFoundError(f"no token with id {token_id!r}")
+    await ctx.sink.append(
+        _token_event(EventKind.TOKEN_REVOKED, found.id, found.role, found.tenant, principal)
+    )
+    await run_in_threadpool(run)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

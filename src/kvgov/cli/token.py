@@ -1,0 +1,174 @@
+"""``kvgov token create|list|revoke``: control-plane bearer tokens.
+
+The token is printed once by ``create`` and never again: only its SHA-256 is stored. Creating
+and revoking tokens are ledger events, like the same actions over ``/v1/tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from kvgov.cli._common import EXIT_OK, echo, emit_json, fail, settings
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+    from sqlalchemy.orm import Session
+
+    from kvgov.config import Settings
+    from kvgov.ledger.events import Event
+    from kvgov.types import EventKind
+
+_ROLES = "auditor, admin or engine"
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(
+        name="token", help="Manage control-plane bearer tokens.", no_args_is_help=True
+    )
+
+    @group.command("create")
+    def create(
+        ctx: typer.Context,
+        role: Annotated[str, typer.Option("--role", "-r", help=f"Role: {_ROLES}.")],
+        tenant: Annotated[
+            str | None, typer.Option("--tenant", "-t", help="Limit the token to one tenant.")
+        ] = None,
+        name: Annotated[str, typer.Option("--name", "-n", help="A label for the token.")] = "",
+        as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    ) -> None:
+        """Create a token and print it (shown only this once)."""
+        from kvgov.ledger.tokens import TokenRepository, new_token_id
+        from kvgov.types import EventKind, Role
+
+        try:
+            role_value = Role(role)
+        except ValueError:
+            raise fail(f"kvgov: unknown role {role!r} (use {_ROLES})", 2) from None
+        token_id = new_token_id()
+        with _session(ctx) as (session, record_event):
+            # recorded before it exists: the ledger may name a token whose commit failed, it
+            # never misses one that exists
+            record_event(EventKind.TOKEN_CREATED, token_id, role_value.value, tenant or None)
+            record, token = TokenRepository(session).create(
+                role_value, tenant=tenant, name=name, token_id=token_id
+            )
+            session.commit()
+        if as_json:
+            emit_json({**_as_dict(record), "token": token})
+            return
+        echo(f"token id: {record.id}")
+        echo(f"role:     {record.role.value}")
+        echo(f"tenant:   {record.tenant or '(all tenants)'}")
+        echo(f"name:     {record.name}")
+        echo("")
+        echo(token)
+        echo("")
+        echo("Store this token now: it is not shown again (only its hash is kept).")
+
+    @group.command("list")
+    def list_(
+        ctx: typer.Context,
+        active: Annotated[bool, typer.Option("--active", help="Hide revoked tokens.")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    ) -> None:
+        """List tokens (never the tokens themselves)."""
+        from kvgov.ledger.tokens import TokenRepository
+
+        with _session(ctx) as (session, _):
+            records = TokenRepository(session).all(include_revoked=not active)
+        if as_json:
+            emit_json([_as_dict(r) for r in records])
+            return
+        if not records:
+            echo("no tokens")
+            return
+        echo(f"{'ID':36}  {'ROLE':7}  {'TENANT':16}  {'STATE':7}  {'LAST USED':19}  NAME")
+        for r in records:
+            last = r.last_used_at.strftime("%Y-%m-%d %H:%M:%S") if r.last_used_at else "-"
+            state = "active" if r.active else "revoked"
+            tenant = r.tenant or "*"
+            echo(f"{r.id:36}  {r.role.value:7}  {tenant:16}  {state:7}  {last:19}  {r.name}")
+
+    @group.command("revoke")
+    def revoke(
+        ctx: typer.Context,
+        token_id: Annotated[str, typer.Argument(help="Token id (from `kvgov token list`).")],
+    ) -> None:
+        """Revoke a token at once."""
+        from kvgov.errors import NotFoundError
+        from kvgov.ledger.tokens import TokenRepository
+        from kvgov.types import EventKind
+
+        with _session(ctx) as (session, record_event):
+            repo = TokenRepository(session)
+            found = repo.get(token_id)
+            session.rollback()  # end the read before the ledger writes (SQLite: one writer)
+            if found is None:
+                raise fail(f"kvgov: {NotFoundError(f'no token with id {token_id!r}').message}")
+            record_event(EventKind.TOKEN_REVOKED, found.id, found.role.value, found.tenant)
+            record = repo.revoke(token_id)
+            session.commit()
+        echo(f"revoked {record.id}")
+        raise typer.Exit(EXIT_OK)
+
+    app.add_typer(group)
+
+
+def _as_dict(record: object) -> dict[str, object]:
+    from dataclasses import asdict, is_dataclass
+
+    if not is_dataclass(record) or isinstance(record, type):
+        raise TypeError("expected a token record")
+    out = asdict(record)
+    out["role"] = str(out["role"])
+    out["active"] = out["revoked_at"] is None
+    return out
+
+
+@contextmanager
+def _session(
+    ctx: typer.Context,
+) -> Iterator[tuple[Session, Callable[[EventKind, str, str, str | None], None]]]:
+    """A session on the ledger plus ``record_event``, which appends a token event to this
+    node's chain (durably, before the caller commits its change)."""
+    from kvgov.ledger.db import make_engine, make_sessionmaker
+
+    s = settings(ctx)
+    engine = make_engine(s.database_url)
+
+    def record_event(kind: EventKind, token_id: str, role: str, tenant: str | None) -> None:
+        from kvgov.ledger.events import Event
+
+        event = Event(
+            kind=kind,
+            tenant=tenant,
+            principal=f"cli:{getpass.getuser()}",
+            attrs={"token_id": token_id, "role": role},
+        )
+        asyncio.run(_append(s, engine, event))
+
+    try:
+        with make_sessionmaker(engine)() as session:
+            yield session, record_event
+    finally:
+        engine.dispose()
+
+
+async def _append(s: Settings, engine: Engine, event: Event) -> None:
+    from kvgov.ledger.chain import load_signing_key
+    from kvgov.ledger.writer import LedgerWriter
+
+    writer = LedgerWriter(
+        engine, chain_id=s.chain_id, signing_key=load_signing_key(s.signing_key_path)
+    )
+    await writer.start()
+    try:
+        await writer.append(event)
+    finally:
+        await writer.close()
