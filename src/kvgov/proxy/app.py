@@ -1,0 +1,212 @@
+"""The sidecar's application factory: :func:`build_sidecar` composes every component from one
+``Settings`` (ledger engine + migration check, writer, keyring, policy, tiers, pipeline, the
+kvgov wire server, the ``lm://`` listener and the control plane). Nothing happens at import.
+
+Lifecycle: ``sidecar = await build_sidecar(settings)``; ``await sidecar.start()``;
+``await sidecar.stop()`` (stop accepting, drain in-flight puts, flush the ledger, close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgov import __version__
+from kvgov.config import Settings
+from kvgov.connectors.tiers.chain import TierChain
+from kvgov.connectors.tiers.factory import build_tiers
+from kvgov.errors import StartupError
+from kvgov.keys.keyring import Keyring
+from kvgov.keys.store import InMemoryKeyStore, WrappedKeyStore
+from kvgov.ledger.events import EventSink
+from kvgov.ledger.pseudonym import Pseudonymizer, generate_pseudonym_key_file
+from kvgov.policy.interfaces import DecisionRecorder, PolicyEngine
+from kvgov.proxy.dataplane.buffers import BufferPool
+from kvgov.proxy.dataplane.index import EntryIndex
+from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
+from kvgov.proxy.dataplane.pipeline import Pipeline
+from kvgov.proxy.dataplane.server import ServerConfig, WireServer
+from kvgov.types import Environment
+
+log = logging.getLogger("kvgov.sidecar")
+
+
+@dataclass
+class Sidecar:
+    settings: Settings
+    pipeline: Pipeline
+    server: WireServer
+    tiers: TierChain
+    metrics: DataPlaneMetrics
+    executor: ThreadPoolExecutor
+    writer: Any = None
+    engine: Any = None
+    lm_server: Any = None
+    sidecar_id: str = ""
+    _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    ready: bool = False
+
+    async def start(self) -> None:
+        dp = self.settings.dataplane
+        await self.server.start(
+            dp.host or None, dp.port, str(dp.unix_path) if dp.unix_path else None
+        )
+        if dp.lm_port >= 0:
+            from kvgov.proxy.dataplane.lm import LmServer
+
+            self.lm_server = LmServer(self.pipeline, engine_id=dp.lm_engine_id)
+            await self.lm_server.start(dp.lm_host, dp.lm_port)
+        self._tasks.append(asyncio.create_task(self._sweeper(), name="kvgov-ttl-sweeper"))
+        self.ready = True
+        log.info("sidecar.started", extra={"addresses": self.server.addresses})
+
+    async def _sweeper(self) -> None:
+        interval = self.settings.tiers.sweep_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.pipeline.sweep()
+            except Exception:
+                log.exception("sidecar.sweep.failed")
+
+    async def stop(self, grace_s: float = 30.0) -> None:
+        """Stop accepting, drain in-flight requests, flush the ledger, close everything."""
+        self.ready = False
+        await self.server.stop_accepting()
+        if self.lm_server is not None:
+            await self.lm_server.stop_accepting()
+        await self.server.drain(grace_s)
+        if self.lm_server is not None:
+            await self.lm_server.drain(grace_s)
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.writer is not None:
+            await self.writer.close()
+        await self.tiers.close()
+        if self.pipeline.keyring is not None:
+            self.pipeline.keyring.flush_usage()
+        self.executor.shutdown(wait=True)
+        if self.engine is not None:
+            self.engine.dispose()
+        log.info("sidecar.stopped")
+
+    async def evict_on_engines(self, keys: list[str], timeout_s: float) -> list[Any]:
+        """EVICT the entries (key digests) on every connected engine's control connection."""
+        raw = self.pipeline.index.raw_keys(keys)
+        return await self.server.evict_on_engines(list(raw.values()), timeout_s)
+
+
+def _optional(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+async def build_sidecar(
+    settings: Settings,
+    *,
+    policy: PolicyEngine | None = None,
+    recorder: DecisionRecorder | None = None,
+    sink: EventSink | None = None,
+) -> Sidecar:
+    """Build (not start) a sidecar. ``policy``/``sink`` override the configured ones (tests)."""
+    dp = settings.dataplane
+    governance = dp.governance
+    metrics = DataPlaneMetrics()
+    executor = ThreadPoolExecutor(max_workers=dp.crypto_threads, thread_name_prefix="kvgov-crypto")
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    generate_pseudonym_key_file(settings.pseudonym_key_path)
+    pseudonymizer = Pseudonymizer.from_file(settings.pseudonym_key_path)
+    index = EntryIndex()
+    engine = writer = None
+    keyring: Keyring | None = None
+    if governance:
+        from kvgov.keys.kek import FileKekProvider, generate_kek_file
+        from kvgov.ledger.chain import generate_signing_key_file, load_signing_key
+        from kvgov.ledger.db import make_engine, upgrade
+        from kvgov.ledger.writer import LedgerWriter
+        from kvgov.proxy.dataplane.restore import load_index
+
+        upgrade(settings.database_url)
+        engine = make_engine(settings.database_url, pool_size=settings.database.pool_size)
+        if sink is None:
+            generate_signing_key_file(settings.signing_key_path)
+            writer = LedgerWriter(
+                engine,
+                chain_id=settings.chain_id,
+                signing_key=load_signing_key(settings.signing_key_path),
+                batch_max_events=settings.ledger.batch_max_events,
+                batch_max_delay_ms=settings.ledger.batch_max_delay_ms,
+                queue_max_events=settings.ledger.queue_max_events,
+            )
+            await writer.start()
+            sink = writer
+        if settings.environment is Environment.DEVELOPMENT and not settings.kek_path.exists():
+            generate_kek_file(settings.kek_path)
+        sql_store = _optional("kvgov.ledger.keystore", "SqlKeyStore")
+        store: WrappedKeyStore = sql_store(engine) if sql_store else InMemoryKeyStore()
+        keyring = Keyring.from_settings(
+            settings, store, FileKekProvider(settings.kek_path, environment=settings.environment)
+        )
+        if policy is None:
+            factory = _optional("kvgov.policy.factory", "build_policy_engine")
+            if factory is None:
+                raise StartupError("no policy engine available (kvgov.policy.factory missing)")
+            policy = factory(settings)
+        if recorder is None:
+            make_recorder = _optional("kvgov.policy.recorder", "LedgerDecisionRecorder")
+            recorder = make_recorder(sink) if make_recorder else None
+        await asyncio.get_running_loop().run_in_executor(
+            None, load_index, engine, index, time.time()
+        )
+    tiers = await build_tiers(settings)
+    pipeline = Pipeline(
+        tiers=tiers,
+        pseudonymizer=pseudonymizer,
+        pool=BufferPool(dp.buffer_pool_bytes),
+        executor=executor,
+        metrics=metrics,
+        index=index,
+        governance=governance,
+        policy=policy,
+        recorder=recorder,
+        keyring=keyring,
+        sink=sink,
+        segment_size=settings.keys.segment_size,
+        default_tenant=dp.lm_default_tenant or None,
+    )
+    metrics.watch(
+        lambda: float(pipeline.pool.in_use_bytes),
+        lambda: float(writer.queue_depth if writer is not None else 0),
+    )
+    sidecar_id = settings.chain_id
+    server = WireServer(
+        pipeline,
+        ServerConfig(
+            sidecar_id=sidecar_id,
+            version=__version__,
+            max_frame_bytes=dp.max_frame_bytes,
+            engine_tokens=dp.engine_tokens,
+            allow_anonymous=settings.environment is Environment.DEVELOPMENT,
+        ),
+    )
+    return Sidecar(
+        settings=settings,
+        pipeline=pipeline,
+        server=server,
+        tiers=tiers,
+        metrics=metrics,
+        executor=executor,
+        writer=writer,
+        engine=engine,
+        sidecar_id=sidecar_id,
+    )

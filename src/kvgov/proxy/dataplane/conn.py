@@ -1,0 +1,225 @@
+"""Receive machinery shared by the data-plane listeners: an ``asyncio.BufferedProtocol`` whose
+bytes go straight into the buffers a coroutine asks for.
+
+A connection's handler coroutine calls ``await read_into(view)``; the event loop's
+``recv_into`` then writes into that view directly (payloads land in pooled buffers, no copy).
+Small reads (headers, metadata) go through a 64 KiB scratch buffer. When no read is pending and
+the scratch buffer is full, the protocol pauses reading: TCP flow control pushes back on the
+sender and memory stays bounded. Writes respect the transport's high-water mark (``drain``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvgov.proxy.dataplane.pipeline import GetPlan
+
+log = logging.getLogger("kvgov.dataplane.conn")
+
+SCRATCH_BYTES = 64 * 1024
+WRITE_HIGH_WATER = 4 * 1024 * 1024
+
+
+class ConnectionClosed(Exception):  # noqa: N818 - a signal between the protocol and its handler
+    """The peer closed the connection (or it failed) while a read was pending."""
+
+
+class StreamProtocol(asyncio.BufferedProtocol):
+    """Subclasses implement :meth:`handle` (the per-connection coroutine)."""
+
+    listener = "kvgov"
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._scratch = bytearray(SCRATCH_BYTES)
+        self._sview = memoryview(self._scratch)
+        self._start = 0
+        self._end = 0
+        self._target: memoryview | None = None
+        self._tgot = 0
+        self._into_target = False
+        self._read_fut: asyncio.Future[None] | None = None
+        self._paused = False
+        self._closed = False
+        self._eof = False
+        self._write_ready: asyncio.Event = asyncio.Event()
+        self._write_ready.set()
+        self._task: asyncio.Task[None] | None = None
+
+    # -- protocol callbacks --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not isinstance(transport, asyncio.Transport):
+            raise TypeError("a stream transport is required")
+        self.transport = transport
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self._task = asyncio.get_running_loop().create_task(self._main())
+
+    async def _main(self) -> None:
+        try:
+            await self.handle()
+        except ConnectionClosed:
+            pass
+        except Exception:
+            log.exception("dataplane.connection.failed", extra={"listener": self.listener})
+        finally:
+            self.close()
+
+    def handle(self) -> Coroutine[Any, Any, None]:
+        raise NotImplementedError
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        target = self._target
+        if target is not None and self._start == self._end:
+            self._into_target = True
+            return target[self._tgot :]
+        self._into_target = False
+        if self._end == len(self._scratch):
+            self._compact()
+        return self._sview[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._into_target:
+            self._tgot += nbytes
+            self._check_target()
+        else:
+            self._end += nbytes
+            self._feed()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._fail()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._write_ready.set()
+        self._fail()
+
+    def pause_writing(self) -> None:
+        self._write_ready.clear()
+
+    def resume_writing(self) -> None:
+        self._write_ready.set()
+
+    # -- for the handler -----------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def read_into(self, view: memoryview) -> None:
+        """Fill ``view`` with the next bytes of the stream (raises ConnectionClosed)."""
+        if self._closed:
+            raise ConnectionClosed
+        if view.nbytes == 0:
+            return
+        self._target = view
+        self._tgot = 0
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._read_fut = fut
+        self._feed()
+        if not fut.done() and self._eof:
+            self._fail()
+        if not fut.done() and self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        await fut
+
+    async def read_exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        await self.read_into(memoryview(buf))
+        return bytes(buf)
+
+    async def discard(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 20))) if n else memoryview(b"")
+        while n > 0:
+            step = min(n, scratch.nbytes)
+            await self.read_into(scratch[:step])
+            n -= step
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self.transport is not None and not self._closed:
+            self.transport.write(data)
+
+    async def drain(self) -> None:
+        await self._write_ready.wait()
+        if self._closed:
+            raise ConnectionClosed
+
+    async def send_plan(self, plan: GetPlan, executor: Executor) -> None:
+        """Stream a hit: open each segment in the thread pool (the next ones while this one is
+        sent) and write it; the transport's buffer stays under its high-water mark."""
+        if plan.reader is None:
+            for window in plan.windows:
+                self.write(window)
+                await self.drain()
+            return
+        loop = asyncio.get_running_loop()
+        reader = plan.reader
+        futs = [
+            loop.run_in_executor(executor, reader.open_segment, i, w)
+            for i, w in enumerate(plan.windows)
+        ]
+        try:
+            for fut, window in zip(futs, plan.windows, strict=True):
+                await fut
+                self.write(window)
+                await self.drain()
+        finally:
+            await asyncio.gather(*futs, return_exceptions=True)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+        self._closed = True
+        self._fail()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _compact(self) -> None:
+        if self._start:
+            n = self._end - self._start
+            self._scratch[:n] = self._scratch[self._start : self._end]
+            self._start, self._end = 0, n
+
+    def _feed(self) -> None:
+        target = self._target
+        if target is not None and self._end > self._start:
+            n = min(target.nbytes - self._tgot, self._end - self._start)
+            target[self._tgot : self._tgot + n] = self._sview[self._start : self._start + n]
+            self._tgot += n
+            self._start += n
+            if self._start == self._end:
+                self._start = self._end = 0
+            self._check_target()
+        if (
+            self._target is None
+            and self._end == len(self._scratch)
+            and self._start == 0
+            and not self._paused
+            and self.transport is not None
+        ):
+            self._paused = True
+            self.transport.pause_reading()
+
+    def _check_target(self) -> None:
+        target = self._target
+        if target is not None and self._tgot >= target.nbytes:
+            self._target = None
+            fut = self._read_fut
+            self._read_fut = None
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    def _fail(self) -> None:
+        fut = self._read_fut
+        self._read_fut = None
+        self._target = None
+        if fut is not None and not fut.done():
+            fut.set_exception(ConnectionClosed())

@@ -1,0 +1,188 @@
+"""The ``lm://`` compatibility listener: LMCache 0.5.6's own remote protocol
+(``lmcache/v1/protocol.py``), governed by the same pipeline.
+
+Requests are 186 bytes (``iiiiiiiii150s``: command, length, fmt, dtype, location, shape0..3,
+key), replies 36 bytes (``iiiiiiiii``: code, length, fmt, dtype, shape0..3, location), native
+byte order. PUT has no reply; GET, EXIST and HEALTH do. There is no handshake and no request
+context: operations are attributed to ``settings.dataplane.lm_engine_id`` only. The fmt, dtype,
+shape and location a PUT carried are stored with the entry and returned by GET.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Any
+
+from kvgov.proxy.dataplane.conn import StreamProtocol
+from kvgov.proxy.dataplane.identity import Identity
+from kvgov.proxy.dataplane.pipeline import Pipeline, PutPlan
+from kvgov.types import Operation
+from kvgov.wire.messages import EMPTY_CONTEXT
+
+REQUEST = struct.Struct("=iiiiiiiii150s")  # 186 bytes
+REPLY = struct.Struct("=iiiiiiiii")  # 36 bytes
+PUT, GET, EXIST, LIST, HEALTH = 1, 2, 3, 4, 5
+OK, FAIL = 200, 400
+
+
+class LmServer:
+    def __init__(self, pipeline: Pipeline, *, engine_id: str) -> None:
+        self.pipeline = pipeline
+        self.identity = Identity(engine_id, f"lm:{engine_id}", unattributed=True)
+        self.connections: set[LmConnection] = set()
+        self._server: asyncio.Server | None = None
+        self.port: int | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: LmConnection(self), host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop_accepting(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def drain(self, grace_s: float = 30.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while any(c.busy for c in self.connections) and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        for conn in list(self.connections):
+            conn.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
+class LmConnection(StreamProtocol):
+    listener = "lm"
+
+    def __init__(self, server: LmServer) -> None:
+        super().__init__()
+        self.server = server
+        self.busy = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.server.connections.add(self)
+        self.server.pipeline.metrics.connections.labels(self.listener).inc()
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self in self.server.connections:
+            self.server.connections.discard(self)
+            self.server.pipeline.metrics.connections.labels(self.listener).dec()
+        super().connection_lost(exc)
+
+    def reply(
+        self,
+        code: int,
+        *,
+        length: int = 0,
+        fmt: int = 0,
+        dtype: int = 0,
+        shape: Any = (0, 0, 0, 0),
+        location: int = 0,
+    ) -> None:
+        s = [int(x) for x in list(shape)[:4]] + [0] * (4 - len(list(shape)[:4]))
+        self.write(REPLY.pack(code, length, fmt, dtype, s[0], s[1], s[2], s[3], location))
+
+    async def handle(self) -> None:
+        head = memoryview(bytearray(REQUEST.size))
+        metrics = self.server.pipeline.metrics
+        while True:
+            await self.read_into(head)
+            command, length, fmt, dtype, location, s0, s1, s2, s3, raw = REQUEST.unpack(head)
+            try:
+                key = raw.decode().strip()
+            except UnicodeDecodeError:
+                key = ""
+            if command not in (PUT, GET, EXIST, LIST, HEALTH) or length < 0:
+                metrics.protocol_errors.labels(self.listener, "BAD_FRAME").inc()
+                return  # not LMCache's protocol: close this connection only
+            self.busy = True
+            started = asyncio.get_running_loop().time()
+            op = {PUT: "put", GET: "get", EXIST: "exists"}.get(command, "health")
+            try:
+                if command == PUT:
+                    meta = {
+                        "fmt": fmt,
+                        "dtype": dtype,
+                        "location": location,
+                        "shape": [s0, s1, s2, s3],
+                    }
+                    await self._put(key, length, meta)
+                elif command == GET:
+                    await self._get(key)
+                elif command == EXIST:
+                    await self._exist(key)
+                else:
+                    self.reply(OK if command == HEALTH else FAIL)
+            finally:
+                self.busy = False
+                metrics.latency.labels(op).observe(asyncio.get_running_loop().time() - started)
+
+    async def _put(self, key: str, length: int, meta: dict[str, Any]) -> None:
+        pipeline = self.server.pipeline
+        who, denied = pipeline.identify(self.server.identity, key, EMPTY_CONTEXT)
+        plan = None
+        if denied is None and who is not None:
+            got = await pipeline.plan_put(who, length, meta)
+            if isinstance(got, PutPlan):
+                plan = got
+            else:
+                denied = got
+        if plan is None:
+            if denied is not None:
+                await pipeline.deny(who, denied, Operation.PUT)
+            pipeline.metrics.ops.labels("put", self.listener, "denied").inc()
+            await self.discard(length)
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            for i, window in enumerate(plan.windows):
+                await self.read_into(window)
+                plan.segment_done(i, loop, pipeline.executor)
+        except BaseException:
+            if plan.pending:
+                await asyncio.gather(*plan.pending, return_exceptions=True)
+            plan.abort()
+            raise
+        await pipeline.commit_put(plan)
+        pipeline.metrics.ops.labels("put", self.listener, "ok").inc()
+
+    async def _get(self, key: str) -> None:
+        pipeline = self.server.pipeline
+        who, denied = pipeline.identify(self.server.identity, key, EMPTY_CONTEXT)
+        plan = None
+        if denied is not None:
+            await pipeline.deny(who, denied, Operation.GET)
+        elif who is not None:
+            plan = await pipeline.get(who)
+        pipeline.metrics.ops.labels("get", self.listener, "hit" if plan else "miss").inc()
+        if plan is None:
+            self.reply(FAIL)
+            return
+        try:
+            m = plan.item_meta
+            self.reply(
+                OK,
+                length=plan.length,
+                fmt=int(m.get("fmt", 0)),
+                dtype=int(m.get("dtype", 0)),
+                shape=m.get("shape", (0, 0, 0, 0)),
+                location=int(m.get("location", 0)),
+            )
+            await self.send_plan(plan, pipeline.executor)
+        finally:
+            plan.lease.release()
+
+    async def _exist(self, key: str) -> None:
+        pipeline = self.server.pipeline
+        who, denied = pipeline.identify(self.server.identity, key, EMPTY_CONTEXT)
+        found = False
+        if denied is not None:
+            await pipeline.deny(who, denied, Operation.EXISTS)
+        elif who is not None:
+            found = await pipeline.exists(who)
+        pipeline.metrics.ops.labels("exists", self.listener, "hit" if found else "miss").inc()
+        self.reply(OK if found else FAIL)

@@ -1,0 +1,70 @@
+"""Prometheus metrics of the data plane, in a registry of their own (no global state).
+
+Labels are bounded: operation names, listener names, outcome and a reason cut to its first
+``:`` (policy reasons are a fixed vocabulary). No tenant, user or key labels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+
+
+class DataPlaneMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.ops = Counter(
+            "kvgov_dataplane_ops", "KV operations served", ["op", "listener", "outcome"], registry=r
+        )
+        self.op_bytes = Counter(
+            "kvgov_dataplane_bytes",
+            "KV payload bytes stored (put) or served (get)",
+            ["op"],
+            registry=r,
+        )
+        self.denials = Counter(
+            "kvgov_dataplane_denials", "Operations denied, by reason", ["op", "reason"], registry=r
+        )
+        self.latency = Histogram(
+            "kvgov_dataplane_latency_seconds",
+            "Time to serve one request frame",
+            ["op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.connections = Gauge(
+            "kvgov_dataplane_connections", "Open data-plane connections", ["listener"], registry=r
+        )
+        self.protocol_errors = Counter(
+            "kvgov_dataplane_protocol_errors", "Frames rejected", ["listener", "error"], registry=r
+        )
+        self.pool_bytes = Gauge(
+            "kvgov_dataplane_buffer_pool_in_use_bytes", "Bytes of pooled buffers in use", registry=r
+        )
+        self.ledger_queue = Gauge(
+            "kvgov_ledger_queue_depth", "Events waiting for the ledger writer", registry=r
+        )
+
+    def watch(self, pool_in_use: Callable[[], float], ledger_depth: Callable[[], float]) -> None:
+        """Sample gauges at scrape time."""
+        self.pool_bytes.set_function(pool_in_use)
+        self.ledger_queue.set_function(ledger_depth)

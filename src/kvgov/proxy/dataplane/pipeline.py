@@ -1,0 +1,458 @@
+"""The governed pipeline every KV operation goes through, whatever listener it came from.
+
+decode (done by the listener) -> identity (key tags, request context, engine; users
+pseudonymised) -> policy (cached fast path first) -> seal/open (segment by segment, in a small
+thread pool, into pooled buffers) -> tier store (the policy's tiers and TTL) -> ledger event.
+
+A put is planned before its bytes arrive (:meth:`Pipeline.plan_put`): the listener receives
+each segment straight into the plan's buffer and calls :meth:`PutPlan.segment_done`, which seals
+it in place while the next segment is on the wire; :meth:`Pipeline.commit_put` stores it and
+returns only once its ledger event is durable (the writer's group commit). A denied put stores
+nothing; a denied get is a miss; every denial is a ``kv:entry:denied`` event.
+With ``governance=False`` policy, encryption and the ledger are skipped (benchmarks only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from kvgov.connectors.tiers.chain import TierChain
+from kvgov.errors import KvgovError, ProtocolError
+from kvgov.keys.keyring import Keyring
+from kvgov.keys.sealed import SealReader, SealWriter, sealed_size, segment_count
+from kvgov.ledger.events import EntryChange, Event, EventSink
+from kvgov.ledger.pseudonym import Pseudonymizer
+from kvgov.policy.interfaces import Decision, DecisionRecorder, PolicyEngine
+from kvgov.proxy.dataplane.buffers import BufferPool, Lease
+from kvgov.proxy.dataplane.identity import Denied, Identity, Who, build_input, resolve
+from kvgov.proxy.dataplane.index import EntryIndex, EntryMeta, envelope_head, parse_envelope
+from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
+from kvgov.types import EntryState, EventKind, Operation, Outcome, Scope, Sensitivity
+from kvgov.wire.messages import RequestContext
+
+log = logging.getLogger("kvgov.dataplane")
+
+_SENSITIVITIES = frozenset(s.value for s in Sensitivity)
+
+
+@dataclass(slots=True)
+class PutPlan:
+    """Where one put item's bytes go, and how each received segment is sealed."""
+
+    who: Who
+    lease: Lease
+    length: int
+    item_meta: Mapping[str, Any]
+    decision: Decision | None
+    writer: SealWriter | None
+    body_offset: int
+    #: plaintext receive windows in the buffer, one per segment, in order
+    windows: list[memoryview]
+    pending: list[asyncio.Future[None]] = field(default_factory=list)
+    done: bool = False
+
+    def segment_done(self, index: int, loop: asyncio.AbstractEventLoop, pool: Executor) -> None:
+        """Segment ``index`` has fully arrived: seal it in place in the thread pool."""
+        writer = self.writer
+        if writer is not None:
+            view = self.windows[index]
+            self.pending.append(loop.run_in_executor(pool, writer.seal_segment, index, view))
+
+    def abort(self) -> None:
+        self.done = True
+        self.lease.release()
+
+
+@dataclass(slots=True)
+class GetPlan:
+    """A hit ready to stream: call :meth:`open_segment` for each window, then send it."""
+
+    who: Who
+    lease: Lease
+    length: int
+    item_meta: Mapping[str, Any]
+    reader: SealReader | None
+    windows: list[memoryview]
+
+
+class Pipeline:
+    def __init__(
+        self,
+        *,
+        tiers: TierChain,
+        pseudonymizer: Pseudonymizer,
+        pool: BufferPool,
+        executor: Executor,
+        metrics: DataPlaneMetrics,
+        index: EntryIndex | None = None,
+        governance: bool = True,
+        policy: PolicyEngine | None = None,
+        recorder: DecisionRecorder | None = None,
+        keyring: Keyring | None = None,
+        sink: EventSink | None = None,
+        segment_size: int = 1 << 20,
+        default_tenant: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if governance and (policy is None or keyring is None or sink is None):
+            raise KvgovError("a governed pipeline needs policy, keyring and ledger sink")
+        self.tiers = tiers
+        self.pseudonymizer = pseudonymizer
+        self.pool = pool
+        self.executor = executor
+        self.metrics = metrics
+        self.index = index if index is not None else EntryIndex()
+        self.governance = governance
+        self.policy = policy
+        self.recorder = recorder
+        self.keyring = keyring
+        self.sink = sink
+        self.segment_size = segment_size
+        self.default_tenant = default_tenant or None
+        self.clock = clock
+
+    # -- policy & ledger -----------------------------------------------------------------------
+
+    async def _decide(self, who: Who, op: Operation, entry: EntryMeta | None) -> Decision | None:
+        if not self.governance or self.policy is None:
+            return None
+        inp = build_input(who, op, entry)
+        decision = self.policy.decide_cached(inp)
+        if decision is None:
+            decision = await self.policy.decide(inp)
+            if self.recorder is not None:
+                await self.recorder.record(inp, decision)
+        return decision
+
+    def _event(self, kind: EventKind, who: Who, **fields: Any) -> Event:
+        return Event(
+            kind=kind,
+            tenant=who.tenant,
+            actor=who.actor,
+            request_id=who.ctx.request_id,
+            key_digest=who.digest,
+            principal=who.identity.principal,
+            **fields,
+        )
+
+    async def _record(self, event: Event, *, durable: bool) -> None:
+        if not self.governance or self.sink is None:
+            return
+        if durable:
+            await self.sink.append(event)
+            return
+        try:
+            self.sink.submit(event)
+        except KvgovError:  # queue full: wait for room rather than drop the record
+            await self.sink.append(event)
+
+    async def deny(self, who: Who | None, denied: Denied, op: Operation) -> None:
+        self.metrics.denials.labels(op.value, denied.metric_reason).inc()
+        if who is None:
+            event = Event(
+                kind=EventKind.KV_DENIED,
+                principal=denied.identity.principal,
+                request_id=denied.ctx.request_id,
+                outcome=Outcome.DENY,
+                reason=denied.reason,
+                attrs={"operation": op.value},
+            )
+        else:
+            d = denied.decision
+            event = self._event(
+                EventKind.KV_DENIED,
+                who,
+                outcome=Outcome.DENY,
+                reason=denied.reason,
+                decision_id=d.decision_id if d else None,
+                policy_revision=d.policy_revision if d else None,
+                attrs={"operation": op.value},
+            )
+        await self._record(event, durable=op is Operation.PUT)
+
+    def identify(
+        self, identity: Identity, raw_key: str, ctx: RequestContext
+    ) -> tuple[Who | None, Denied | None]:
+        return resolve(identity, raw_key, ctx, self.pseudonymizer, self.default_tenant)
+
+    # -- put -----------------------------------------------------------------------------------
+
+    async def plan_put(
+        self, who: Who, length: int, item_meta: Mapping[str, Any]
+    ) -> PutPlan | Denied:
+        decision = await self._decide(who, Operation.PUT, None)
+        if decision is not None and not decision.allowed:
+            return Denied(decision.reason or "denied", who.identity, who.ctx, decision)
+        allowed = decision.tiers if decision is not None else self.tiers.names
+        if not any(name in self.tiers.names for name in allowed):
+            return Denied("no_allowed_tier", who.identity, who.ctx, decision)
+        scope_user = who.key_user if decision is not None and decision.scope is Scope.USER else None
+        governed = decision is not None and self.keyring is not None
+        head = envelope_head({**item_meta, "_n": length, "_sealed": governed})
+        body_len = sealed_size(length, self.segment_size) if governed else length
+        lease = await self.pool.acquire(len(head) + body_len)
+        try:
+            view = lease.view
+            view[: len(head)] = head
+            body = view[len(head) :]
+            writer: SealWriter | None = None
+            windows: list[memoryview] = []
+            if governed and self.keyring is not None:
+                keyring = self.keyring
+                loop = asyncio.get_running_loop()
+
+                def make_writer() -> SealWriter:
+                    return keyring.sealer(
+                        who.tenant,
+                        who.digest.encode(),
+                        length,
+                        body,
+                        user=scope_user,
+                        segment_size=self.segment_size,
+                    )
+
+                writer = await loop.run_in_executor(self.executor, make_writer)
+                header = writer.header
+                for i in range(header.segments):
+                    off, _ = header.sealed_span(i)
+                    _, plen = header.plain_span(i)
+                    windows.append(body[off : off + plen])
+            else:
+                for i in range(segment_count(length, self.segment_size)):
+                    start = i * self.segment_size
+                    windows.append(body[start : min(length, start + self.segment_size)])
+        except BaseException:
+            lease.release()
+            raise
+        return PutPlan(who, lease, length, item_meta, decision, writer, len(head), windows)
+
+    async def commit_put(self, plan: PutPlan) -> None:
+        """Every segment arrived: finish sealing, store, record. Raises on failure."""
+        who, decision = plan.who, plan.decision
+        try:
+            if plan.pending:
+                await asyncio.gather(*plan.pending)
+            now = self.clock()
+            ttl = decision.ttl_s if decision is not None else None
+            expires_at = now + ttl if ttl else None
+            allowed = decision.tiers if decision is not None else self.tiers.names
+            total = plan.body_offset + (
+                plan.writer.sealed_len if plan.writer is not None else plan.length
+            )
+            written = await self.tiers.put(
+                who.digest, plan.lease.view[:total], allowed=allowed, expires_at=expires_at
+            )
+        finally:
+            plan.abort()
+        scope = decision.scope if decision is not None else None
+        key = plan.writer.key if plan.writer is not None else None
+        sensitivity = (decision.sensitivity if decision else None) or who.ctx.sensitivity
+        entry = EntryMeta(
+            tenant=who.tenant,
+            owner=who.actor,
+            scope_user=who.key_user if scope is Scope.USER else None,
+            scope=scope,
+            sensitivity=sensitivity,
+            model=who.key.model,
+            size=plan.length,
+            tiers=written,
+            key_id=key.key_id if key else None,
+            key_version=key.version if key else None,
+            expires_at=expires_at,
+            raw_key=who.key.raw,
+        )
+        self.index.set(who.digest, entry)
+        self.metrics.op_bytes.labels("put").inc(plan.length)
+        if self.governance and decision is not None:
+            await self._record(put_event(self._event, who, decision, entry, written), durable=True)
+
+    # -- get / exists / remove -----------------------------------------------------------------
+
+    async def _readable(self, who: Who, op: Operation) -> tuple[EntryMeta | None, Decision | None]:
+        """The entry if it is live, unexpired and readable by ``who``; records denials."""
+        entry = self.index.get(who.digest)
+        if entry is None:
+            return None, None
+        if entry.expired(self.clock()):
+            await self.expire(who.digest)
+            return None, None
+        if entry.tenant != who.tenant:
+            await self.deny(who, Denied("tenant_mismatch", who.identity, who.ctx), op)
+            return None, None
+        if entry.scope is Scope.USER and entry.scope_user != who.actor:
+            await self.deny(who, Denied("not_scope_user", who.identity, who.ctx), op)
+            return None, None
+        decision = await self._decide(who, op, entry)
+        if decision is not None and not decision.allowed:
+            denied = Denied(decision.reason or "denied", who.identity, who.ctx, decision)
+            await self.deny(who, denied, op)
+            return None, None
+        return entry, decision
+
+    async def exists(self, who: Who) -> bool:
+        entry, decision = await self._readable(who, Operation.EXISTS)
+        found = entry is not None and await self.tiers.contains(who.digest)
+        if self.governance:
+            await self._record(
+                self._event(
+                    EventKind.KV_EXISTS,
+                    who,
+                    outcome=Outcome.HIT if found else Outcome.MISS,
+                    decision_id=decision.decision_id if decision else None,
+                    policy_revision=decision.policy_revision if decision else None,
+                ),
+                durable=False,
+            )
+        return found
+
+    async def get(self, who: Who) -> GetPlan | None:
+        entry, decision = await self._readable(who, Operation.GET)
+        plan = await self._load(who, entry) if entry is not None else None
+        if self.governance:
+            kind = EventKind.KV_GET if plan is not None else EventKind.KV_MISS
+            await self._record(
+                self._event(
+                    kind,
+                    who,
+                    outcome=Outcome.HIT if plan is not None else Outcome.MISS,
+                    nbytes=plan.length if plan is not None else None,
+                    decision_id=decision.decision_id if decision else None,
+                    policy_revision=decision.policy_revision if decision else None,
+                ),
+                durable=False,
+            )
+        if plan is not None:
+            self.metrics.op_bytes.labels("get").inc(plan.length)
+        return plan
+
+    async def _load(self, who: Who, entry: EntryMeta) -> GetPlan | None:
+        size = await self.tiers.size_of(who.digest)
+        if size is None:
+            return None
+        lease = await self.pool.acquire(size)
+        try:
+            hit = await self.tiers.get_into(who.digest, lease.view, allowed=entry.tiers)
+            if hit is None:
+                lease.release()
+                return None
+            value = lease.view[: hit.nbytes]
+            meta, offset = parse_envelope(value)
+            length = int(meta.pop("_n"))
+            sealed = bool(meta.pop("_sealed"))
+            body = value[offset:]
+            if not sealed:
+                if self.governance:
+                    raise ProtocolError("a governed sidecar found a plaintext value")
+                windows = [body[:length]]
+                return GetPlan(who, lease, length, meta, None, windows)
+            if self.keyring is None:
+                raise ProtocolError("a sealed value needs the keyring to open")
+            reader = self.keyring.reader(body, tenant=who.tenant, cache_key=who.digest.encode())
+            header = reader.header
+            windows = []
+            for i in range(header.segments):
+                off, _ = header.sealed_span(i)
+                _, plen = header.plain_span(i)
+                windows.append(body[off : off + plen])
+            return GetPlan(who, lease, length, meta, reader, windows)
+        except KvgovError as exc:
+            lease.release()
+            log.warning("dataplane.get.unreadable", extra={"error": exc.code})
+            return None
+        except BaseException:
+            lease.release()
+            raise
+
+    async def remove(self, who: Who) -> bool:
+        entry, _ = await self._readable(who, Operation.REMOVE)
+        if entry is None:
+            return False
+        removed = await self.tiers.delete(who.digest)
+        self.index.pop(who.digest)
+        if self.governance:
+            await self._record(
+                entry_gone(
+                    self._event(EventKind.KV_DELETE, who, outcome=Outcome.OK), EntryState.DELETED
+                ),
+                durable=True,
+            )
+        return bool(removed)
+
+    async def expire(self, digest: str) -> None:
+        """Drop an expired entry from every tier and record it."""
+        entry = self.index.pop(digest)
+        await self.tiers.delete(digest)
+        if self.governance and entry is not None:
+            event = Event(
+                kind=EventKind.KV_EXPIRED,
+                tenant=entry.tenant,
+                key_digest=digest,
+                outcome=Outcome.OK,
+            )
+            await self._record(entry_gone(event, EntryState.EXPIRED), durable=False)
+
+    async def sweep(self) -> int:
+        """Expire what the index and the tiers say is past its TTL; returns how many."""
+        now = self.clock()
+        digests = set(self.index.expired(now))
+        digests.update(await self.tiers.sweep(now))
+        for digest in digests:
+            await self.expire(digest)
+        return len(digests)
+
+    async def open_segment(self, plan: GetPlan, index: int) -> None:
+        if plan.reader is not None:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(
+                self.executor, plan.reader.open_segment, index, plan.windows[index]
+            )
+
+
+def put_event(
+    make: Callable[..., Event],
+    who: Who,
+    decision: Decision,
+    entry: EntryMeta,
+    written: tuple[str, ...],
+) -> Event:
+    sens = entry.sensitivity if entry.sensitivity in _SENSITIVITIES else None
+    return make(
+        EventKind.KV_PUT,
+        who,
+        tier=",".join(written),
+        nbytes=entry.size,
+        outcome=Outcome.OK,
+        decision_id=decision.decision_id,
+        policy_revision=decision.policy_revision,
+        entry=EntryChange(
+            key_digest=who.digest,
+            state=EntryState.LIVE,
+            tenant=entry.tenant,
+            owner=entry.owner,
+            scope_user=entry.scope_user,
+            scope=entry.scope,
+            sensitivity=Sensitivity(sens) if sens else None,
+            model=entry.model,
+            size=entry.size,
+            tiers=written,
+            key_id=entry.key_id,
+            key_version=entry.key_version,
+            expires_at=datetime.fromtimestamp(entry.expires_at, UTC) if entry.expires_at else None,
+            request_id=who.ctx.request_id,
+            decision_id=decision.decision_id,
+            policy_revision=decision.policy_revision,
+        ),
+    )
+
+
+def entry_gone(event: Event, state: EntryState) -> Event:
+    """The event with the entry-index change that marks its key ``state`` (deleted/expired)."""
+    digest = event.key_digest or ""
+    return replace(event, entry=EntryChange(key_digest=digest, state=state))

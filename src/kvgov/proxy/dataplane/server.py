@@ -1,0 +1,431 @@
+"""The kvgov wire protocol server (``docs/protocol.md``) over TCP and/or a Unix socket.
+
+One :class:`WireConnection` per socket: HELLO first (token or, on a Unix socket, peer
+credentials), then one request at a time, replies in order. A malformed or oversize frame gets
+an ERROR and closes only that connection. Payload bytes are received straight into the
+pipeline's pooled buffers and sealed segment by segment as they arrive; a connection that closes
+before a PUT frame is complete stores nothing from that frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import socket
+import struct
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import SecretStr
+
+from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol
+from kvgov.proxy.dataplane.identity import Identity
+from kvgov.proxy.dataplane.pipeline import GetPlan, Pipeline, PutPlan
+from kvgov.types import Operation
+from kvgov.wire.codec import (
+    HEADER_SIZE,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Flag,
+    FrameType,
+    WireError,
+    decode_header,
+    decode_meta,
+    encode_frame,
+    error_meta,
+    key_list,
+)
+from kvgov.wire.messages import RequestContext, parse_put_items
+
+log = logging.getLogger("kvgov.dataplane.server")
+
+MAX_BATCH = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEvictResult:
+    engine: str
+    acked: bool
+    removed: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    sidecar_id: str
+    version: str
+    max_frame_bytes: int
+    engine_tokens: Mapping[str, SecretStr] = field(default_factory=dict)
+    #: accept any engine id without a token (development only)
+    allow_anonymous: bool = True
+
+
+class WireServer:
+    """Owns the listeners, the set of live connections and the control connections."""
+
+    def __init__(self, pipeline: Pipeline, config: ServerConfig) -> None:
+        self.pipeline = pipeline
+        self.config = config
+        self.connections: set[WireConnection] = set()
+        self.controls: set[WireConnection] = set()
+        self._servers: list[asyncio.Server] = []
+        self.draining = False
+        self.addresses: list[str] = []
+
+    def _factory(self, *, unix: bool) -> WireConnection:
+        return WireConnection(self, unix=unix)
+
+    async def start(self, host: str | None, port: int, unix_path: str | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        if host:
+            srv = await loop.create_server(lambda: self._factory(unix=False), host, port)
+            self._servers.append(srv)
+            sockname = srv.sockets[0].getsockname()
+            self.addresses.append(f"tcp://{sockname[0]}:{sockname[1]}")
+        if unix_path:
+            with contextlib.suppress(FileNotFoundError):  # a stale socket from a previous run
+                os.unlink(unix_path)  # noqa: PTH108
+            srv = await loop.create_unix_server(lambda: self._factory(unix=True), unix_path)
+            os.chmod(unix_path, 0o660)  # noqa: PTH101
+            self._servers.append(srv)
+            self.addresses.append(f"unix://{unix_path}")
+
+    @property
+    def tcp_port(self) -> int | None:
+        for srv in self._servers:
+            sock = srv.sockets[0]
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                port: int = sock.getsockname()[1]
+                return port
+        return None
+
+    async def stop_accepting(self) -> None:
+        self.draining = True
+        for srv in self._servers:
+            srv.close()
+
+    async def drain(self, grace_s: float = 30.0) -> None:
+        """Wait until no connection is in the middle of a request, then close them all."""
+        deadline = time.monotonic() + grace_s
+        while any(c.busy for c in self.connections) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        for conn in list(self.connections):
+            conn.close()
+        for srv in self._servers:
+            await srv.wait_closed()
+
+    async def evict_on_engines(
+        self, keys: Sequence[str], timeout_s: float
+    ) -> list[EngineEvictResult]:
+        """Send EVICT(keys) on every control connection and wait for the ACKs."""
+        controls = list(self.controls)
+        results = await asyncio.gather(*(c.evict(keys, timeout_s) for c in controls))
+        return list(results)
+
+    def authenticate(self, meta: Mapping[str, Any], conn: WireConnection) -> Identity:
+        engine = meta.get("engine")
+        if not isinstance(engine, str) or not engine or len(engine) > 128:
+            raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO needs an engine id")
+        token = meta.get("token")
+        tokens = self.config.engine_tokens
+        if tokens:
+            if not isinstance(token, str):
+                raise WireError(ErrorCode.UNAUTHENTICATED, "engine token required")
+            matched: str | None = None
+            for known, engine_id in tokens.items():  # every comparison runs: constant time
+                if hmac.compare_digest(known.encode(), token.encode()):
+                    matched = engine_id.get_secret_value()
+            if matched is None:
+                raise WireError(ErrorCode.UNAUTHENTICATED, "engine token refused")
+            return Identity(matched, f"engine:{matched}")
+        if conn.unix and conn.peer_uid in (os.getuid(), 0):
+            return Identity(engine, f"engine:{engine}")
+        if self.config.allow_anonymous:
+            return Identity(engine, f"engine:{engine}")
+        raise WireError(ErrorCode.UNAUTHENTICATED, "no engine tokens configured")
+
+
+class WireConnection(StreamProtocol):
+    listener = "kvgov"
+
+    def __init__(self, server: WireServer, *, unix: bool) -> None:
+        super().__init__()
+        self.server = server
+        self.unix = unix
+        self.peer_uid: int | None = None
+        self.identity: Identity | None = None
+        self.busy = False
+        self._next_id = 0
+        self._acks: dict[int, asyncio.Future[dict[str, Any]]] = {}
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.unix:
+            sock = transport.get_extra_info("socket")
+            if sock is not None and hasattr(socket, "SO_PEERCRED"):
+                creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+                self.peer_uid = struct.unpack("3i", creds)[1]
+        self.server.connections.add(self)
+        self.server.pipeline.metrics.connections.labels(self.listener).inc()
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self in self.server.connections:
+            self.server.connections.discard(self)
+            self.server.controls.discard(self)
+            self.server.pipeline.metrics.connections.labels(self.listener).dec()
+        for fut in self._acks.values():
+            if not fut.done():
+                fut.set_exception(ConnectionClosed())
+        super().connection_lost(exc)
+
+    # -- framing -------------------------------------------------------------------------------
+
+    def send(
+        self,
+        ftype: FrameType,
+        sid: int,
+        meta: Mapping[str, Any] | None,
+        payload_len: int = 0,
+        flags: Flag = Flag.REPLY,
+    ) -> None:
+        self.write(encode_frame(ftype, sid, meta, payload_len, flags))
+
+    def send_error(self, sid: int, err: WireError) -> None:
+        self.server.pipeline.metrics.protocol_errors.labels(self.listener, err.error.name).inc()
+        self.send(FrameType.ERROR, sid, error_meta(err.error, err.message), flags=Flag.NONE)
+
+    async def handle(self) -> None:
+        max_payload = self.server.config.max_frame_bytes
+        head = memoryview(bytearray(HEADER_SIZE))
+        while True:
+            await self.read_into(head)
+            try:
+                header = decode_header(head, max_payload=max_payload)
+                meta = decode_meta(await self.read_exact(header.meta_len))
+            except WireError as exc:
+                self.send_error(0, exc)
+                return  # fatal: close only this connection
+            if self.identity is None and header.type is not FrameType.HELLO:
+                self.send_error(
+                    header.stream_id, WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
+                )
+                return
+            self.busy = True
+            started = time.perf_counter()
+            try:
+                await self._dispatch(
+                    header.type, header.stream_id, header.is_reply, meta, header.payload_len
+                )
+            except WireError as exc:
+                self.send_error(header.stream_id, exc)
+                if exc.fatal:
+                    return
+            finally:
+                self.busy = False
+                self.server.pipeline.metrics.latency.labels(header.type.name.lower()).observe(
+                    time.perf_counter() - started
+                )
+
+    async def _dispatch(
+        self, ftype: FrameType, sid: int, is_reply: bool, meta: dict[str, Any], payload_len: int
+    ) -> None:
+        if ftype is FrameType.EVICT_ACK or (ftype is FrameType.PING and is_reply):
+            await self.discard(payload_len)
+            fut = self._acks.pop(sid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(meta)
+            return
+        if ftype is not FrameType.PUT and payload_len:
+            await self.discard(payload_len)
+        if ftype is FrameType.HELLO:
+            await self._hello(sid, meta)
+        elif self.server.draining:
+            if ftype is FrameType.PUT:
+                await self.discard(payload_len)
+            raise WireError(ErrorCode.BUSY, "sidecar is shutting down")
+        elif ftype is FrameType.PING:
+            self.send(FrameType.PING, sid, None)
+        elif ftype is FrameType.PUT:
+            await self._put(sid, meta, payload_len)
+        elif ftype is FrameType.GET:
+            await self._get(sid, meta)
+        elif ftype in (FrameType.EXISTS, FrameType.REMOVE):
+            await self._keys_op(ftype, sid, meta)
+        else:
+            raise WireError(ErrorCode.BAD_REQUEST, f"unexpected {ftype.name} frame")
+
+    async def _hello(self, sid: int, meta: dict[str, Any]) -> None:
+        if self.identity is not None:
+            raise WireError(ErrorCode.BAD_REQUEST, "HELLO was already sent")
+        version = meta.get("version", PROTOCOL_VERSION)
+        if version != PROTOCOL_VERSION:
+            raise WireError(ErrorCode.VERSION_MISMATCH, f"protocol {version} not supported")
+        self.identity = self.server.authenticate(meta, self)
+        cfg = self.server.config
+        self.send(
+            FrameType.HELLO,
+            sid,
+            {
+                "server": "kvgov",
+                "version": cfg.version,
+                "protocol": PROTOCOL_VERSION,
+                "sidecar": cfg.sidecar_id,
+                "engine": self.identity.engine,
+                "max_frame_bytes": cfg.max_frame_bytes,
+                "max_batch": MAX_BATCH,
+            },
+        )
+        if meta.get("role") == "control":
+            self.server.controls.add(self)
+        log.info("dataplane.engine.connected", extra={"engine": self.identity.engine})
+
+    # -- operations ----------------------------------------------------------------------------
+
+    async def _put(self, sid: int, meta: dict[str, Any], payload_len: int) -> None:
+        pipeline = self.server.pipeline
+        try:
+            items = parse_put_items(meta, payload_len, MAX_BATCH)
+            ctx = RequestContext.from_meta(meta.get("ctx"))
+        except WireError:
+            await self.discard(payload_len)
+            raise
+        if self.identity is None:
+            raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
+        loop = asyncio.get_running_loop()
+        results: list[dict[str, Any] | None] = []
+        plans: list[PutPlan] = []
+        try:
+            for item in items:
+                who, denied = pipeline.identify(self.identity, item.key, item.ctx or ctx)
+                plan = None
+                if denied is None and who is not None:
+                    got = await pipeline.plan_put(who, item.length, item.meta)
+                    if isinstance(got, PutPlan):
+                        plan = got
+                    else:
+                        denied = got
+                if plan is None:
+                    if denied is not None:
+                        await pipeline.deny(who, denied, Operation.PUT)
+                    await self.discard(item.length)
+                    reason = denied.reason if denied is not None else "denied"
+                    results.append({"code": int(ErrorCode.DENIED), "reason": reason})
+                    continue
+                plans.append(plan)
+                for i, window in enumerate(plan.windows):
+                    await self.read_into(window)
+                    plan.segment_done(i, loop, pipeline.executor)
+                results.append(None)
+        except BaseException:
+            for plan in plans:  # the frame did not complete: store nothing from it
+                if plan.pending:
+                    await asyncio.gather(*plan.pending, return_exceptions=True)
+                plan.abort()
+            raise
+        outcomes = await asyncio.gather(
+            *(pipeline.commit_put(p) for p in plans), return_exceptions=True
+        )
+        it = iter(outcomes)
+        replies = []
+        for r in results:
+            if r is not None:
+                replies.append(r)
+                pipeline.metrics.ops.labels("put", self.listener, "denied").inc()
+                continue
+            outcome = next(it)
+            if isinstance(outcome, BaseException):
+                log.warning("dataplane.put.failed", extra={"error": type(outcome).__name__})
+                replies.append({"code": int(ErrorCode.INTERNAL), "reason": "store_failed"})
+                pipeline.metrics.ops.labels("put", self.listener, "error").inc()
+            else:
+                replies.append({"code": 0})
+                pipeline.metrics.ops.labels("put", self.listener, "ok").inc()
+        self.send(FrameType.PUT, sid, {"results": replies})
+
+    async def _get(self, sid: int, meta: dict[str, Any]) -> None:
+        pipeline = self.server.pipeline
+        keys = key_list(meta, max_items=MAX_BATCH)
+        ctx = RequestContext.from_meta(meta.get("ctx"))
+        if self.identity is None:
+            raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
+        plans: list[GetPlan | None] = []
+        budget = self.server.config.max_frame_bytes
+        try:
+            for key in keys:
+                who, denied = pipeline.identify(self.identity, key, ctx)
+                plan = None
+                if denied is not None:
+                    await pipeline.deny(who, denied, Operation.GET)
+                elif who is not None and budget > 0:
+                    plan = await pipeline.get(who)
+                    if plan is not None:
+                        budget -= plan.length
+                outcome = "hit" if plan is not None else "miss"
+                pipeline.metrics.ops.labels("get", self.listener, outcome).inc()
+                plans.append(plan)
+            items = [
+                {"code": 0, "len": p.length, "meta": dict(p.item_meta)}
+                if p is not None
+                else {"code": int(ErrorCode.NOT_FOUND)}
+                for p in plans
+            ]
+            total = sum(p.length for p in plans if p is not None)
+            self.send(FrameType.GET, sid, {"items": items}, total)
+            for p in plans:
+                if p is not None:
+                    await self.send_plan(p, pipeline.executor)
+        finally:
+            for p in plans:
+                if p is not None:
+                    p.lease.release()
+
+    async def _keys_op(self, ftype: FrameType, sid: int, meta: dict[str, Any]) -> None:
+        pipeline = self.server.pipeline
+        keys = key_list(meta, max_items=MAX_BATCH)
+        ctx = RequestContext.from_meta(meta.get("ctx"))
+        if self.identity is None:
+            raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
+        op = Operation.EXISTS if ftype is FrameType.EXISTS else Operation.REMOVE
+        out: list[bool] = []
+        for key in keys:
+            who, denied = pipeline.identify(self.identity, key, ctx)
+            if denied is not None or who is None:
+                if denied is not None:
+                    await pipeline.deny(who, denied, op)
+                out.append(False)
+                continue
+            found = await (pipeline.exists(who) if op is Operation.EXISTS else pipeline.remove(who))
+            pipeline.metrics.ops.labels(op.value, self.listener, "hit" if found else "miss").inc()
+            out.append(found)
+        field_name = "found" if op is Operation.EXISTS else "removed"
+        self.send(ftype, sid, {field_name: out})
+
+    # -- server -> engine ----------------------------------------------------------------------
+
+    async def evict(self, keys: Sequence[str], timeout_s: float) -> EngineEvictResult:
+        engine = self.identity.engine if self.identity else "?"
+        self._next_id = self._next_id + 1 if self._next_id < 0x7FFF_FFFF else 1
+        sid = 0x8000_0000 | self._next_id  # server-initiated ids have the top bit set
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._acks[sid] = fut
+        try:
+            self.send(
+                FrameType.EVICT, sid, {"keys": list(keys), "reason": "purge"}, flags=Flag.NONE
+            )
+            ack = await asyncio.wait_for(fut, timeout_s)
+        except (TimeoutError, ConnectionClosed) as exc:
+            self._acks.pop(sid, None)
+            return EngineEvictResult(engine, acked=False, error=type(exc).__name__)
+        removed = ack.get("removed")
+        error = ack.get("error")
+        return EngineEvictResult(
+            engine,
+            acked=True,
+            removed=len(removed) if isinstance(removed, list) else 0,
+            error=error if isinstance(error, str) else None,
+        )
