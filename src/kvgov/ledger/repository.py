@@ -9,10 +9,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from kvgov.ledger.models import CacheEntry, Checkpoint, LedgerEvent, PolicyDecision
+from kvgov.ledger.db import utcnow
+from kvgov.ledger.models import (
+    CacheEntry,
+    Checkpoint,
+    EventPayload,
+    LedgerEvent,
+    PolicyDecision,
+)
 from kvgov.types import EntryState
 
 
@@ -102,3 +109,29 @@ class LedgerRepository:
 
     def decision(self, decision_id: str) -> PolicyDecision | None:
         return self.session.get(PolicyDecision, decision_id)
+
+    def erase_payloads(
+        self, *, tenant: str, actor: str | None = None, key_digests: Sequence[str] = ()
+    ) -> int:
+        """Erase the payloads of a tenant's events (of one actor, or of some cache keys, when
+        given): the payload and its salt are dropped, the chained row is untouched, so the
+        chain still verifies and the digest can no longer confirm a guess. Returns the count.
+        The caller records a ``ledger:payload:erased`` event and commits."""
+        events = select(LedgerEvent.chain_id, LedgerEvent.seq).where(
+            LedgerEvent.tenant == tenant, LedgerEvent.payload_digest.is_not(None)
+        )
+        if actor is not None:
+            events = events.where(LedgerEvent.actor == actor)
+        if key_digests:
+            events = events.where(LedgerEvent.key_digest.in_(list(key_digests)))
+        stmt = (
+            update(EventPayload)
+            .where(
+                tuple_(EventPayload.chain_id, EventPayload.seq).in_(events),
+                EventPayload.erased_at.is_(None),
+            )
+            .values(payload=None, salt=None, erased_at=utcnow())
+            .execution_options(synchronize_session=False)
+        )
+        result = self.session.execute(stmt)
+        return int(getattr(result, "rowcount", 0) or 0)
