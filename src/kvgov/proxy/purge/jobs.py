@@ -200,7 +200,7 @@ def _mark_unreachable(s: Session, job_id: str, *, now: datetime) -> None:
         row.state = PurgeState.INCOMPLETE
         row.detail = {
             **(row.detail or {}),
-            "unreachable": True,
+            "not_taken": True,
             "reason": f"{who} did not finish this step before the job timed out",
         }
         row.finished_at = now

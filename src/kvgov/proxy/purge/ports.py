@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvgov.connectors.tiers.base import Tier
+from kvgov.types import KeyState
 
 #: deletes run this many keys at a time (filesystem deletes go to threads)
 DELETE_CONCURRENCY = 64
@@ -94,6 +95,70 @@ class KeyShredder(Protocol):
         return the versions destroyed by this call."""
         ...
 
+    def pending(self, tenant: str, user: str | None = None) -> list[tuple[str, int]]:
+        """(key id, version) of the versions a shred would destroy now (for a dry run)."""
+        ...
+
+
+class _KeyRow(KeyRef, Protocol):
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def user(self) -> str | None: ...
+
+    @property
+    def state(self) -> KeyState: ...
+
+
+def _pending(rows: Sequence[_KeyRow], tenant: str, user: str | None) -> list[tuple[str, int]]:
+    return [
+        (r.key_id, r.version)
+        for r in rows
+        if r.tenant == tenant
+        and r.state is not KeyState.DESTROYED
+        and (user is None or r.user == user)
+    ]
+
+
+class _Keyring(Protocol):
+    def shred(self, tenant: str, user: str | None = None) -> Sequence[_KeyRow]: ...
+
+    def list(self, tenant: str | None = None) -> Sequence[_KeyRow]: ...
+
+
+class KeyringShredder:
+    """Shred through a process's :class:`~kvgov.keys.keyring.Keyring` (store and in-memory
+    copies alike): what a sidecar uses."""
+
+    def __init__(self, keyring: _Keyring) -> None:
+        self._keyring = keyring
+
+    def shred(self, tenant: str, user: str | None = None) -> Sequence[KeyRef]:
+        return self._keyring.shred(tenant, user)
+
+    def pending(self, tenant: str, user: str | None = None) -> list[tuple[str, int]]:
+        return _pending(self._keyring.list(tenant), tenant, user)
+
+
+class _Store(Protocol):
+    def destroy(self, tenant: str, user: str | None) -> Sequence[_KeyRow]: ...
+
+    def versions(self, tenant: str | None = None) -> Sequence[_KeyRow]: ...
+
+
+class StoreShredder:
+    """Shred through the wrapped-key store alone (no KEK needed): what the CLI uses."""
+
+    def __init__(self, store: _Store) -> None:
+        self._store = store
+
+    def shred(self, tenant: str, user: str | None = None) -> Sequence[KeyRef]:
+        return self._store.destroy(tenant, user)
+
+    def pending(self, tenant: str, user: str | None = None) -> list[tuple[str, int]]:
+        return _pending(self._store.versions(tenant), tenant, user)
+
 
 @dataclass(frozen=True, slots=True)
 class EngineEviction:
@@ -124,6 +189,20 @@ class NoEngines:
 
     async def evict(self, key_digests: Sequence[str], timeout_s: float) -> list[EngineEviction]:
         return []
+
+
+class LocalIndex(Protocol):
+    """A process's own in-memory view of entries (the sidecar's index): a purge drops the
+    entries from it before deleting them from the tiers, so they are never served again."""
+
+    def drop(self, key_digests: Sequence[str]) -> None: ...
+
+
+class NoLocalIndex:
+    """The index of a process that serves nothing (the CLI)."""
+
+    def drop(self, key_digests: Sequence[str]) -> None:
+        return None
 
 
 @dataclass(frozen=True, slots=True)

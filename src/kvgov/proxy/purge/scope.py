@@ -15,8 +15,8 @@ from datetime import datetime
 from sqlalchemy import ColumnElement, and_, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from kvgov.ledger.models import CacheEntry, DataKey, EventPayload, LedgerEvent, UserRef
-from kvgov.types import EntryState, KeyState
+from kvgov.ledger.models import CacheEntry, EventPayload, LedgerEvent, UserRef
+from kvgov.types import EntryState
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,16 +45,6 @@ def scoped_entries(s: Session, tenant: str, subject: str | None) -> list[ScopedE
     return [
         ScopedEntry(digest, state, tuple(tiers or ()), size) for digest, state, tiers, size in rows
     ]
-
-
-def live_keys(s: Session, tenant: str, subject: str | None) -> list[tuple[str, int]]:
-    """Data key versions a shred would destroy (for a dry run)."""
-    q = select(DataKey.key_id, DataKey.version).where(
-        DataKey.tenant == tenant, DataKey.state != KeyState.DESTROYED
-    )
-    if subject is not None:
-        q = q.where(DataKey.user == subject)
-    return [(k, v) for k, v in s.execute(q.order_by(DataKey.key_id, DataKey.version))]
 
 
 def _event_filter(tenant: str, subject: str | None) -> ColumnElement[bool]:

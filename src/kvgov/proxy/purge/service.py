@@ -18,6 +18,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from kvgov.config import Settings
 from kvgov.errors import KvgovError, PurgeError
 from kvgov.ledger.db import utcnow
 from kvgov.ledger.events import Event
@@ -37,9 +38,6 @@ from kvgov.types import EventKind, Outcome, PurgeState
 
 log = logging.getLogger(__name__)
 
-#: a sidecar counts as live (and gets its own steps) if it reported this recently
-SIDECAR_LIVE_S = 60.0
-
 
 class PurgeService:
     def __init__(
@@ -58,7 +56,7 @@ class PurgeService:
         self.lease_s = lease_s
 
     @property
-    def settings(self) -> Any:
+    def settings(self) -> Settings:
         return self.ctx.settings
 
     def subject_of(self, req: PurgeRequest) -> str | None:
@@ -74,12 +72,14 @@ class PurgeService:
             entries = scope.scoped_entries(s, req.tenant, subject)
             return {
                 "entries": entries,
-                "keys": scope.live_keys(s, req.tenant, subject),
                 "payloads": scope.erasable_payloads(s, req.tenant, subject),
-                "sidecars": jobs.live_sidecars(s, now=utcnow(), max_age_s=SIDECAR_LIVE_S),
+                "sidecars": jobs.live_sidecars(
+                    s, now=utcnow(), max_age_s=self.settings.purge.sidecar_live_s
+                ),
             }
 
         found = await self.ctx.db(read)
+        keys = await asyncio.to_thread(self.ctx.shredder.pending, req.tenant, subject)
         entries = found["entries"]
         present = await self.ctx.tiers.count_present([e.key_digest for e in entries])
         by_state: dict[str, int] = {}
@@ -94,7 +94,7 @@ class PurgeService:
             "entries_by_state": by_state,
             "bytes_in_scope": sum(e.size or 0 for e in entries),
             "present_in_reachable_tiers": present,
-            "keys_to_destroy": [{"key_id": k, "version": v} for k, v in found["keys"]],
+            "keys_to_destroy": [{"key_id": k, "version": v} for k, v in keys],
             "payloads_to_erase": found["payloads"],
             "sidecars": found["sidecars"],
             "vllm_engines": list(self.settings.purge.vllm_engines),
@@ -108,7 +108,7 @@ class PurgeService:
 
         def insert(s: Any) -> JobView:
             now = utcnow()
-            sidecars = jobs.live_sidecars(s, now=now, max_age_s=SIDECAR_LIVE_S)
+            sidecars = jobs.live_sidecars(s, now=now, max_age_s=self.settings.purge.sidecar_live_s)
             jobs.insert_job(s, job_id, req, subject, plan_steps(sidecars), now=now)
             return jobs.load_job(s, job_id)
 
@@ -257,7 +257,7 @@ def build_receipt(job: JobView, state: PurgeState, *, finished_at: str) -> dict[
         if step.state is not PurgeState.COMPLETED and step.name is not StepName.LEDGER:
             why = d.get("reason") or d.get("error") or "did not complete"
             incomplete.append(f"{step.label}: {why}")
-        if d.get("unreachable") is True and step.sidecar_id:
+        if d.get("not_taken") is True and step.sidecar_id:
             unreachable.append({"engine": f"sidecar:{step.sidecar_id}", "error": d.get("reason")})
         if step.name is StepName.TIERS:
             for name, n in (d.get("deleted") or {}).items():

@@ -22,7 +22,7 @@ from kvgov.proxy.purge import scope
 from kvgov.proxy.purge.deletion import delete_entries, emit_all
 from kvgov.proxy.purge.gpu import reset_prefix_caches
 from kvgov.proxy.purge.model import JobView, StepName, StepView
-from kvgov.proxy.purge.ports import EngineEvictor, KeyShredder, TierSet
+from kvgov.proxy.purge.ports import EngineEvictor, KeyShredder, LocalIndex, TierSet
 from kvgov.types import EntryState, EventKind, Outcome, PurgeState
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class StepContext:
     tiers: TierSet
     shredder: KeyShredder
     evictor: EngineEvictor
+    local_index: LocalIndex
     #: this process's sidecar id (None for the CLI)
     sidecar_id: str | None
     principal: str
@@ -98,6 +99,8 @@ def _summary(detail: dict[str, Any]) -> dict[str, Any]:
 
 async def _tiers(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
     entries = await ctx.db(lambda s: scope.scoped_entries(s, job.tenant, job.subject))
+    # stop serving them from this process first, then delete them everywhere it reaches
+    ctx.local_index.drop([e.key_digest for e in entries])
     result = await delete_entries(
         ctx.tiers,
         ctx.sink,

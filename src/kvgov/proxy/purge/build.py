@@ -1,0 +1,166 @@
+"""Compose a :class:`PurgeService` from ``Settings``: for the CLI, and for a sidecar's parts.
+
+The CLI's service reaches what needs no sidecar: the ledger database (its own ledger writer on a
+chain of its own, so it never races a sidecar's writer on the same chain), the data-key store
+(shredding needs no KEK), the tiers of ``tiers.chain`` other than the in-process memory tier
+(filesystem and Redis are shared with the sidecar of the same configuration), and the vLLM
+engines of ``purge.vllm_engines``. Engine connections exist only inside a sidecar
+(:mod:`kvgov.proxy.purge.engines`).
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Protocol
+
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from kvgov.config import Settings
+from kvgov.connectors.tiers.base import Tier
+from kvgov.ledger.events import EventSink
+from kvgov.ledger.models import Checkpoint
+from kvgov.proxy.purge.ports import (
+    Checkpointer,
+    CheckpointInfo,
+    EngineEvictor,
+    KeyShredder,
+    LocalIndex,
+    NoEngines,
+    NoLocalIndex,
+    StoreShredder,
+    TierSet,
+)
+from kvgov.proxy.purge.service import PurgeService
+from kvgov.proxy.purge.steps import StepContext
+
+
+def writer_checkpointer(writer: _Checkpointing, engine: Engine, chain_id: str) -> Checkpointer:
+    """Sign the head of ``chain_id`` now and report the newest checkpoint of that chain."""
+
+    async def run() -> CheckpointInfo | None:
+        await writer.flush()
+        await writer.write_checkpoint()
+        with Session(engine) as s:
+            row = s.scalars(
+                select(Checkpoint)
+                .where(Checkpoint.chain_id == chain_id)
+                .order_by(Checkpoint.seq.desc())
+                .limit(1)
+            ).first()
+        if row is None:
+            return None
+        return CheckpointInfo(
+            chain_id=row.chain_id,
+            seq=row.seq,
+            head_hash=row.head_hash,
+            signature=base64.b64encode(row.signature).decode("ascii"),
+        )
+
+    return run
+
+
+class _Checkpointing(Protocol):  # what writer_checkpointer needs of a LedgerWriter
+    async def flush(self) -> None: ...
+
+    async def write_checkpoint(self) -> object: ...
+
+
+def make_service(
+    settings: Settings,
+    *,
+    sessions: sessionmaker[Session],
+    sink: EventSink,
+    tiers: Sequence[Tier],
+    shredder: KeyShredder,
+    signing_key: object,
+    pseudonymize: Callable[[str, str], str],
+    checkpoint: Checkpointer | None,
+    evictor: EngineEvictor | None = None,
+    local_index: LocalIndex | None = None,
+    sidecar_id: str | None = None,
+    principal: str = "cli",
+) -> PurgeService:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    if not isinstance(signing_key, Ed25519PrivateKey):
+        raise TypeError("signing_key must be an Ed25519 private key")
+    ctx = StepContext(
+        settings=settings,
+        sessions=sessions,
+        sink=sink,
+        tiers=TierSet(tiers),
+        shredder=shredder,
+        evictor=evictor or NoEngines(),
+        local_index=local_index or NoLocalIndex(),
+        sidecar_id=sidecar_id,
+        principal=principal,
+    )
+    return PurgeService(
+        ctx,
+        signing_key=signing_key,
+        pseudonymize=pseudonymize,
+        checkpoint=checkpoint,
+        lease_s=settings.purge.step_lease_s,
+    )
+
+
+async def shared_tiers(settings: Settings) -> list[Tier]:
+    """The configured tiers a process other than the sidecar can reach (not ``memory``)."""
+    from kvgov.connectors.tiers.factory import REGISTRY, TierHooks
+
+    out: list[Tier] = []
+    for name in settings.tiers.chain:
+        if name == "memory":
+            continue
+        out.append(await REGISTRY[name](settings, TierHooks()))
+    return out
+
+
+@asynccontextmanager
+async def cli_service(settings: Settings, *, writer: bool = True) -> AsyncIterator[PurgeService]:
+    """A service for ``kvgov purge``: its own ledger writer chain, shared tiers, no engines."""
+    from kvgov.ledger.chain import load_signing_key
+    from kvgov.ledger.db import make_engine, make_sessionmaker
+    from kvgov.ledger.keystore import SqlKeyStore
+    from kvgov.ledger.pseudonym import Pseudonymizer
+    from kvgov.ledger.writer import LedgerWriter
+
+    engine = make_engine(settings.database_url, pool_size=2)
+    key = load_signing_key(settings.signing_key_path)
+    pseudonymizer = Pseudonymizer.from_file(settings.pseudonym_key_path)
+    chain_id = f"{settings.chain_id}/purge-cli/{uuid.uuid4().hex[:12]}"
+    ledger = LedgerWriter(
+        engine,
+        chain_id=chain_id,
+        signing_key=key,
+        batch_max_events=settings.ledger.batch_max_events,
+        batch_max_delay_ms=settings.ledger.batch_max_delay_ms,
+        description="kvgov purge (CLI)",
+    )
+    tiers = await shared_tiers(settings) if writer else []
+    started = False
+    try:
+        if writer:
+            await ledger.start()
+            started = True
+        yield make_service(
+            settings,
+            sessions=make_sessionmaker(engine),
+            sink=ledger,
+            tiers=tiers,
+            shredder=StoreShredder(SqlKeyStore(engine)),
+            signing_key=key,
+            pseudonymize=pseudonymizer.user,
+            checkpoint=writer_checkpointer(ledger, engine, chain_id),
+            principal="cli",
+        )
+    finally:
+        if started:
+            await ledger.close()
+        for tier in tiers:
+            await tier.close()
+        engine.dispose()
