@@ -52,6 +52,11 @@ class PurgeExecutor:
             log.info("purge.executor.resumed", extra={"steps": released})
         self._task = asyncio.create_task(self._loop(), name="kvgov-purge-executor")
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The background task (the sidecar cancels it on stop)."""
+        return self._task
+
     def wake(self) -> None:
         self._wake.set()
 

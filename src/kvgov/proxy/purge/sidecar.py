@@ -1,0 +1,95 @@
+"""Wire the purge into a running sidecar: its tiers, keyring, index, engines and ledger writer.
+
+:func:`attach_purge` builds the sidecar's :class:`PurgeService` and starts its
+:class:`PurgeExecutor` (the sidecar's ``start`` calls it; ``stop`` cancels the task). The
+sidecar's purge steps use:
+
+- its whole tier chain (memory included) and its :class:`Keyring` (so in-memory copies of
+  shredded data keys are dropped too);
+- its in-memory entry index, from which purged entries are dropped *before* the tiers are
+  touched, remembering their raw cache keys for the EVICT that follows;
+- ``WireServer.evict_on_engines`` to send EVICT to every connected engine and wait for ACKs.
+
+Raw cache keys are known only for entries put since this sidecar process started (the ledger
+stores digests only); after a restart, EVICT names what the process has seen again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvgov.proxy.purge.build import make_service, writer_checkpointer
+from kvgov.proxy.purge.executor import PurgeExecutor
+from kvgov.proxy.purge.ports import EngineEviction, KeyringShredder
+
+if TYPE_CHECKING:
+    from kvgov.proxy.app import Sidecar
+
+
+class _Index(Protocol):
+    def raw_keys(self, digests: Sequence[str]) -> dict[str, str]: ...
+
+    def pop(self, digest: str) -> Any: ...
+
+
+class _Server(Protocol):
+    async def evict_on_engines(self, keys: Sequence[str], timeout_s: float) -> list[Any]: ...
+
+
+class SidecarEngines:
+    """The sidecar's :class:`LocalIndex` and :class:`EngineEvictor` in one: dropping entries
+    from the index remembers their raw keys for the EVICT."""
+
+    def __init__(self, index: _Index, server: _Server) -> None:
+        self._index = index
+        self._server = server
+        self._raw: dict[str, str] = {}
+
+    def drop(self, key_digests: Sequence[str]) -> None:
+        self._raw.update(self._index.raw_keys(key_digests))
+        for digest in key_digests:
+            self._index.pop(digest)
+
+    async def evict(self, key_digests: Sequence[str], timeout_s: float) -> list[EngineEviction]:
+        raw = self._index.raw_keys(key_digests)
+        for digest in key_digests:
+            known = self._raw.pop(digest, None)
+            if known is not None:
+                raw[digest] = known
+        results = await self._server.evict_on_engines(sorted(raw.values()), timeout_s)
+        return [
+            EngineEviction(
+                engine=str(r.engine), acked=bool(r.acked), removed=int(r.removed), error=r.error
+            )
+            for r in results
+        ]
+
+
+async def attach_purge(sidecar: Sidecar) -> PurgeExecutor | None:
+    """Build and start the sidecar's purge executor (None when governance is off: no ledger)."""
+    keyring = sidecar.pipeline.keyring
+    if sidecar.engine is None or sidecar.writer is None or keyring is None:
+        return None
+    from kvgov.ledger.chain import load_signing_key
+    from kvgov.ledger.db import make_sessionmaker
+
+    settings = sidecar.settings
+    engines = SidecarEngines(sidecar.pipeline.index, sidecar.server)
+    service = make_service(
+        settings,
+        sessions=make_sessionmaker(sidecar.engine),
+        sink=sidecar.writer,
+        tiers=sidecar.tiers.tiers,
+        shredder=KeyringShredder(keyring),
+        signing_key=load_signing_key(settings.signing_key_path),
+        pseudonymize=sidecar.pipeline.pseudonymizer.user,
+        checkpoint=writer_checkpointer(sidecar.writer, sidecar.engine, sidecar.writer.chain_id),
+        evictor=engines,
+        local_index=engines,
+        sidecar_id=sidecar.sidecar_id,
+        principal=f"sidecar:{sidecar.sidecar_id}",
+    )
+    executor = PurgeExecutor(service, sidecar_id=sidecar.sidecar_id, chain_id=settings.chain_id)
+    await executor.start()
+    return executor
