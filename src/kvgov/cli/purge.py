@@ -1,0 +1,196 @@
+"""``kvgov purge``: erase a user (or a whole tenant) from every tier, with a signed receipt.
+
+    kvgov purge --user U --tenant T [--dry-run] [--yes] [--json] [--wait/--no-wait] [--receipt F]
+    kvgov purge --tenant T ...
+    kvgov purge status ID [--json]
+    kvgov purge verify-receipt FILE [--public-key PEM]
+
+The command creates a durable purge job in the ledger database. With ``--wait`` (the default)
+it also runs the steps that need no sidecar (key shredding, the filesystem/Redis tiers it
+reaches from its configuration, the GPU prefix-cache reset, the ledger erasure) and waits for
+every registered sidecar to do its part, then prints the receipt. Exit 0 when the purge
+completed, 1 when it is incomplete or failed (or a receipt does not verify), 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvgov.cli._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, emit_json, settings
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(
+        name="purge",
+        help="Erase a user's or a tenant's cached data everywhere, with a signed receipt.",
+        invoke_without_command=True,
+        no_args_is_help=False,
+    )
+
+    @group.callback()
+    def purge(  # noqa: PLR0917 - one parameter per CLI option
+        ctx: typer.Context,
+        tenant: Annotated[str | None, typer.Option("--tenant", "-t", help="Tenant.")] = None,
+        user: Annotated[
+            str | None, typer.Option("--user", "-u", help="User id (omit: whole tenant).")
+        ] = None,
+        dry_run: Annotated[
+            bool, typer.Option("--dry-run", help="Report what would be deleted; change nothing.")
+        ] = False,
+        yes: Annotated[
+            bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")
+        ] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+        wait: Annotated[
+            bool,
+            typer.Option(
+                "--wait/--no-wait",
+                help="Run the sidecar-free steps here and wait for the receipt (default).",
+            ),
+        ] = True,
+        receipt: Annotated[
+            Path | None, typer.Option("--receipt", help="Write the signed receipt to this file.")
+        ] = None,
+    ) -> None:
+        """Purge --user U --tenant T (or --tenant T alone for the whole tenant)."""
+        if ctx.invoked_subcommand is not None:
+            return
+        if not tenant:
+            typer.echo(ctx.get_help())
+            raise typer.Exit(EXIT_USAGE)
+        from kvgov.proxy.purge.model import PurgeRequest
+
+        req = PurgeRequest(tenant=tenant, user=user, dry_run=dry_run, requested_by="cli")
+        what = f"user {user!r} in tenant {tenant!r}" if user else f"ALL data of tenant {tenant!r}"
+        if not dry_run and not yes:
+            typer.confirm(f"Purge {what} from every tier and shred its keys?", abort=True)
+        code = asyncio.run(_purge(settings(ctx), req, wait=wait, as_json=as_json, out=receipt))
+        raise typer.Exit(code)
+
+    @group.command("status")
+    def status(
+        ctx: typer.Context,
+        purge_id: Annotated[str, typer.Argument(help="Purge job id.")],
+        as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    ) -> None:
+        """Show a purge job, its steps and its receipt. Exit 1 if incomplete or failed."""
+        raise typer.Exit(asyncio.run(_status(settings(ctx), purge_id, as_json=as_json)))
+
+    @group.command("verify-receipt")
+    def verify_receipt(
+        ctx: typer.Context,
+        file: Annotated[Path, typer.Argument(help="Receipt JSON file.", exists=True)],
+        public_key: Annotated[
+            Path | None,
+            typer.Option("--public-key", help="Trusted Ed25519 key (PEM); default: the ledger's."),
+        ] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    ) -> None:
+        """Check a receipt's signature against the ledger's key. Exit 0 valid, 1 not."""
+        from kvgov.ledger.chain import load_public_key
+        from kvgov.proxy.purge.receipts import verify_receipt as check
+
+        key_path = public_key or settings(ctx).signing_key_path
+        trusted = [load_public_key(key_path)]
+        try:
+            doc = json.loads(file.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            typer.echo(f"not a receipt: {exc}", err=True)
+            raise typer.Exit(EXIT_FAILED) from exc
+        result = check(doc, trusted)
+        if as_json:
+            emit_json(
+                {
+                    "ok": result.ok,
+                    "reason": result.reason,
+                    "key_id": result.key_id,
+                    "purge_id": result.purge_id,
+                    "state": result.state,
+                }
+            )
+        else:
+            mark = "valid" if result.ok else "INVALID"
+            typer.echo(f"receipt {result.purge_id or '?'}: {mark} ({result.reason})")
+            if result.ok:
+                typer.echo(f"  purge state: {result.state}; signed by key {result.key_id}")
+        raise typer.Exit(EXIT_OK if result.ok else EXIT_FAILED)
+
+    app.add_typer(group)
+
+
+async def _purge(cfg: Any, req: Any, *, wait: bool, as_json: bool, out: Path | None) -> int:
+    from kvgov.proxy.purge.build import cli_service
+
+    async with cli_service(cfg) as service:
+        if req.dry_run:
+            plan = await service.plan(req)
+            if as_json:
+                emit_json(plan)
+            else:
+                _print_plan(plan)
+            return EXIT_OK
+        job = await service.create(req)
+        if not wait:
+            if as_json:
+                emit_json(job.to_dict())
+            else:
+                typer.echo(f"purge {job.id} created ({job.state}); `kvgov purge status {job.id}`")
+            return EXIT_OK
+        job = await service.wait(job.id)
+    return _report(job, as_json=as_json, out=out)
+
+
+async def _status(cfg: Any, purge_id: str, *, as_json: bool) -> int:
+    from kvgov.proxy.purge.build import cli_service
+
+    async with cli_service(cfg, writer=False) as service:
+        job = await service.get(purge_id)
+    return _report(job, as_json=as_json, out=None)
+
+
+def _report(job: Any, *, as_json: bool, out: Path | None) -> int:
+    from kvgov.types import PurgeState
+
+    if out is not None and job.receipt is not None:
+        out.write_text(json.dumps(job.receipt, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if as_json:
+        emit_json(job.to_dict())
+    else:
+        typer.echo(f"purge {job.id}: {job.state}")
+        signed = job.receipt or {}
+        receipt = signed.get("receipt") or {}
+        if receipt:
+            typer.echo(f"  subject: {receipt.get('subject') or '(whole tenant)'}")
+            typer.echo(f"  entries purged: {receipt.get('entries_purged')}")
+            typer.echo(f"  deleted per tier: {receipt.get('tiers')}")
+            typer.echo(f"  keys destroyed: {len(receipt.get('keys_destroyed') or [])}")
+            engines = receipt.get("engines") or {}
+            typer.echo(f"  engines acknowledged: {engines.get('acknowledged')}")
+            for line in receipt.get("incomplete") or []:
+                typer.echo(f"  NOT DONE: {line}")
+            ledger = receipt.get("ledger") or {}
+            typer.echo(f"  erasure event: {ledger.get('erasure_event')}")
+        else:
+            for step in job.steps:
+                typer.echo(f"  {step.label}: {step.state}")
+        if out is not None and job.receipt is not None:
+            typer.echo(f"  receipt written to {out}")
+    if job.state in (PurgeState.INCOMPLETE, PurgeState.FAILED):
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _print_plan(plan: dict[str, Any]) -> None:
+    typer.echo("dry run: nothing was changed")
+    typer.echo(f"  subject: {plan['subject'] or '(whole tenant)'} in tenant {plan['tenant']}")
+    typer.echo(f"  entries in scope: {plan['entries_in_scope']} {plan['entries_by_state']}")
+    typer.echo(f"  present in reachable tiers: {plan['present_in_reachable_tiers']}")
+    typer.echo(f"  keys to destroy: {len(plan['keys_to_destroy'])}")
+    typer.echo(f"  ledger payloads to erase: {plan['payloads_to_erase']}")
+    typer.echo(f"  sidecars to ask: {plan['sidecars'] or 'none registered'}")
+    typer.echo(f"  vLLM engines to reset: {plan['vllm_engines'] or 'none configured'}")
