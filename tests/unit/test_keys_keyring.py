@@ -263,3 +263,29 @@ def test_close_flushes_usage(store: CountingStore, kek: FileKekProvider) -> None
     ring.close()
     assert [k.usage_count for k in InMemoryKeyStore.versions(store, "acme")] == [1]
     assert ring.open(sealed, tenant="acme", cache_key=CK) == b"x"  # reloads from the store
+
+
+class FlakyStore(InMemoryKeyStore):
+    """The in-memory store with a switch that makes add_usage fail (a stand-in for a database
+    outage, which cannot be produced on demand here without disturbing other tests)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    def add_usage(self, key_id: str, version: int, count: int) -> None:
+        if self.down:
+            raise ConnectionError("database unreachable")
+        super().add_usage(key_id, version, count)
+
+
+def test_a_failed_usage_flush_never_fails_a_seal(kek: FileKekProvider) -> None:
+    store = FlakyStore()
+    ring = Keyring(store, kek, usage_batch=2)
+    ring.current("acme")
+    store.down = True
+    sealed = [ring.seal("acme", CK, b"x") for _ in range(5)]  # flushes fail, seals do not
+    store.down = False
+    ring.flush_usage()
+    assert [k.usage_count for k in ring.list("acme")] == [5]
+    assert all(ring.open(s, tenant="acme", cache_key=CK) == b"x" for s in sealed)

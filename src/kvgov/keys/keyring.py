@@ -24,15 +24,23 @@ import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from kvgov.config import Settings
 from kvgov.errors import KeyDestroyedError, KeyManagementError, KeyNotFoundError, SealError
 from kvgov.keys.handle import DEK_BYTES, KeyHandle
+from kvgov.keys.ids import (
+    MAX_TENANT_BYTES,
+    KeyInfo,
+    check_name,
+    key_id_for,
+    tenant_key_id,
+    tenant_of,
+    user_key_id,
+    wrap_aad,
+)
 from kvgov.keys.kek import KekProvider, load_kek_provider
 from kvgov.keys.sealed import (
-    MAX_KEY_ID_BYTES,
     SealReader,
     SealWriter,
     parse_header,
@@ -43,76 +51,18 @@ from kvgov.types import EventKind, KeyState, WrappedKey
 
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "KeyInfo",
+    "KeyListener",
+    "Keyring",
+    "key_id_for",
+    "tenant_key_id",
+    "tenant_of",
+    "user_key_id",
+]
+
 #: hears ``(KEY_CREATED | KEY_ROTATED | KEY_SHREDDED, the version concerned)``
 KeyListener = Callable[[EventKind, WrappedKey], None]
-
-_MAX_TENANT_BYTES = 64
-
-
-def tenant_key_id(tenant: str) -> str:
-    _check_name("tenant", tenant, _MAX_TENANT_BYTES)
-    return f"t:{tenant}"
-
-
-def user_key_id(tenant: str, user: str) -> str:
-    _check_name("tenant", tenant, _MAX_TENANT_BYTES)
-    _check_name("user pseudonym", user, MAX_KEY_ID_BYTES - _MAX_TENANT_BYTES - 3)
-    return f"u:{tenant}:{user}"
-
-
-def key_id_for(tenant: str, user: str | None) -> str:
-    return tenant_key_id(tenant) if user is None else user_key_id(tenant, user)
-
-
-def tenant_of(key_id: str) -> str | None:
-    """The tenant a key id belongs to, or None when it is not a keyring id."""
-    kind, _, rest = key_id.partition(":")
-    if kind == "t":
-        return rest or None
-    if kind == "u":
-        tenant, sep, user = rest.partition(":")
-        return tenant if sep and tenant and user else None
-    return None
-
-
-def _check_name(what: str, value: str, max_bytes: int) -> None:
-    if not value or ":" in value or not value.isprintable() or any(c.isspace() for c in value):
-        raise KeyManagementError(f"invalid {what} for a key id: empty, or contains ':' or spaces")
-    if len(value.encode()) > max_bytes:
-        raise KeyManagementError(f"{what} is longer than {max_bytes} bytes")
-
-
-def _wrap_aad(key_id: str, version: int, tenant: str) -> bytes:
-    return f"{key_id}\x00{version}\x00{tenant}".encode()
-
-
-@dataclass(frozen=True, slots=True)
-class KeyInfo:
-    """What may be shown about a key version: never material, not even wrapped."""
-
-    key_id: str
-    version: int
-    tenant: str
-    user: str | None
-    state: KeyState
-    usage_count: int
-    kek_id: str
-    created_at: datetime
-    destroyed_at: datetime | None = None
-
-    @classmethod
-    def of(cls, row: WrappedKey) -> KeyInfo:
-        return cls(
-            key_id=row.key_id,
-            version=row.version,
-            tenant=row.tenant,
-            user=row.user,
-            state=row.state,
-            usage_count=row.usage_count,
-            kek_id=row.kek_id,
-            created_at=row.created_at,
-            destroyed_at=row.destroyed_at,
-        )
 
 
 class _Entry:
@@ -154,6 +104,7 @@ class Keyring:
         self._active: OrderedDict[str, int] = OrderedDict()
         self._dirty: dict[tuple[str, int], _Entry] = {}
         self._pending_total = 0
+        self._flush_at = usage_batch
 
     @classmethod
     def from_settings(
@@ -224,7 +175,7 @@ class Keyring:
     def shred(self, tenant: str, user: str | None = None) -> builtins.list[KeyInfo]:
         """Crypto-shred: destroy every version of the scope (``user=None``: every key of the
         tenant, user keys included) in the store and in memory. Returns what was destroyed."""
-        _check_name("tenant", tenant, _MAX_TENANT_BYTES)
+        check_name("tenant", tenant, MAX_TENANT_BYTES)
         if user is not None:
             user_key_id(tenant, user)
         with self._lock:
@@ -348,7 +299,7 @@ class Keyring:
             tenant=tenant,
             user=user,
             state=KeyState.ACTIVE,
-            wrapped=self._kek.wrap(dek, _wrap_aad(key_id, version, tenant)),
+            wrapped=self._kek.wrap(dek, wrap_aad(key_id, version, tenant)),
             kek_id=self._kek.kek_id,
             created_at=datetime.now(UTC),
         )
@@ -381,7 +332,7 @@ class Keyring:
                 f"data key {row.key_id} v{row.version} was destroyed (crypto-shredded){when}",
                 hint="data sealed under it is unrecoverable by design",
             )
-        dek = self._kek.unwrap(row.wrapped, _wrap_aad(row.key_id, row.version, row.tenant))
+        dek = self._kek.unwrap(row.wrapped, wrap_aad(row.key_id, row.version, row.tenant))
         return self._cache_entry(row, dek)
 
     def _cache_entry(self, row: WrappedKey, dek: bytes) -> _Entry:
@@ -414,8 +365,12 @@ class Keyring:
             handle = entry.handle
             self._dirty[(handle.key_id, handle.version)] = entry
             self._pending_total += 1
-            if self._pending_total >= self._usage_batch:
-                self._flush_locked()
+            if self._pending_total >= self._flush_at:
+                try:
+                    self._flush_locked()
+                except Exception:
+                    log.warning("keys.usage.flush_failed", exc_info=True)
+                self._flush_at = self._pending_total + self._usage_batch
 
     def _flush_locked(self) -> None:
         for ident, entry in list(self._dirty.items()):
