@@ -11,7 +11,7 @@ import importlib
 import typer
 
 #: modules under ``kvgov.cli`` that expose ``register(app: typer.Typer) -> None``
-GROUPS: tuple[str, ...] = ("keys", "init", "db", "audit", "token", "policy", "purge")
+GROUPS: tuple[str, ...] = ("keys", "init", "db", "audit", "token", "policy", "serve", "purge")
 
 
 def register(app: typer.Typer) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +21,8 @@ from kvgov import __version__
 from kvgov.config import Settings
 from kvgov.connectors.tiers.chain import TierChain
 from kvgov.connectors.tiers.factory import build_tiers
-from kvgov.errors import StartupError
 from kvgov.keys.keyring import Keyring
-from kvgov.keys.store import InMemoryKeyStore, WrappedKeyStore
+from kvgov.keys.store import WrappedKeyStore
 from kvgov.ledger.events import EventSink
 from kvgov.ledger.pseudonym import Pseudonymizer, generate_pseudonym_key_file
 from kvgov.policy.interfaces import DecisionRecorder, PolicyEngine
@@ -104,13 +103,6 @@ class Sidecar:
         return await self.server.evict_on_engines(list(raw.values()), timeout_s)
 
 
-def _optional(module: str, name: str) -> Any:
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-
-
 async def build_sidecar(
     settings: Settings,
     *,
@@ -152,19 +144,18 @@ async def build_sidecar(
             sink = writer
         if settings.environment is Environment.DEVELOPMENT and not settings.kek_path.exists():
             generate_kek_file(settings.kek_path)
-        sql_store = _optional("kvgov.ledger.keystore", "SqlKeyStore")
-        store: WrappedKeyStore = sql_store(engine) if sql_store else InMemoryKeyStore()
+        from kvgov.ledger.keystore import SqlKeyStore
+
+        store: WrappedKeyStore = SqlKeyStore(engine)
         keyring = Keyring.from_settings(
             settings, store, FileKekProvider(settings.kek_path, environment=settings.environment)
         )
         if policy is None:
-            factory = _optional("kvgov.policy.factory", "build_policy_engine")
-            if factory is None:
-                raise StartupError("no policy engine available (kvgov.policy.factory missing)")
-            policy = factory(settings)
-        if recorder is None:
-            make_recorder = _optional("kvgov.policy.recorder", "LedgerDecisionRecorder")
-            recorder = make_recorder(sink) if make_recorder else None
+            from kvgov.policy.factory import build_policy_engine
+            from kvgov.policy.recording import EventDecisionRecorder
+
+            # the caching engine records every deny and the first allow of each decision
+            policy = build_policy_engine(settings, recorder=EventDecisionRecorder(sink))
         await asyncio.get_running_loop().run_in_executor(
             None, load_index, engine, index, time.time()
         )
@@ -210,3 +201,50 @@ async def build_sidecar(
         engine=engine,
         sidecar_id=sidecar_id,
     )
+
+
+def _control_server_class() -> Any:
+    import uvicorn
+
+    class ControlServer(uvicorn.Server):
+        """uvicorn without its own signal handling: the sidecar owns SIGTERM/SIGINT."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return ControlServer
+
+
+async def run_sidecar(settings: Settings) -> None:
+    """Build, start and serve until SIGTERM/SIGINT; then shut down gracefully."""
+    import signal
+
+    import uvicorn
+
+    from kvgov.proxy.api.app import create_control_app
+
+    sidecar = await build_sidecar(settings)
+    await sidecar.start()
+    if sidecar.engine is not None:
+        from kvgov.proxy.dataplane.restore import register_sidecar
+
+        endpoint = sidecar.server.addresses[0] if sidecar.server.addresses else None
+        await asyncio.get_running_loop().run_in_executor(
+            None, register_sidecar, sidecar.engine, sidecar.sidecar_id, settings.chain_id, endpoint
+        )
+    api = settings.api
+    config = uvicorn.Config(
+        create_control_app(sidecar), host=api.host, port=api.port, log_config=None, lifespan="off"
+    )
+    web = _control_server_class()(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    web_task = asyncio.create_task(web.serve())
+    await stop.wait()
+    log.info("sidecar.stopping")
+    await sidecar.stop()
+    web.should_exit = True
+    await web_task
