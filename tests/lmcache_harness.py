@@ -14,15 +14,20 @@ Import this module only from tests marked ``lmcache``: it imports torch and lmca
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
@@ -244,9 +249,24 @@ class Engine:
 
     def wait_remote_puts(self, timeout_s: float = 20.0) -> None:
         """Wait until every async remote put this engine submitted has finished."""
+        # LMCache tracks single puts in ``put_tasks`` but not batched ones: the kvgov connector
+        # counts its own in-flight operations
         deadline = time.monotonic() + timeout_s
+        for backend in self.remote_backends():
+            # LMCache submits puts to its loop in order: once a later no-op has run, every
+            # earlier put coroutine has started (and the connector has counted it)
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), backend.loop).result(timeout_s)
         while time.monotonic() < deadline:
-            if all(not b.put_tasks for b in self.remote_backends()):
+            pending = False
+            for backend in self.remote_backends():
+                conn = backend.connection
+                inner = conn.getWrappedConnector() if hasattr(conn, "getWrappedConnector") else conn
+                wait_idle = getattr(inner, "wait_idle", None)
+                if backend.put_tasks or (
+                    wait_idle is not None and not wait_idle(max(0.0, deadline - time.monotonic()))
+                ):
+                    pending = True
+            if not pending:
                 return
             time.sleep(0.005)
         raise TimeoutError("remote puts still pending")
@@ -255,6 +275,7 @@ class Engine:
         if self.closed:
             return
         self.closed = True
+        self.wait_remote_puts()  # LMCache frees its CPU buffers before closing remote backends
         manager = self.engine.storage_manager
         LMCacheEngineBuilder.destroy(self.instance_id)
         # LMCache stops its storage loop but never closes it (its self-pipe sockets leak)
@@ -362,3 +383,191 @@ def lmcache_server(port: int | None = None) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# --- a real kvgov sidecar ---------------------------------------------------------------------
+
+
+def policy_data(tenants: list[str], base: Path | None = None) -> dict[str, Any]:
+    """The shipped policy data document with ``tenants`` enabled for every engine."""
+    base = base or Path(__file__).resolve().parents[1] / "src/kvgov/policy/rego/data.json"
+    data: dict[str, Any] = json.loads(base.read_text())
+    data["tenants"] = {t: {"enabled": True, "engines": ["*"]} for t in tenants}
+    data["revision"] = "test-" + "-".join(tenants)
+    return data
+
+
+def sidecar_env(
+    data_dir: Path, *, tenants: list[str], database_url: str = "", governance: bool = True
+) -> dict[str, str]:
+    """``KVGOV_*`` settings for a development sidecar in ``data_dir`` on a Unix socket."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    data_file = data_dir / "policy-data.json"
+    data_file.write_text(json.dumps(policy_data(tenants)))
+    env = {
+        "KVGOV_DATA_DIR": str(data_dir),
+        "KVGOV_LOG_LEVEL": "warning",
+        "KVGOV_DATAPLANE__HOST": "",
+        "KVGOV_DATAPLANE__UNIX_PATH": str(data_dir / "data.sock"),
+        "KVGOV_DATAPLANE__LM_PORT": "-1",
+        "KVGOV_DATAPLANE__GOVERNANCE": "true" if governance else "false",
+        "KVGOV_POLICY__DATA_FILE": str(data_file),
+        "KVGOV_TIERS__FILESYSTEM_FSYNC": "false",
+    }
+    if database_url:
+        env["KVGOV_DATABASE__URL"] = database_url
+    return env
+
+
+def _settings_from(env: Mapping[str, str]) -> Any:
+    from kvgov.config import load_settings
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return load_settings()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _policy_for(settings: Any) -> Any:
+    """The configured policy engine (None: let the sidecar build it from settings).
+
+    Stand-in only while ``kvgov.policy.factory`` is missing: the embedded Rego engine on the
+    shipped policies and the settings' data file, which is what the factory builds by default.
+    """
+    try:
+        import kvgov.policy.factory  # noqa: F401
+    except ImportError:
+        from kvgov.policy.embedded import EmbeddedPolicyEngine
+
+        return EmbeddedPolicyEngine.from_paths(
+            settings.policy.policy_dir, settings.policy.data_file
+        )
+    return None
+
+
+class SidecarThread:
+    """The real sidecar (``kvgov.proxy.app.build_sidecar``) on its own event loop thread.
+
+    In-process so tests can reach its pipeline, EVICT engines and stop/restart it on the same
+    data directory and socket.
+    """
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = dict(env)
+        self.settings = _settings_from(self.env)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self.sidecar: Any = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"unix://{self.settings.dataplane.unix_path}"
+
+    def start(self, timeout_s: float = 60.0) -> SidecarThread:
+        from kvgov.proxy.app import build_sidecar
+
+        loop = asyncio.new_event_loop()
+        self.loop = loop
+        self.thread = threading.Thread(target=loop.run_forever, name="kvgov-sidecar", daemon=True)
+        self.thread.start()
+
+        async def boot() -> Any:
+            sidecar = await build_sidecar(self.settings, policy=_policy_for(self.settings))
+            await sidecar.start()
+            return sidecar
+
+        try:
+            self.sidecar = asyncio.run_coroutine_threadsafe(boot(), loop).result(timeout_s)
+        except BaseException:
+            self._stop_loop()
+            raise
+        return self
+
+    def call(self, coro: Any, timeout_s: float = 30.0) -> Any:
+        if self.loop is None:
+            raise RuntimeError("sidecar is not running")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def evict(self, raw_keys: list[str], timeout_s: float = 10.0) -> list[Any]:
+        """Send EVICT for ``raw_keys`` to every connected engine; the per-engine results."""
+        return list(self.call(self.sidecar.server.evict_on_engines(raw_keys, timeout_s)))
+
+    def stop(self) -> None:
+        if self.sidecar is not None:
+            self.call(self.sidecar.stop(grace_s=5.0), timeout_s=60.0)
+            self.sidecar = None
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        loop, thread = self.loop, self.thread
+        if loop is None or thread is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+        self.loop = self.thread = None
+
+
+@contextmanager
+def sidecar(
+    data_dir: Path, *, tenants: list[str], database_url: str = ""
+) -> Iterator[SidecarThread]:
+    """A running in-process sidecar, stopped afterwards."""
+    sc = SidecarThread(sidecar_env(data_dir, tenants=tenants, database_url=database_url)).start()
+    try:
+        yield sc
+    finally:
+        sc.stop()
+
+
+@contextmanager
+def kvgov_sidecar(data_dir: Path, *, tenants: list[str], governance: bool = True) -> Iterator[str]:
+    """The real sidecar in a subprocess (for benchmarks); yields its ``unix://`` endpoint."""
+    env = sidecar_env(data_dir, tenants=tenants, governance=governance)
+    sock = Path(env["KVGOV_DATAPLANE__UNIX_PATH"])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.lmcache_harness", "serve"],
+        env=dict(os.environ, **env),
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("kvgov sidecar did not start")
+            time.sleep(0.05)
+        yield f"unix://{sock}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _serve_forever() -> None:
+    """``python -m tests.lmcache_harness serve``: run a sidecar from ``KVGOV_*`` until SIGTERM."""
+    from kvgov.config import load_settings
+    from kvgov.proxy.app import build_sidecar
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        settings = load_settings()
+        sc = await build_sidecar(settings, policy=_policy_for(settings))
+        await sc.start()
+        await stop.wait()
+        await sc.stop(grace_s=5.0)
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["serve"]:
+    _serve_forever()

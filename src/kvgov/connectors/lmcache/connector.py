@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -61,6 +62,9 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
         #: blocking wire calls run here, so LMCache's event loop never waits on a socket
         self.pool = ThreadPoolExecutor(max_workers=s.pool_size, thread_name_prefix="kvgov-conn")
         self.backoff = Backoff(s.backoff_initial_s, s.backoff_max_s)
+        #: operations submitted and not finished (LMCache does not track batched puts itself)
+        self._inflight = 0
+        self._idle = threading.Condition()
         self.control: ControlChannel | None = None
         if self.worker and s.control:
             self.control = self.client.control(
@@ -92,7 +96,20 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
         if not self.backoff.allow():
             return default
         call = functools.partial(self._guard, op, fn, default=default)
-        return await asyncio.get_running_loop().run_in_executor(self.pool, call)
+        with self._idle:
+            self._inflight += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, call)
+        finally:
+            with self._idle:
+                self._inflight -= 1
+                if not self._inflight:
+                    self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no operation is in flight (puts included); False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._inflight, timeout_s)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -210,6 +227,7 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
         self.close_sync()
 
     def close_sync(self) -> None:
+        self.wait_idle(self.settings.timeout_s)
         if self.control is not None:
             self.control.close()
             self.control = None

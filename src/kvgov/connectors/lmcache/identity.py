@@ -41,9 +41,7 @@ def request_context(key: Any) -> RequestContext:
     tenant = _text(configs.get(AUTH_TENANT))
     if not (user or request_id or sensitivity or tenant):
         return _EMPTY
-    return RequestContext(
-        request_id=request_id, user=user, sensitivity=sensitivity, tenant=tenant
-    )
+    return RequestContext(request_id=request_id, user=user, sensitivity=sensitivity, tenant=tenant)
 
 
 def key_string(key: Any) -> str:

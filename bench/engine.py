@@ -1,0 +1,130 @@
+"""A real LMCache engine's store and retrieve throughput: kvgov (governed) vs LMCache's ``lm://``.
+
+Both sides run in one process tree, one after the other, with the same geometry and tokens:
+
+* **ungoverned**: LMCache's built-in ``remote_url: lm://`` connector to LMCache's own
+  ``lmcache_server`` (subprocess);
+* **governed**: ``KvgovConnector`` (``remote_storage_plugins: ["kvgov"]``) to a ``kvgov serve``
+  sidecar (subprocess, embedded defaults in a temp dir: policy, per-tenant encryption, ledger).
+
+Engine A stores (timed until every async remote put is acknowledged); engine B, a fresh engine
+with no local hits, retrieves the same tokens (timed) and its KV bytes are compared with A's.
+Throughput is the KV bytes moved per second; the ratio governed / ungoverned is printed
+(higher is better for kvgov; the target is >= 1.0 for both directions).
+
+    python bench/engine.py                 # 32 MiB chunks (Llama-3.1-8B bf16 geometry)
+    python bench/engine.py --chunk-mib 4 --chunks 16 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import logging
+
+from tests import lmcache_harness as h
+
+
+def geometry_for(chunk_mib: float, chunks: int) -> h.Geometry:
+    # bf16, 256 tokens, hidden 1024 (8 heads x 128): 1 MiB per layer
+    layers = max(2, round(chunk_mib))
+    return h.Geometry(layers=layers, heads=8, head_dim=128, slots=chunks * 256)
+
+
+def run_side(
+    name: str,
+    make_config: Callable[[], object],
+    g: h.Geometry,
+    chunks: int,
+    rounds: int,
+    ids: dict[str, str],
+) -> tuple[float, float]:
+    """Median (store GB/s, retrieve GB/s) over ``rounds`` fresh token sequences."""
+    nbytes = chunks * g.chunk_bytes
+    stores: list[float] = []
+    loads: list[float] = []
+    with h.engines(make_config(), make_config(), geometry=g) as (a, b):  # type: ignore[arg-type]
+        for r in range(rounds + 1):  # round 0 warms connections and allocators
+            toks = h.tokens(chunks * g.chunk, seed=1000 + r)
+            a.fill(len(toks), seed=r)
+            b.zero()
+            t0 = time.perf_counter()
+            a.store(toks, ids)
+            a.wait_remote_puts(timeout_s=300)
+            t1 = time.perf_counter()
+            got = b.retrieve(toks, ids)
+            t2 = time.perf_counter()
+            if got != len(toks) or b.kv_bytes(len(toks)) != a.kv_bytes(len(toks)):
+                raise SystemExit(f"{name}: retrieve returned {got}/{len(toks)} tokens or bad bytes")
+            if r:
+                stores.append(nbytes / (t1 - t0) / 1e9)
+                loads.append(nbytes / (t2 - t1) / 1e9)
+    return statistics.median(stores), statistics.median(loads)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chunk-mib", type=float, default=32.0)
+    parser.add_argument("--chunks", type=int, default=8, help="chunks per request")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", choices=["lm", "kvgov"], default=None)
+    args = parser.parse_args()
+    logging.disable(logging.WARNING)  # LMCache logs every store/retrieve at INFO/WARNING
+
+    g = geometry_for(args.chunk_mib, args.chunks)
+    staging_gb = 3 * args.chunks * g.chunk_bytes / 1e9 + 0.05
+    ids = h.identity("bench", request_id="bench-1", user="bench-user", sensitivity="internal")
+    print(
+        f"geometry: {g.layers} layers x {g.heads} heads x {g.head_dim} dim, bf16, chunk "
+        f"{g.chunk} tokens = {g.chunk_bytes / 2**20:.1f} MiB; {args.chunks} chunks/request, "
+        f"{args.rounds} rounds (median)"
+    )
+    results: dict[str, tuple[float, float]] = {}
+    with ExitStack() as stack:
+        if args.only in (None, "lm"):
+            url = stack.enter_context(h.lmcache_server())
+            results["lm:// + lmcache_server (ungoverned)"] = run_side(
+                "lm",
+                lambda: h.lm_config(url, geometry=g, cpu_staging_gb=staging_gb),
+                g,
+                args.chunks,
+                args.rounds,
+                ids,
+            )
+        if args.only in (None, "kvgov"):
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvgov-bench-")))
+            endpoint = stack.enter_context(h.kvgov_sidecar(tmp, tenants=["bench"]))
+            results["KvgovConnector + kvgov serve (governed)"] = run_side(
+                "kvgov",
+                lambda: h.kvgov_config(
+                    endpoint, geometry=g, cpu_staging_gb=staging_gb, engine_id="bench-engine"
+                ),
+                g,
+                args.chunks,
+                args.rounds,
+                ids,
+            )
+    width = max(len(k) for k in results)
+    print(f"{'':{width}}  {'store GB/s':>10}  {'retrieve GB/s':>13}")
+    for label, (st, ld) in results.items():
+        print(f"{label:{width}}  {st:10.3f}  {ld:13.3f}")
+    if len(results) == 2:
+        (lm_st, lm_ld), (kv_st, kv_ld) = results.values()
+        print(
+            f"ratio governed/ungoverned: store {kv_st / lm_st:.2f}x, retrieve {kv_ld / lm_ld:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
