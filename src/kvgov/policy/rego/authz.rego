@@ -64,7 +64,11 @@ _entry_shape_ok if {
 	type_name(input.entry.sensitivity) in _str_or_null
 }
 
-_invalid contains "invalid_input:operation" if not input.operation in _operations
+# (every `not` below tests a value that is always defined: object.get with a default, or a
+# rule; OPA and regorus disagree on `not f(undefined)`, and the differential test caught it)
+_invalid contains "invalid_input:operation" if {
+	not object.get(input, "operation", null) in _operations
+}
 
 _invalid contains sprintf("invalid_input:%s", [name]) if {
 	some name in ["tenant", "tier", "key", "actor", "request", "entry"]
@@ -73,15 +77,17 @@ _invalid contains sprintf("invalid_input:%s", [name]) if {
 
 _invalid contains sprintf("invalid_input:%s", [name]) if {
 	some name in ["tenant", "tier"]
-	not type_name(input[name]) in _str_or_null
+	not type_name(object.get(input, name, null)) in _str_or_null
 }
 
 _invalid contains sprintf("invalid_input:%s", [name]) if {
 	some name in ["key", "actor", "request"]
-	not is_object(input[name])
+	not is_object(object.get(input, name, null))
 }
 
-_invalid contains "invalid_input:entry" if not type_name(input.entry) in {"object", "null"}
+_invalid contains "invalid_input:entry" if {
+	not type_name(object.get(input, "entry", null)) in {"object", "null"}
+}
 
 _invalid contains sprintf("invalid_input:%s.%s", [doc, name]) if {
 	some doc, names in {
@@ -94,6 +100,13 @@ _invalid contains sprintf("invalid_input:%s.%s", [doc, name]) if {
 	some name in names
 	not type_name(object.get(input[doc], name, null)) in _str_or_null
 }
+
+# sub-documents, {} when absent or malformed (layer 1 has denied those already)
+_key := input.key if is_object(input.key) else := {}
+
+_actor := input.actor if is_object(input.actor) else := {}
+
+_request := input.request if is_object(input.request) else := {}
 
 # ---------------------------------------------------------------------------------------
 # layer 2: tenant and engine
@@ -114,14 +127,14 @@ _tenant_denials contains "unknown_tenant" if {
 
 _tenant_denials contains "tenant_disabled" if {
 	tenant
-	not tenant.enabled == true
+	not object.get(tenant, "enabled", false) == true
 }
 
 _engine_allowed if {
-	is_string(input.actor.engine)
-	input.actor.engine != ""
-	some allowed_engine in tenant.engines
-	allowed_engine in {input.actor.engine, "*"}
+	is_string(_actor.engine)
+	_actor.engine != ""
+	some allowed_engine in object.get(tenant, "engines", [])
+	allowed_engine in {_actor.engine, "*"}
 }
 
 _tenant_denials contains "engine_not_allowed" if {
@@ -132,14 +145,16 @@ _tenant_denials contains "engine_not_allowed" if {
 # ---------------------------------------------------------------------------------------
 # layer 3: the key's tenant tag must be the operation's tenant (a get never crosses tenants)
 
-_key_denials contains "missing_key_tenant" if not is_string(input.key.tenant)
+_key_tenant := object.get(_key, "tenant", null)
 
-_key_denials contains "missing_key_tenant" if input.key.tenant == ""
+_key_denials contains "missing_key_tenant" if not is_string(_key_tenant)
+
+_key_denials contains "missing_key_tenant" if _key_tenant == ""
 
 _key_denials contains "tenant_mismatch" if {
-	is_string(input.key.tenant)
-	input.key.tenant != ""
-	input.key.tenant != input.tenant
+	is_string(_key_tenant)
+	_key_tenant != ""
+	_key_tenant != input.tenant
 }
 
 # ---------------------------------------------------------------------------------------
@@ -154,7 +169,9 @@ _read_of_entry if {
 	is_object(input.entry)
 }
 
-_label := input.entry.sensitivity if _read_of_entry else := input.request.sensitivity
+_label := object.get(input.entry, "sensitivity", null) if {
+	_read_of_entry
+} else := object.get(_request, "sensitivity", null)
 
 # the entry's recorded sensitivity for reads of an entry, else the request's label; a missing
 # label is cfg.default_sensitivity ("internal" unless the data says otherwise)
@@ -165,12 +182,15 @@ sensitivity := _label if {
 
 class := cfg.classes[sensitivity]
 
-_cacheable if not class.cacheable == false
+_cacheable if {
+	class
+	not object.get(class, "cacheable", true) == false
+}
 
 _data_denials contains "unknown_sensitivity" if not class
 
 # restricted (cacheable: false) is never cached and never served: the engine recomputes
-_data_denials contains sprintf("not_cacheable:%s", [sensitivity]) if not _cacheable
+_data_denials contains sprintf("not_cacheable:%s", [sensitivity]) if class.cacheable == false
 
 # labels such as phi/pci are cacheable only for tenants that allow them
 _data_denials contains sprintf("label_not_allowed:%s", [sensitivity]) if {
@@ -179,9 +199,9 @@ _data_denials contains sprintf("label_not_allowed:%s", [sensitivity]) if {
 }
 
 # users an operation is scoped to: the key's user tag, and for reads the entry's scope user
-_scope_users contains input.key.user if {
-	is_string(input.key.user)
-	input.key.user != ""
+_scope_users contains _key.user if {
+	is_string(_key.user)
+	_key.user != ""
 }
 
 _scope_users contains input.entry.scope_user if {
@@ -201,7 +221,7 @@ _data_denials contains "user_scope_required" if {
 # a user-scoped key or entry belongs to its user alone
 _data_denials contains "user_scope_mismatch" if {
 	some user in _scope_users
-	not input.actor.user == user
+	not object.get(_actor, "user", null) == user
 }
 
 _all_tiers := {t | some t in cfg.tiers}
@@ -221,7 +241,7 @@ _data_denials contains "no_allowed_tier" if {
 
 _data_denials contains "class_without_ttl" if {
 	_cacheable
-	not is_number(class.max_ttl_s)
+	not is_number(object.get(class, "max_ttl_s", null))
 }
 
 _tier_denials contains "tier_not_allowed" if {
