@@ -87,6 +87,8 @@ class Sidecar:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.pipeline.policy is not None:
+            await self.pipeline.policy.aclose()
         if self.writer is not None:
             await self.writer.close()
         await self.tiers.close()
