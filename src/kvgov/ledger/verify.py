@@ -15,6 +15,7 @@ somewhere the database administrator cannot write.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -111,12 +112,17 @@ def verify(engine: Engine, *, trusted_keys: Collection[bytes] | None = None) -> 
     return report
 
 
-def _events(engine: Engine, chain_id: str) -> Iterator[Row[Any]]:
+@contextmanager
+def _events(engine: Engine, chain_id: str) -> Iterator[Iterator[Row[Any]]]:
+    """The chain's rows in ``seq`` order, streamed; closed on exit even after a ``break``."""
     t = table(LedgerEvent)
     query = select(t).where(t.c.chain_id == chain_id).order_by(t.c.seq)
     with engine.connect() as conn:
         result = conn.execution_options(yield_per=_STREAM_ROWS).execute(query)
-        yield from result
+        try:
+            yield iter(result)
+        finally:
+            result.close()
 
 
 def _fields(row: Row[Any], seq: int | None = None) -> ChainedFields:
@@ -160,34 +166,35 @@ def _verify_chain(engine: Engine, chain: ChainReport, public_key: bytes) -> None
     hashes_at: dict[int, str] = {}
     digests: dict[int, str] = {}
     expected, prev, before_prev = 1, GENESIS_HASH, GENESIS_HASH
-    for row in _events(engine, chain.chain_id):
-        m = row._mapping
-        seq, stored = m["seq"], m["hash"]
-        if seq != expected:
-            chain.findings.append(
-                Finding(Problem.DELETED, expected, f"events {expected}..{seq - 1} are missing")
-            )
-            break
-        if m["encoding_version"] != ENCODING_VERSION:
-            chain.findings.append(
-                Finding(Problem.BAD_ENCODING, seq, f"encoding v{m['encoding_version']}")
-            )
-            break
-        fields = _fields(row)
-        computed = link(fields)
-        if m["prev_hash"] != prev or computed != stored:
-            chain.findings.append(
-                _diagnose(engine, row, fields, computed, prev=prev, before_prev=before_prev)
-            )
-            break
-        if m["payload_digest"] is not None:
-            digests[seq] = m["payload_digest"]
-        if seq in wanted:
-            hashes_at[seq] = stored
-        before_prev, prev = prev, stored
-        chain.events += 1
-        chain.head_seq, chain.head_hash = seq, stored
-        expected += 1
+    with _events(engine, chain.chain_id) as rows:
+        for row in rows:
+            m = row._mapping
+            seq, stored = m["seq"], m["hash"]
+            if seq != expected:
+                chain.findings.append(
+                    Finding(Problem.DELETED, expected, f"events {expected}..{seq - 1} are missing")
+                )
+                break
+            if m["encoding_version"] != ENCODING_VERSION:
+                chain.findings.append(
+                    Finding(Problem.BAD_ENCODING, seq, f"encoding v{m['encoding_version']}")
+                )
+                break
+            fields = _fields(row)
+            computed = link(fields)
+            if m["prev_hash"] != prev or computed != stored:
+                chain.findings.append(
+                    _diagnose(engine, row, fields, computed, prev=prev, before_prev=before_prev)
+                )
+                break
+            if m["payload_digest"] is not None:
+                digests[seq] = m["payload_digest"]
+            if seq in wanted:
+                hashes_at[seq] = stored
+            before_prev, prev = prev, stored
+            chain.events += 1
+            chain.head_seq, chain.head_hash = seq, stored
+            expected += 1
     verified_to = chain.head_seq
     for cp in checkpoints:
         chain.checkpoints += 1
