@@ -127,6 +127,7 @@ async def _tiers(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
     }
     if sweep.still_present:
         detail["still_present"] = {k: len(v) for k, v in sweep.still_present.items()}
+        detail["reason"] = f"entries still present after delete: {detail['still_present']}"
         return PurgeState.INCOMPLETE, detail
     return PurgeState.COMPLETED, detail
 
@@ -164,7 +165,11 @@ async def _engines(ctx: StepContext, job: JobView, step: StepView) -> StepOutcom
         "removed": {r["engine"]: r["removed"] for r in acked},
         "unreachable": missing,
     }
-    return (PurgeState.INCOMPLETE if missing else PurgeState.COMPLETED), detail
+    if missing:
+        names = ", ".join(f"{r['engine']} ({r['error']})" for r in missing)
+        detail["reason"] = "no EVICT acknowledgement from " + names
+        return PurgeState.INCOMPLETE, detail
+    return PurgeState.COMPLETED, detail
 
 
 async def _gpu(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
@@ -172,8 +177,11 @@ async def _gpu(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
         list(ctx.settings.purge.vllm_engines), timeout_s=ctx.settings.purge.http_timeout_s
     )
     detail: dict[str, Any] = {"results": [r.to_dict() for r in results]}
-    ok = all(r.ok for r in results)
-    return (PurgeState.COMPLETED if ok else PurgeState.INCOMPLETE), detail
+    failed = [f"{r.engine} ({r.status or r.error})" for r in results if not r.ok]
+    if failed:
+        detail["reason"] = "GPU prefix cache not reset on " + ", ".join(failed)
+        return PurgeState.INCOMPLETE, detail
+    return PurgeState.COMPLETED, detail
 
 
 async def _ledger(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
