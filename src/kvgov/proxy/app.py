@@ -50,6 +50,8 @@ class Sidecar:
     sidecar_id: str = ""
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     ready: bool = False
+    #: the purge executor (kvgov.proxy.purge.executor.PurgeExecutor), None without a ledger
+    purge: Any = None
 
     async def start(self) -> None:
         dp = self.settings.dataplane
@@ -62,6 +64,11 @@ class Sidecar:
             self.lm_server = LmServer(self.pipeline, engine_id=dp.lm_engine_id)
             await self.lm_server.start(dp.lm_host, dp.lm_port)
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvgov-ttl-sweeper"))
+        from kvgov.proxy.purge.sidecar import attach_purge
+
+        self.purge = await attach_purge(self)
+        if self.purge is not None and self.purge.task is not None:
+            self._tasks.append(self.purge.task)
         self.ready = True
         log.info("sidecar.started", extra={"addresses": self.server.addresses})
 

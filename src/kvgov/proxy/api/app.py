@@ -47,4 +47,8 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         """Prometheus exposition of the data plane's metrics."""
         return Response(generate_latest(sidecar.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if sidecar.purge is not None and getattr(app.state, "kvgov_api", None) is not None:
+        from kvgov.proxy.api.v1.purges import include_purges
+
+        include_purges(app, sidecar.purge.service, wake=sidecar.purge.wake)
     return app
