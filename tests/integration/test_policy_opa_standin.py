@@ -146,14 +146,20 @@ class OpaStandIn:
         return web.json_response({"result": value})
 
 
-@pytest.fixture
-async def opa_standin() -> AsyncIterator[OpaStandIn]:
+@contextlib.asynccontextmanager
+async def running_standin() -> AsyncIterator[OpaStandIn]:
     server = OpaStandIn()
     await server.start()
     try:
         yield server
     finally:
         await server.stop()
+
+
+@pytest.fixture
+async def opa_standin() -> AsyncIterator[OpaStandIn]:
+    async with running_standin() as server:
+        yield server
 
 
 def closed_port_url() -> str:
