@@ -85,7 +85,13 @@ class PolicyInput:
 
     def to_document(self) -> dict[str, Any]:
         """The Rego ``input`` document."""
-        entry = self.entry
+        entry: object = self.entry  # anything may arrive at runtime; validation names it
+        if isinstance(entry, EntryFacts):
+            entry = {
+                "owner": entry.owner,
+                "scope_user": entry.scope_user,
+                "sensitivity": _plain(entry.sensitivity),
+            }
         return {
             "operation": _plain(self.operation),
             "tenant": self.tenant,
@@ -93,13 +99,7 @@ class PolicyInput:
             "actor": {"user": self.actor_user, "engine": self.engine},
             "request": {"id": self.request_id, "sensitivity": _plain(self.sensitivity)},
             "tier": self.tier,
-            "entry": None
-            if entry is None
-            else {
-                "owner": entry.owner,
-                "scope_user": entry.scope_user,
-                "sensitivity": _plain(entry.sensitivity),
-            },
+            "entry": entry,
         }
 
     def digest(self) -> str:
@@ -187,7 +187,7 @@ def safe_digest(inp: PolicyInput) -> str:
     """The input digest, even for an input that cannot be serialised (then of its repr)."""
     try:
         return document_digest(inp.to_document())
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, AttributeError):
         return text_digest(repr(inp))
 
 
