@@ -132,7 +132,7 @@ def provenance(session: Session, request_id: str) -> list[ProvenanceRow]:
             nbytes=event.nbytes,
             entry=entry,
         )
-        for event, entry in session.execute(query).tuples()
+        for event, entry in session.execute(query)
     ]
 
 
@@ -157,7 +157,7 @@ def footprint_summary(session: Session, tenant: str, user: str) -> Footprint:
         str(state): int(count)
         for state, count in session.execute(
             select(CacheEntry.state, func.count()).where(mine).group_by(CacheEntry.state)
-        ).tuples()
+        )
     }
     live = and_(mine, CacheEntry.state == EntryState.LIVE)
     sums = [
@@ -201,7 +201,7 @@ def reused_by(
         .order_by(func.min(LedgerEvent.occurred_at))
     )
     out: dict[str, list[str]] = defaultdict(list)
-    for digest, request_id, _first in session.execute(query).tuples():
+    for digest, request_id, _first in session.execute(query):
         if digest is not None and request_id is not None and len(out[digest]) < per_entry:
             out[digest].append(request_id)
     return dict(out)
@@ -334,7 +334,7 @@ def tenant_stats(
         states = states.where(CacheEntry.tenant.in_(only))
     for tenant, state, count in session.execute(
         states.group_by(CacheEntry.tenant, CacheEntry.state)
-    ).tuples():
+    ):
         if tenant is not None:
             get(tenant).entries_by_state[str(state)] = int(count)
 
@@ -365,7 +365,7 @@ def tenant_stats(
         events = events.where(LedgerEvent.occurred_at >= since)
     for tenant, kind, count in session.execute(
         events.group_by(LedgerEvent.tenant, LedgerEvent.kind)
-    ).tuples():
+    ):
         if tenant is not None:
             setattr(get(tenant), _COUNTED[kind], int(count))
 
@@ -385,4 +385,4 @@ def recent_purges(
     if tenant is not None:
         query = query.where(PurgeJob.tenant == tenant)
     query = query.order_by(PurgeJob.created_at.desc(), PurgeJob.id.desc()).limit(limit)
-    return list(session.execute(query).tuples())
+    return list(session.execute(query))

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Annotated, Protocol
+from urllib.parse import unquote
 
 from fastapi import Depends, Request
 from fastapi.concurrency import run_in_threadpool
@@ -214,8 +215,7 @@ async def record_admin_access(ctx: ApiContext, request: Request, principal: Prin
     """
     if not principal.is_admin:
         return
-    route = request.scope.get("route")
-    template = getattr(route, "path", request.url.path)
+    template = route_template(request)
     await ctx.sink.append(
         Event(
             kind=EventKind.API_ACCESS,
@@ -223,11 +223,18 @@ async def record_admin_access(ctx: ApiContext, request: Request, principal: Prin
             principal=principal.id,
             attrs={
                 "method": request.method,
-                "route": str(template),
+                "route": template,
                 "query": sorted(set(request.query_params.keys())),
             },
         )
     )
+
+
+def route_template(request: Request) -> str:
+    """The request path with each path parameter's value replaced by ``{name}``."""
+    by_value = {str(v): k for k, v in request.path_params.items()}
+    parts = [unquote(p) for p in request.url.path.split("/")]
+    return "/".join("{" + by_value[p] + "}" if p in by_value else p for p in parts)
 
 
 def require(*roles: Role) -> Callable[..., Awaitable[Principal]]:
