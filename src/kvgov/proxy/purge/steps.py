@@ -160,9 +160,13 @@ async def _engines(ctx: StepContext, job: JobView, step: StepView) -> StepOutcom
     )
     acked = [r.to_dict() for r in results if r.acked]
     missing = [r.to_dict() for r in results if not r.acked]
+    removed: dict[str, int] = {}
+    for r in acked:  # two connections of one engine id add up
+        removed[r["engine"]] = removed.get(r["engine"], 0) + int(r["removed"])
     detail: dict[str, Any] = {
-        "acknowledged": [r["engine"] for r in acked],
-        "removed": {r["engine"]: r["removed"] for r in acked},
+        "keys_known": len(entries),
+        "acknowledged": sorted({r["engine"] for r in acked}),
+        "removed": removed,
         "unreachable": missing,
     }
     if missing:
