@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, select, update
+from sqlalchemy import Connection, bindparam, exc, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from kvgov.errors import LedgerError
@@ -63,6 +63,7 @@ _EVENT_COLUMNS = [
     "attrs",
     "payload_digest",
 ]
+_ATTRS = _EVENT_COLUMNS.index("attrs")
 _TEXT_FIELDS = (
     "tenant",
     "actor",
@@ -216,12 +217,20 @@ def _insert_events(conn: Connection, rows: list[dict[str, Any]]) -> None:
         raw = conn.connection.driver_connection
         if raw is None:  # pragma: no cover - a live connection always has one
             raise LedgerError("no driver connection for COPY")
+        import psycopg
+
         copy_sql = f"COPY ledger_events ({', '.join(_EVENT_COLUMNS)}) FROM STDIN"
-        with raw.cursor() as cur, cur.copy(copy_sql) as copy:
-            for r in rows:
-                values = [r[c] for c in _EVENT_COLUMNS]
-                values[18] = canonical_json(r["attrs"])
-                copy.write_row(values)
+        try:
+            with raw.cursor() as cur, cur.copy(copy_sql) as copy:
+                for r in rows:
+                    values = [r[c] for c in _EVENT_COLUMNS]
+                    values[_ATTRS] = canonical_json(r["attrs"])
+                    copy.write_row(values)
+        # the raw driver raises its own errors: map them onto SQLAlchemy's like any statement
+        except psycopg.OperationalError as err:
+            raise exc.OperationalError(copy_sql, None, err) from err
+        except psycopg.Error as err:
+            raise exc.DatabaseError(copy_sql, None, err) from err
         return
     conn.execute(table(LedgerEvent).insert(), rows)
 

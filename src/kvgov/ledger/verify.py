@@ -277,11 +277,15 @@ def _verify_payloads(engine: Engine, chain: ChainReport, digests: dict[int, str]
         .order_by(t.c.seq)
     )
     with engine.connect() as conn:
-        for seq, salt, payload in conn.execution_options(yield_per=_STREAM_ROWS).execute(query):
-            if seq > chain.head_seq:
-                break
-            if digests.get(seq) != payload_digest(bytes(salt), payload):
-                chain.findings.append(
-                    Finding(Problem.PAYLOAD_MISMATCH, seq, "payload does not match its digest")
-                )
-                return
+        result = conn.execution_options(yield_per=_STREAM_ROWS).execute(query)
+        try:
+            for seq, salt, payload in result:
+                if seq > chain.head_seq:
+                    break
+                if digests.get(seq) != payload_digest(bytes(salt), payload):
+                    chain.findings.append(
+                        Finding(Problem.PAYLOAD_MISMATCH, seq, "payload does not match its digest")
+                    )
+                    break
+        finally:
+            result.close()
