@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from kvgov import __version__
 from kvgov.config import Settings
 from kvgov.connectors.tiers.chain import TierChain
@@ -69,6 +71,8 @@ class Sidecar:
         self.purge = await attach_purge(self)
         if self.purge is not None and self.purge.task is not None:
             self._tasks.append(self.purge.task)
+        if self.engine is not None:  # after the purge executor has registered the row
+            self._tasks.append(asyncio.create_task(self._heartbeat(), name="kvgov-heartbeat"))
         self.ready = True
         log.info("sidecar.started", extra={"addresses": self.server.addresses})
 
@@ -80,6 +84,22 @@ class Sidecar:
                 await self.pipeline.sweep()
             except Exception:
                 log.exception("sidecar.sweep.failed")
+
+    async def _heartbeat(self) -> None:
+        """Refresh ``sidecars.last_seen_at`` on its own clock: purge jobs give their tier and
+        engine steps only to sidecars seen within ``purge.sidecar_live_s``, and this must not
+        depend on the purge executor's loop (a long purge step would make the sidecar look
+        dead) nor on it being attached at all."""
+        interval = heartbeat_interval_s(self.settings)
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await loop.run_in_executor(
+                    None, touch_sidecar, self.engine, self.sidecar_id, self.settings.chain_id
+                )
+            except (SQLAlchemyError, OSError) as exc:
+                log.warning("sidecar.heartbeat.failed", extra={"error": type(exc).__name__})
+            await asyncio.sleep(interval)
 
     async def stop(self, grace_s: float = 30.0) -> None:
         """Stop accepting, drain in-flight requests, flush the ledger, close everything."""
@@ -110,6 +130,22 @@ class Sidecar:
         """EVICT the entries (key digests) on every connected engine's control connection."""
         raw = self.pipeline.index.raw_keys(keys)
         return await self.server.evict_on_engines(list(raw.values()), timeout_s)
+
+
+def heartbeat_interval_s(settings: Settings) -> float:
+    """A quarter of the liveness window, at most 10 s: three missed beats still count as live."""
+    return min(10.0, settings.purge.sidecar_live_s / 4)
+
+
+def touch_sidecar(engine: Any, sidecar_id: str, chain_id: str) -> None:
+    """One heartbeat (blocking: run it in a thread); this function owns the transaction."""
+    from sqlalchemy.orm import Session
+
+    from kvgov.ledger.db import utcnow
+    from kvgov.proxy.purge import jobs
+
+    with Session(engine) as session, session.begin():
+        jobs.heartbeat(session, sidecar_id, now=utcnow(), chain_id=chain_id)
 
 
 async def build_sidecar(
