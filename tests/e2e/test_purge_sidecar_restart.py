@@ -1,0 +1,234 @@
+"""A sidecar killed with SIGKILL in the middle of a purge resumes it after a restart.
+
+The real ``kvgov serve`` runs in a subprocess on Postgres; data goes in over the real wire
+protocol. The purge is created with ``kvgov purge --no-wait``, so the sidecar's executor runs
+every step. A loopback stand-in for vLLM's ``POST /reset_prefix_cache`` (vLLM cannot run here)
+holds its first request open, which parks the sidecar after the key and tier steps; the test
+then SIGKILLs it, restarts it, and checks that the purge completes and that running it again
+finds nothing left.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from kvgov.wire.client import WireClient
+from kvgov.wire.messages import RequestContext
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _VllmStandIn(http.server.BaseHTTPRequestHandler):
+    """Loopback stand-in for vLLM's reset endpoint; the first call waits for ``release``."""
+
+    calls: list[float] = []
+    release = threading.Event()
+
+    def do_POST(self) -> None:
+        type(self).calls.append(time.monotonic())
+        if len(type(self).calls) == 1:
+            type(self).release.wait(60)
+        try:
+            self.send_response(200)
+            self.end_headers()
+        except OSError:
+            pass  # the sidecar that asked was killed
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def vllm() -> Iterator[str]:
+    _VllmStandIn.calls = []
+    _VllmStandIn.release = threading.Event()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _VllmStandIn)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        _VllmStandIn.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def env(pg_url: str, vllm: str) -> Iterator[dict[str, str]]:
+    data_dir = Path(tempfile.mkdtemp(prefix="kvr-"))  # short: the Unix socket lives here
+    policy = json.loads((ROOT / "src/kvgov/policy/rego/data.json").read_text())
+    policy["tenants"] = {"acme": {"enabled": True, "engines": ["*"]}}
+    (data_dir / "policy-data.json").write_text(json.dumps(policy))
+    out = {k: v for k, v in os.environ.items() if not k.startswith("KVGOV_")}
+    out.update(
+        {
+            "KVGOV_DATA_DIR": str(data_dir),
+            "KVGOV_DATABASE__URL": pg_url,
+            "KVGOV_LOG_LEVEL": "warning",
+            "KVGOV_DATAPLANE__HOST": "",
+            "KVGOV_DATAPLANE__UNIX_PATH": str(data_dir / "data.sock"),
+            "KVGOV_DATAPLANE__LM_PORT": "-1",
+            "KVGOV_POLICY__DATA_FILE": str(data_dir / "policy-data.json"),
+            "KVGOV_TIERS__FILESYSTEM_FSYNC": "false",
+            "KVGOV_API__PORT": str(_free_port()),
+            "KVGOV_PURGE__POLL_INTERVAL_S": "0.1",
+            "KVGOV_PURGE__STEP_LEASE_S": "2",
+            "KVGOV_PURGE__JOB_TIMEOUT_S": "90",
+            "KVGOV_PURGE__HTTP_TIMEOUT_S": "60",
+            "KVGOV_PURGE__VLLM_ENGINES": json.dumps([vllm]),
+        }
+    )
+    yield out
+    shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _kvgov(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvgov", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def _serve(env: dict[str, str]) -> subprocess.Popen[bytes]:
+    sock = Path(env["KVGOV_DATAPLANE__UNIX_PATH"])
+    sock.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvgov", "serve"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("kvgov serve did not start")
+        time.sleep(0.05)
+    return proc
+
+
+def _wait(predicate: object, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.1)
+    raise TimeoutError(what)
+
+
+def _keys(user: str) -> list[str]:
+    return [f"m@1@0@{i:x}@bfloat16@tenant%acme@user%{user}" for i in range(4)]
+
+
+def test_sigkill_mid_purge_then_restart_completes(env: dict[str, str], pg_url: str) -> None:
+    db = create_engine(pg_url)
+    endpoint = f"unix://{env['KVGOV_DATAPLANE__UNIX_PATH']}"
+    proc = _serve(env)
+    try:
+        with WireClient(endpoint, engine_id="engine-1") as client:
+            for user in ("alice", "bob"):
+                ctx = RequestContext(request_id=f"req-{user}", user=user, tenant="acme")
+                for key in _keys(user):
+                    assert client.put(key, os.urandom(2048), ctx).ok
+            assert all(client.exists(k) for k in _keys("alice"))
+
+        created = _kvgov(
+            env, "purge", "--user", "alice", "--tenant", "acme", "--yes", "--no-wait", "--json"
+        )
+        assert created.returncode == 0, created.stdout + created.stderr
+        job_id = json.loads(created.stdout)["id"]
+
+        # the sidecar reached the GPU reset (after the key and tier steps) and is parked there
+        _wait(lambda: _VllmStandIn.calls, 60, "the sidecar never reached the GPU step")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    with db.connect() as conn:
+        states = dict(
+            conn.execute(
+                text(
+                    "SELECT name || coalesce('@' || sidecar_id, ''), state FROM purge_steps"
+                    " WHERE job_id = :j"
+                ),
+                {"j": job_id},
+            ).all()
+        )
+        job_state = conn.execute(
+            text("SELECT state FROM purge_jobs WHERE id = :j"), {"j": job_id}
+        ).scalar()
+    assert job_state == "running"
+    assert states["keys"] == "completed" and states["tiers"] == "completed"
+    assert states["gpu"] == "running"
+    assert states["ledger"] == "pending"
+    assert [s for label, s in states.items() if label.startswith("engines@")] == ["pending"]
+
+    _VllmStandIn.release.set()  # the stand-in answers at once from now on
+    proc = _serve(env)
+    try:
+
+        def finished() -> bool:
+            status = _kvgov(env, "purge", "status", job_id, "--json")
+            return json.loads(status.stdout)["state"] in ("completed", "incomplete", "failed")
+
+        _wait(finished, 90, "the purge did not finish after the restart")
+        status = _kvgov(env, "purge", "status", job_id, "--json")
+        assert status.returncode == 0, status.stdout + status.stderr
+        job = json.loads(status.stdout)
+        assert job["state"] == "completed", job["receipt"]["receipt"]["incomplete"]
+        gpu = next(s for s in job["steps"] if s["name"] == "gpu")
+        assert gpu["attempts"] == 2  # taken again after the dead process's lease expired
+        assert len(_VllmStandIn.calls) == 2
+
+        with WireClient(endpoint, engine_id="engine-1") as client:
+            assert not any(client.exists(k) for k in _keys("alice"))
+            assert all(client.exists(k) for k in _keys("bob"))
+
+        # the same purge again: harmless, nothing left to delete
+        again = _kvgov(env, "purge", "--user", "alice", "--tenant", "acme", "--yes", "--json")
+        assert again.returncode == 0, again.stdout + again.stderr
+        receipt = json.loads(again.stdout)["receipt"]["receipt"]
+        assert receipt["entries_purged"] == 0
+        assert set(receipt["tiers"].values()) == {0}
+        assert receipt["keys_destroyed"] == []
+
+        audit = _kvgov(env, "audit", "verify")
+        assert audit.returncode == 0, audit.stdout + audit.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        db.dispose()
