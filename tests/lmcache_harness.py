@@ -15,6 +15,7 @@ Import this module only from tests marked ``lmcache``: it imports torch and lmca
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -202,9 +203,22 @@ class Engine:
         return view.view(torch.uint8).numpy().tobytes()
 
     # --- LMCache operations --------------------------------------------------------------
-    def store(self, tokens: list[int], request_configs: Mapping[str, str] | None = None) -> None:
+    def store(
+        self,
+        tokens: list[int],
+        request_configs: Mapping[str, str] | None = None,
+        *,
+        skip_prefix: int = 0,
+    ) -> None:
+        """Store ``tokens``; ``skip_prefix`` tokens (whole chunks) are already cached and are
+        not stored again, as vLLM's LMCache connector does after a lookup hit."""
+        mask = None
+        if skip_prefix:
+            mask = torch.ones(len(tokens), dtype=torch.bool)
+            mask[:skip_prefix] = False
         self.engine.store(
             torch.tensor(tokens, dtype=torch.long),
+            mask=mask,
             slot_mapping=torch.arange(len(tokens), dtype=torch.long),
             request_configs=dict(request_configs or {}),
         )
@@ -229,6 +243,31 @@ class Engine:
         return int(
             self.engine.clear(
                 torch.tensor(tokens, dtype=torch.long), request_configs=dict(request_configs or {})
+            )
+        )
+
+    def key_strings(
+        self, tokens: list[int], request_configs: Mapping[str, str] | None = None
+    ) -> list[str]:
+        """The LMCache key strings of the full chunks of ``tokens``, in order."""
+        db = self.engine.token_database
+        out = []
+        for _start, _end, key in db.process_tokens(
+            tokens=torch.tensor(tokens, dtype=torch.long),
+            request_configs=dict(request_configs or {}),
+        ):
+            out.append(key.to_string())
+        return out
+
+    def local_cpu_hits(
+        self, tokens: list[int], request_configs: Mapping[str, str] | None = None
+    ) -> int:
+        """How many prefix tokens the engine's own CPU tier holds."""
+        return int(
+            self.engine.lookup(
+                torch.tensor(tokens, dtype=torch.long),
+                search_range=["LocalCPUBackend"],
+                request_configs=dict(request_configs or {}),
             )
         )
 
@@ -494,6 +533,24 @@ class SidecarThread:
             raise RuntimeError("sidecar is not running")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
+    def flush(self) -> None:
+        """Wait until every ledger event the sidecar queued is written."""
+        if self.sidecar.writer is not None:
+            self.call(self.sidecar.writer.flush())
+
+    def session(self) -> Any:
+        """A SQLAlchemy session on the sidecar's ledger (flushes the writer first)."""
+        from kvgov.ledger.db import make_sessionmaker
+
+        self.flush()
+        return make_sessionmaker(self.sidecar.engine)()
+
+    def key_digest(self, raw_key: str) -> str:
+        return str(self.sidecar.pipeline.pseudonymizer.key_digest(raw_key))
+
+    def pseudonym(self, tenant: str, user: str) -> str:
+        return str(self.sidecar.pipeline.pseudonymizer.user(tenant, user))
+
     def evict(self, raw_keys: list[str], timeout_s: float = 10.0) -> list[Any]:
         """Send EVICT for ``raw_keys`` to every connected engine; the per-engine results."""
         return list(self.call(self.sidecar.server.evict_on_engines(raw_keys, timeout_s)))
@@ -501,7 +558,13 @@ class SidecarThread:
     def stop(self) -> None:
         if self.sidecar is not None:
             self.call(self.sidecar.stop(grace_s=5.0), timeout_s=60.0)
-            self.sidecar = None
+
+            async def release() -> None:
+                # regorus' VM must be dropped on the thread that built it: collect it here
+                self.sidecar = None
+                gc.collect()
+
+            self.call(release())
         self._stop_loop()
 
     def _stop_loop(self) -> None:
