@@ -15,6 +15,7 @@ cross-site request power. Pages are sent with a strict Content-Security-Policy a
 
 from __future__ import annotations
 
+import functools
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -100,7 +101,6 @@ def _load(ctx: ApiContext, principal: Principal) -> dict[str, Any]:
         )
         denials = q.recent_denials(session, tenant=principal.tenant, limit=20)
         purges = q.recent_purges(session, tenant=principal.tenant, limit=20)
-        session.rollback()
     return {
         "verify": verify_report,
         "stats": [stats_out(s) for s in stats],
@@ -109,81 +109,108 @@ def _load(ctx: ApiContext, principal: Principal) -> dict[str, Any]:
     }
 
 
+@functools.cache
+def _env() -> Environment:
+    return _templates()
+
+
+async def optional_principal(
+    request: Request, ctx: Context, credentials: Credentials
+) -> Principal | None:
+    try:
+        return await run_in_threadpool(
+            _authenticate_sync, ctx, request, credentials, allow_cookie=True
+        )
+    except AuthError:
+        return None
+
+
+MaybePrincipal = Annotated[Principal | None, Depends(optional_principal)]
+
+router = APIRouter(tags=["dashboard"])
+
+
+@router.get(
+    "/dashboard",
+    summary="Compliance dashboard",
+    description=(
+        "Server-rendered HTML page (ledger integrity, tenant stats, denials, purges). Signs in "
+        "with a bearer token or the session cookie from `POST /dashboard/login`; without "
+        "either it answers 401 with the sign-in form."
+    ),
+    response_class=HTMLResponse,
+    responses={
+        200: {"content": {"text/html": {"example": "<!doctype html>..."}}},
+        401: {"description": "Sign-in form", "content": {"text/html": {}}},
+        403: {
+            "description": "Engine tokens cannot open the dashboard",
+            "content": {"text/html": {}},
+        },
+    },
+)
+async def dashboard(request: Request, ctx: Context, principal: MaybePrincipal) -> Response:
+    env = _env()
+    if principal is None:
+        return _html(env, "login.html", 401, error=None)
+    if principal.role is Role.ENGINE:
+        return _html(env, "login.html", 403, error="Engine tokens cannot open the dashboard.")
+    await record_admin_access(ctx, request, principal)
+    data = await run_in_threadpool(_load, ctx, principal)
+    return _html(env, "dashboard.html", 200, principal=principal, **data)
+
+
+@router.post(
+    "/dashboard/login",
+    summary="Dashboard sign-in",
+    description="Exchange a token (form field `token`) for a dashboard session cookie.",
+    response_class=HTMLResponse,
+    responses={
+        303: {"description": "Signed in; redirect to /dashboard"},
+        401: {"description": "Invalid token: the form again", "content": {"text/html": {}}},
+        403: {
+            "description": "Engine tokens cannot open the dashboard",
+            "content": {"text/html": {}},
+        },
+    },
+)
+async def login(request: Request, ctx: Context) -> Response:
+    env = _env()
+    raw = await request.body()
+    form = parse_qs(raw[:_MAX_FORM_BYTES].decode("utf-8", "replace"))
+    token = (form.get("token") or [""])[0].strip()
+    try:
+        principal = await run_in_threadpool(verify_token, ctx, token)
+    except KvgovError:
+        return _html(env, "login.html", 401, error="That token is not valid.")
+    if principal.role is Role.ENGINE or principal.token_id is None:
+        return _html(env, "login.html", 403, error="Engine tokens cannot open the dashboard.")
+    response = RedirectResponse("/dashboard", status_code=303, headers=_SECURITY_HEADERS)
+    response.set_cookie(
+        SESSION_COOKIE,
+        issue_session(ctx.session_secret, principal.token_id),
+        max_age=SESSION_TTL_S,
+        path="/dashboard",
+        httponly=True,
+        secure=request.url.scheme == "https",
+        samesite="strict",
+    )
+    return response
+
+
+@router.post(
+    "/dashboard/logout",
+    summary="Dashboard sign-out",
+    description="Clear the dashboard session cookie.",
+    response_class=HTMLResponse,
+    responses={303: {"description": "Signed out; redirect to /dashboard"}},
+)
+async def logout() -> Response:
+    response = RedirectResponse("/dashboard", status_code=303, headers=_SECURITY_HEADERS)
+    response.delete_cookie(SESSION_COOKIE, path="/dashboard")
+    return response
+
+
 def mount(app: FastAPI) -> None:
     """Add the dashboard routes and its static files to ``app``."""
-    env = _templates()
-    router = APIRouter(tags=["dashboard"])
-
-    async def optional_principal(
-        request: Request, ctx: Context, credentials: Credentials
-    ) -> Principal | None:
-        try:
-            return await run_in_threadpool(
-                _authenticate_sync, ctx, request, credentials, allow_cookie=True
-            )
-        except AuthError:
-            return None
-
-    @router.get(
-        "/dashboard",
-        summary="Compliance dashboard",
-        description="Server-rendered HTML page; signs in with a bearer token or session cookie.",
-        response_class=HTMLResponse,
-        responses={200: {"content": {"text/html": {"example": "<!doctype html>..."}}}},
-    )
-    async def dashboard(
-        request: Request,
-        ctx: Context,
-        principal: Annotated[Principal | None, Depends(optional_principal)],
-    ) -> Response:
-        if principal is None:
-            return _html(env, "login.html", 401, error=None)
-        if principal.role is Role.ENGINE:
-            return _html(env, "login.html", 403, error="Engine tokens cannot open the dashboard.")
-        await record_admin_access(ctx, request, principal)
-        data = await run_in_threadpool(_load, ctx, principal)
-        return _html(env, "dashboard.html", 200, principal=principal, **data)
-
-    @router.post(
-        "/dashboard/login",
-        summary="Dashboard sign-in",
-        description="Exchange a token (form field `token`) for a dashboard session cookie.",
-        response_class=HTMLResponse,
-        responses={303: {"description": "Signed in; redirect to /dashboard"}},
-    )
-    async def login(request: Request, ctx: Context) -> Response:
-        raw = await request.body()
-        form = parse_qs(raw[:_MAX_FORM_BYTES].decode("utf-8", "replace"))
-        token = (form.get("token") or [""])[0].strip()
-        try:
-            principal = await run_in_threadpool(verify_token, ctx, token)
-        except KvgovError:
-            return _html(env, "login.html", 401, error="That token is not valid.")
-        if principal.role is Role.ENGINE or principal.token_id is None:
-            return _html(env, "login.html", 403, error="Engine tokens cannot open the dashboard.")
-        response = RedirectResponse("/dashboard", status_code=303, headers=_SECURITY_HEADERS)
-        response.set_cookie(
-            SESSION_COOKIE,
-            issue_session(ctx.session_secret, principal.token_id),
-            max_age=SESSION_TTL_S,
-            path="/dashboard",
-            httponly=True,
-            secure=request.url.scheme == "https",
-            samesite="strict",
-        )
-        return response
-
-    @router.post(
-        "/dashboard/logout",
-        summary="Dashboard sign-out",
-        description="Clear the dashboard session cookie.",
-        response_class=HTMLResponse,
-        responses={303: {"description": "Signed out; redirect to /dashboard"}},
-    )
-    async def logout() -> Response:
-        response = RedirectResponse("/dashboard", status_code=303, headers=_SECURITY_HEADERS)
-        response.delete_cookie(SESSION_COOKIE, path="/dashboard")
-        return response
-
     app.include_router(router)
     app.mount("/dashboard/static", StaticFiles(directory=_HERE / "static"), name="kvgov-static")
