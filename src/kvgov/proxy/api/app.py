@@ -47,6 +47,10 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         """Prometheus exposition of the data plane's metrics."""
         return Response(generate_latest(sidecar.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if sidecar.engine is not None and sidecar.writer is not None:  # the compliance API
+        from kvgov.proxy.api.v1 import include_sidecar_api
+
+        include_sidecar_api(app, sidecar.settings, sidecar.engine, sidecar.writer)
     if sidecar.purge is not None and getattr(app.state, "kvgov_api", None) is not None:
         from kvgov.proxy.api.v1.purges import include_purges
 

@@ -7,8 +7,13 @@ built at import time. The purge routes (another module) use the same auth depend
 
 from __future__ import annotations
 
-from fastapi import APIRouter, FastAPI
+import secrets
 
+from fastapi import APIRouter, FastAPI
+from sqlalchemy import Engine
+
+from kvgov.config import Settings
+from kvgov.ledger.events import EventSink
 from kvgov.proxy.api.auth import ApiContext
 from kvgov.proxy.api.problems import install_problem_handlers
 
@@ -54,3 +59,19 @@ def include_v1(app: FastAPI, ctx: ApiContext) -> None:
     app.description = (app.description or "") + API_DESCRIPTION
     app.openapi_tags = [*(app.openapi_tags or []), *OPENAPI_TAGS]
     app.openapi_schema = None
+
+
+def include_sidecar_api(app: FastAPI, settings: Settings, engine: Engine, sink: EventSink) -> None:
+    """What the control-plane factory calls: the compliance API over the sidecar's ledger
+    engine and writer, pseudonymising with the ledger's key (``kvgov init`` creates it)."""
+    from kvgov.ledger.pseudonym import Pseudonymizer
+
+    ctx = ApiContext(
+        settings=settings,
+        engine=engine,
+        sink=sink,
+        pseudonymizer=Pseudonymizer.from_file(settings.pseudonym_key_path),
+        # dashboard sessions end when the process restarts (sign in again)
+        session_secret=secrets.token_bytes(32),
+    )
+    include_v1(app, ctx)
