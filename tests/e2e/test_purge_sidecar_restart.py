@@ -232,3 +232,55 @@ def test_sigkill_mid_purge_then_restart_completes(env: dict[str, str], pg_url: s
             proc.kill()
             proc.wait()
         db.dispose()
+
+
+def test_engine_that_does_not_acknowledge_makes_the_purge_incomplete(
+    env: dict[str, str],
+) -> None:
+    """An engine connector that never answers EVICT: the receipt says ``incomplete`` and names
+    it, and ``kvgov purge`` exits non-zero; the engine that answers is listed as acknowledged."""
+    env = {
+        **env,
+        "KVGOV_PURGE__VLLM_ENGINES": "[]",
+        "KVGOV_PURGE__ENGINE_ACK_TIMEOUT_S": "1",
+        "KVGOV_PURGE__JOB_TIMEOUT_S": "30",
+    }
+    endpoint = f"unix://{env['KVGOV_DATAPLANE__UNIX_PATH']}"
+    stuck = threading.Event()
+
+    def hang(keys: list[str]) -> list[str]:  # never answers within the sidecar's timeout
+        stuck.wait(30)
+        return []
+
+    proc = _serve(env)
+    good = WireClient(endpoint, engine_id="engine-good")
+    silent = WireClient(endpoint, engine_id="engine-silent")
+    try:
+        good_ctl = good.control(lambda keys: keys)
+        silent_ctl = silent.control(hang)
+        assert good_ctl.connected.wait(10) and silent_ctl.connected.wait(10)
+        ctx = RequestContext(request_id="req-a", user="alice", tenant="acme")
+        for key in _keys("alice"):
+            assert good.put(key, os.urandom(1024), ctx).ok
+
+        done = _kvgov(env, "purge", "--user", "alice", "--tenant", "acme", "--yes", "--json")
+        assert done.returncode == 1, done.stdout + done.stderr
+        receipt = json.loads(done.stdout)["receipt"]["receipt"]
+        assert receipt["state"] == "incomplete"
+        assert receipt["engines"]["acknowledged"] == ["engine-good"]
+        assert [u["engine"] for u in receipt["engines"]["unreachable"]] == ["engine-silent"]
+        assert any("engine-silent" in line for line in receipt["incomplete"])
+        # everything the sidecar could do was still done
+        assert not any(good.exists(k) for k in _keys("alice"))
+    finally:
+        stuck.set()
+        silent_ctl.close()
+        good_ctl.close()
+        good.close()
+        silent.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
