@@ -3,8 +3,10 @@
 One ``LedgerWriter`` per process owns one hash chain. Callers ``submit`` (or ``append``) events
 into a bounded in-memory queue; one background task takes what has accumulated (up to
 ``batch_max_events``), and a single worker thread, the chain's only sequencer, writes it as one
-transaction (see :mod:`kvgov.ledger.batch`). Each event's future resolves with its position
-only after that transaction committed, so an acknowledged event survives a crash.
+transaction (see :mod:`kvgov.ledger.batch`). This is group commit: an event arriving while the
+writer is idle is committed at once, and whatever arrives during a commit forms the next batch
+(``batch_max_delay_ms`` is accepted but adds no delay). Each event's future resolves with its
+position only after that transaction committed, so an acknowledged event survives a crash.
 
 Failures are never acknowledged and never silently dropped: a transient database error retries
 the batch with backoff (callers keep waiting); a batch the database refuses is split so that
@@ -38,6 +40,8 @@ log = get_logger(__name__)
 
 _TRANSIENT = (exc.OperationalError, exc.InterfaceError, exc.DisconnectionError, exc.TimeoutError)
 _RETRY_MAX_S = 2.0
+#: user pseudonyms remembered as already in ``user_refs`` (bounded; forgetting costs one upsert)
+_KNOWN_USERS_MAX = 100_000
 
 
 @dataclass(slots=True)
@@ -77,6 +81,7 @@ class LedgerWriter:
         self._key = signing_key
         self._public_key = public_key_bytes(signing_key)
         self._batch_max = batch_max_events
+        #: accepted for compatibility; the writer no longer lingers (see ``_run``)
         self._linger_s = batch_max_delay_ms / 1000.0
         self._queue_max = queue_max_events
         self._description = description
@@ -92,6 +97,7 @@ class LedgerWriter:
         self._abort = threading.Event()
         self.stats = WriterStats()
         self.head_seq = 0
+        self._known_users: set[str] = set()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -199,8 +205,8 @@ class LedgerWriter:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if self._linger_s > 0 and len(self._queue) < self._batch_max and not self._closing:
-                await asyncio.sleep(self._linger_s)
+            # group commit: no artificial delay. What queued while the previous batch was
+            # committing is the next batch; the first event after an idle spell goes at once.
             n = min(len(self._queue), self._batch_max)
             items = [self._queue.popleft() for _ in range(n)]
             if len(self._queue) < self._queue_max:
@@ -276,7 +282,12 @@ class LedgerWriter:
         with self.engine.connect() as plain:
             conn = plain.execution_options(**{SQLITE_BEGIN_IMMEDIATE: True})
             with conn.begin():
-                return apply_batch(conn, self.chain_id, batch)
+                applied = apply_batch(conn, self.chain_id, batch, self._known_users)
+        # only what is committed is known: a rolled-back batch must insert its users again
+        if len(self._known_users) > _KNOWN_USERS_MAX:
+            self._known_users.clear()
+        self._known_users.update(applied.new_users)
+        return applied.appended
 
     def _stats_dict(self) -> dict[str, float | int]:
         s = self.stats
