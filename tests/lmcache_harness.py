@@ -437,7 +437,12 @@ def policy_data(tenants: list[str], base: Path | None = None) -> dict[str, Any]:
 
 
 def sidecar_env(
-    data_dir: Path, *, tenants: list[str], database_url: str = "", governance: bool = True
+    data_dir: Path,
+    *,
+    tenants: list[str],
+    database_url: str = "",
+    governance: bool = True,
+    tiers: list[str] | None = None,
 ) -> dict[str, str]:
     """``KVGOV_*`` settings for a development sidecar in ``data_dir`` on a Unix socket."""
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -455,6 +460,8 @@ def sidecar_env(
     }
     if database_url:
         env["KVGOV_DATABASE__URL"] = database_url
+    if tiers:
+        env["KVGOV_TIERS__CHAIN"] = json.dumps(tiers)
     return env
 
 
@@ -590,9 +597,15 @@ def sidecar(
 
 
 @contextmanager
-def kvgov_sidecar(data_dir: Path, *, tenants: list[str], governance: bool = True) -> Iterator[str]:
+def kvgov_sidecar(
+    data_dir: Path,
+    *,
+    tenants: list[str],
+    governance: bool = True,
+    tiers: list[str] | None = None,
+) -> Iterator[str]:
     """The real sidecar in a subprocess (for benchmarks); yields its ``unix://`` endpoint."""
-    env = sidecar_env(data_dir, tenants=tenants, governance=governance)
+    env = sidecar_env(data_dir, tenants=tenants, governance=governance, tiers=tiers)
     sock = Path(env["KVGOV_DATAPLANE__UNIX_PATH"])
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.lmcache_harness", "serve"],

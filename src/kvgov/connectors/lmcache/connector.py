@@ -61,6 +61,8 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
         )
         #: blocking wire calls run here, so LMCache's event loop never waits on a socket
         self.pool = ThreadPoolExecutor(max_workers=s.pool_size, thread_name_prefix="kvgov-conn")
+        #: frames of one batched put sent in parallel (a separate pool: no self-deadlock)
+        self.fanout = ThreadPoolExecutor(max_workers=s.pool_size, thread_name_prefix="kvgov-put")
         self.backoff = Backoff(s.backoff_initial_s, s.backoff_max_s)
         #: operations submitted and not finished (LMCache does not track batched puts itself)
         self._inflight = 0
@@ -113,11 +115,17 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _frames(self, keys: Sequence[Any], item_bytes: Sequence[int]) -> Iterator[list[int]]:
+    def _frames(
+        self, keys: Sequence[Any], item_bytes: Sequence[int], *, max_bytes: int | None = None
+    ) -> Iterator[list[int]]:
         """Index groups that share one request context and fit the frame/batch limits."""
         info = self.client.info
         max_items = info.max_batch if info else 4096
-        max_bytes = min(self.settings.max_frame_bytes, info.max_frame_bytes if info else 1 << 62)
+        max_bytes = min(
+            max_bytes or self.settings.max_frame_bytes,
+            self.settings.max_frame_bytes,
+            info.max_frame_bytes if info else 1 << 62,
+        )
         group: list[int] = []
         ctx: RequestContext | None = None
         size = 0
@@ -150,13 +158,20 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
         return count
 
     def _put_many(self, keys: Sequence[Any], objs: Sequence[MemoryObj]) -> int:
-        stored = 0
+        """Send the chunks in frames of at most ``put_frame_bytes``, several frames at once on
+        the client's connections, so the sidecar seals and stores them in parallel."""
         sizes = [int(obj.get_size()) for obj in objs]
-        for group in self._frames(keys, sizes):
+        limit = self.settings.put_frame_bytes
+
+        def send(group: list[int]) -> int:
             items = [(key_string(keys[i]), objs[i].byte_array, _entry_meta(objs[i])) for i in group]
             acks = self.client.put_many(items, request_context(keys[group[0]]))
-            stored += sum(1 for ack in acks if ack.ok)
-        return stored
+            return sum(1 for ack in acks if ack.ok)
+
+        groups = list(self._frames(keys, sizes, max_bytes=limit))
+        if len(groups) == 1:
+            return send(groups[0])
+        return sum(self.fanout.map(send, groups))
 
     def _get_many(self, keys: Sequence[Any]) -> list[MemoryObj | None]:
         """Read hits straight into buffers allocated from LMCache's CPU backend."""
@@ -233,6 +248,7 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
             self.control = None
         self.client.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.fanout.shutdown(wait=False, cancel_futures=True)
 
     def remove_sync(self, key: Any) -> bool:
         def remove() -> bool:

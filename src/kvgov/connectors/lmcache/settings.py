@@ -39,6 +39,8 @@ class ConnectorSettings:
     control_reconnect_s: float = 1.0
     #: upper bound on the bytes of one PUT/GET frame the connector builds
     max_frame_bytes: int = 128 * 1024 * 1024
+    #: a batched put is split into frames of about this size, sent in parallel
+    put_frame_bytes: int = 32 * 1024 * 1024
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -63,6 +65,7 @@ class ConnectorSettings:
             control=_flag(extra, "control", default=cls.control),
             control_reconnect_s=_number(extra, "control_reconnect_s", cls.control_reconnect_s),
             max_frame_bytes=int(_number(extra, "max_frame_bytes", cls.max_frame_bytes)),
+            put_frame_bytes=int(_number(extra, "put_frame_bytes", cls.put_frame_bytes)),
         )
 
 
