@@ -10,7 +10,9 @@ The caller commits; nothing here does.
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,22 +103,33 @@ class Prepared:
 
     event: Event
     attrs: dict[str, Any]
+    #: ``canonical_json(attrs)``: hashed, and stored verbatim on Postgres
+    attrs_json: str
     payload: dict[str, Any] | None
     salt: bytes | None
     payload_digest: str | None
+
+
+_SCALARS = (str, int, float, bool, type(None))
 
 
 def prepare(event: Event) -> Prepared:
     """Check and normalise one event. Raises :class:`LedgerError` for what cannot be stored."""
     for name in _TEXT_FIELDS:
         value = getattr(event, name)
-        if value is not None and ("\x00" in value):
+        if value is not None and "\x00" in value:
             raise LedgerError(f"event field {name} contains a NUL character")
-    if event.occurred_at.tzinfo is None:
+    if event.occurred_at.utcoffset() is None:
         raise LedgerError("event occurred_at must be timezone-aware")
-    attrs = normalize_json(event.attrs)
-    if "\\u0000" in canonical_json(attrs):
+    attrs_json = canonical_json(event.attrs) if event.attrs else "{}"
+    if "\\u0000" in attrs_json:
         raise LedgerError("event attrs contain a NUL character")
+    if all(type(k) is str and isinstance(v, _SCALARS) for k, v in event.attrs.items()):
+        attrs = dict(event.attrs)  # flat: reads back exactly as written
+    else:
+        attrs = json.loads(attrs_json)
+        if canonical_json(attrs) != attrs_json:  # e.g. int keys, which JSON turns into strings
+            raise LedgerError("event attrs do not survive a JSON round trip (keys must be str)")
     payload: dict[str, Any] | None = None
     salt: bytes | None = None
     digest: str | None = None
@@ -124,7 +137,7 @@ def prepare(event: Event) -> Prepared:
         payload = normalize_json(event.payload)
         salt = os.urandom(_SALT_BYTES)
         digest = payload_digest(salt, payload)
-    return Prepared(event, attrs, payload, salt, digest)
+    return Prepared(event, attrs, attrs_json, payload, salt, digest)
 
 
 def read_head(conn: Connection, chain_id: str) -> tuple[int, str]:
@@ -147,72 +160,92 @@ def read_head(conn: Connection, chain_id: str) -> tuple[int, str]:
     return int(row[0]), str(row[1])
 
 
-def apply_batch(conn: Connection, chain_id: str, batch: list[Prepared]) -> list[Appended]:
-    """Append ``batch`` to the chain inside the caller's transaction; return the positions."""
+@dataclass(slots=True)
+class Applied:
+    appended: list[Appended]
+    #: user pseudonyms this batch inserted into ``user_refs`` (cache them once committed)
+    new_users: set[str]
+
+
+def apply_batch(
+    conn: Connection,
+    chain_id: str,
+    batch: list[Prepared],
+    known_users: Set[str] = frozenset(),
+) -> Applied:
+    """Append ``batch`` to the chain inside the caller's transaction; return the positions.
+
+    ``known_users`` are pseudonyms already in ``user_refs`` (skipped)."""
     seq, prev = read_head(conn, chain_id)
-    rows: list[dict[str, Any]] = []
+    rows: list[tuple[Any, ...]] = []
     for item in batch:
         e = item.event
         seq += 1
+        kind = str(e.kind)
+        outcome = None if e.outcome is None else str(e.outcome)
         fields = ChainedFields(
-            chain_id=chain_id,
-            seq=seq,
-            prev_hash=prev,
-            occurred_at=e.occurred_at,
-            kind=str(e.kind),
-            tenant=e.tenant,
-            actor=e.actor,
-            request_id=e.request_id,
-            key_digest=e.key_digest,
-            tier=e.tier,
-            nbytes=e.nbytes,
-            outcome=None if e.outcome is None else str(e.outcome),
-            reason=e.reason,
-            decision_id=e.decision_id,
-            policy_revision=e.policy_revision,
-            principal=e.principal,
-            attrs=item.attrs,
-            payload_digest=item.payload_digest,
+            chain_id,
+            seq,
+            prev,
+            e.occurred_at,
+            kind,
+            e.tenant,
+            e.actor,
+            e.request_id,
+            e.key_digest,
+            e.tier,
+            e.nbytes,
+            outcome,
+            e.reason,
+            e.decision_id,
+            e.policy_revision,
+            e.principal,
+            item.attrs,
+            item.payload_digest,
+            ENCODING_VERSION,
+            item.attrs_json,
         )
         digest = link(fields)
+        # in the order of _EVENT_COLUMNS
         rows.append(
-            {
-                "chain_id": chain_id,
-                "seq": seq,
-                "prev_hash": prev,
-                "hash": digest,
-                "encoding_version": ENCODING_VERSION,
-                "occurred_at": e.occurred_at,
-                "kind": fields.kind,
-                "tenant": e.tenant,
-                "actor": e.actor,
-                "request_id": e.request_id,
-                "key_digest": e.key_digest,
-                "tier": e.tier,
-                "nbytes": e.nbytes,
-                "outcome": fields.outcome,
-                "reason": e.reason,
-                "decision_id": e.decision_id,
-                "policy_revision": e.policy_revision,
-                "principal": e.principal,
-                "attrs": item.attrs,
-                "payload_digest": item.payload_digest,
-            }
+            (
+                chain_id,
+                seq,
+                prev,
+                digest,
+                ENCODING_VERSION,
+                e.occurred_at,
+                kind,
+                e.tenant,
+                e.actor,
+                e.request_id,
+                e.key_digest,
+                e.tier,
+                e.nbytes,
+                outcome,
+                e.reason,
+                e.decision_id,
+                e.policy_revision,
+                e.principal,
+                item.attrs_json,
+                item.payload_digest,
+            )
         )
         prev = digest
-    _insert_events(conn, rows)
+    _insert_events(conn, rows, batch)
+    seqs = [r[1] for r in rows]
     payloads = [
-        {"chain_id": chain_id, "seq": r["seq"], "salt": it.salt, "payload": it.payload}
-        for r, it in zip(rows, batch, strict=True)
+        {"chain_id": chain_id, "seq": n, "salt": it.salt, "payload": it.payload}
+        for n, it in zip(seqs, batch, strict=True)
         if it.payload is not None
     ]
     if payloads:
         conn.execute(table(EventPayload).insert(), payloads)
-    _apply_indexes(conn, chain_id, batch, rows)
-    return [Appended(chain_id, r["seq"]) for r in rows]
+    new_users = _apply_indexes(conn, chain_id, batch, seqs, known_users)
+    return Applied([Appended(chain_id, n) for n in seqs], new_users)
 
 
-def _insert_events(conn: Connection, rows: list[dict[str, Any]]) -> None:
+def _insert_events(conn: Connection, rows: list[tuple[Any, ...]], batch: list[Prepared]) -> None:
     if conn.dialect.name == "postgresql":
         raw = conn.connection.driver_connection
         if raw is None:  # pragma: no cover - a live connection always has one
@@ -222,17 +255,20 @@ def _insert_events(conn: Connection, rows: list[dict[str, Any]]) -> None:
         copy_sql = f"COPY ledger_events ({', '.join(_EVENT_COLUMNS)}) FROM STDIN"
         try:
             with raw.cursor() as cur, cur.copy(copy_sql) as copy:
-                for r in rows:
-                    values = [r[c] for c in _EVENT_COLUMNS]
-                    values[_ATTRS] = canonical_json(r["attrs"])
-                    copy.write_row(values)
+                for row in rows:
+                    copy.write_row(row)
         # the raw driver raises its own errors: map them onto SQLAlchemy's like any statement
         except psycopg.OperationalError as err:
             raise exc.OperationalError(copy_sql, None, err) from err
         except psycopg.Error as err:
             raise exc.DatabaseError(copy_sql, None, err) from err
         return
-    conn.execute(table(LedgerEvent).insert(), rows)
+    dicts = []
+    for row, item in zip(rows, batch, strict=True):
+        values = dict(zip(_EVENT_COLUMNS, row, strict=True))
+        values["attrs"] = item.attrs
+        dicts.append(values)
+    conn.execute(table(LedgerEvent).insert(), dicts)
 
 
 def _insert(conn: Connection, table: Any) -> Any:
@@ -241,13 +277,17 @@ def _insert(conn: Connection, table: Any) -> Any:
 
 
 def _apply_indexes(
-    conn: Connection, chain_id: str, batch: list[Prepared], rows: list[dict[str, Any]]
-) -> None:
+    conn: Connection,
+    chain_id: str,
+    batch: list[Prepared],
+    seqs: list[int],
+    known_users: Set[str],
+) -> set[str]:
     requests: dict[str, dict[str, Any]] = {}
     users: dict[str, dict[str, Any]] = {}
     entries: dict[str, dict[str, Any]] = {}
     decisions: dict[str, dict[str, Any]] = {}
-    for item, row in zip(batch, rows, strict=True):
+    for item, seq in zip(batch, seqs, strict=True):
         e = item.event
         at = e.occurred_at
         if e.request_id is not None:
@@ -259,16 +299,16 @@ def _apply_indexes(
             req["tenant"] = req["tenant"] or e.tenant
             req["actor"] = req["actor"] or e.actor
             req["principal"] = e.principal
-        if e.actor is not None and e.tenant is not None:
+        if e.actor is not None and e.tenant is not None and e.actor not in known_users:
             users.setdefault(e.actor, {"pseudonym": e.actor, "tenant": e.tenant, "created_at": at})
         if e.entry is not None:
             _merge_entry(entries, e.entry, e, chain_id)
             tenant = e.entry.tenant or e.tenant
             for who in (e.entry.owner, e.entry.scope_user):
-                if who is not None and tenant is not None:
+                if who is not None and tenant is not None and who not in known_users:
                     users.setdefault(who, {"pseudonym": who, "tenant": tenant, "created_at": at})
         if e.kind == EventKind.POLICY_DECISION:
-            decision = _decision_row(item, row)
+            decision = _decision_row(item, chain_id, seq)
             if decision is not None:
                 decisions.setdefault(decision["decision_id"], decision)
     if users:
@@ -288,6 +328,7 @@ def _apply_indexes(
         conn.execute(stmt, list(decisions.values()))
     if entries:
         _write_entries(conn, entries)
+    return set(users)
 
 
 def _merge_entry(
@@ -349,7 +390,7 @@ def _full_entry(change: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def _decision_row(item: Prepared, row: dict[str, Any]) -> dict[str, Any] | None:
+def _decision_row(item: Prepared, chain_id: str, seq: int) -> dict[str, Any] | None:
     a = item.attrs
     decision_id = a.get("decision_id") or item.event.decision_id
     if not decision_id:
@@ -367,6 +408,6 @@ def _decision_row(item: Prepared, row: dict[str, Any]) -> dict[str, Any] | None:
         "tenant": item.event.tenant,
         "operation": a.get("operation"),
         "first_seen_at": item.event.occurred_at,
-        "chain_id": row["chain_id"],
-        "seq": row["seq"],
+        "chain_id": chain_id,
+        "seq": seq,
     }

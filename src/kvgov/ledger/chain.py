@@ -46,12 +46,16 @@ GENESIS_HASH = "0" * 64
 NOTE_ORIGIN = "kvgov.ledger/v1"
 
 
+_encode_str = json.encoder.encode_basestring  # what canonical_json uses for str (ensure_ascii off)
+_ENCODER = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+)
+
+
 def canonical_json(value: Any) -> str:
     """Deterministic JSON: sorted keys, compact, UTF-8, no NaN/Infinity."""
     try:
-        return json.dumps(
-            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-        )
+        return _ENCODER.encode(value)
     except (TypeError, ValueError) as exc:
         raise LedgerError(f"value is not canonical JSON: {exc}") from exc
 
@@ -63,9 +67,13 @@ def normalize_json(value: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def format_time(moment: datetime) -> str:
-    if moment.tzinfo is None:
+    """``YYYY-MM-DDTHH:MM:SS.ffffffZ`` in UTC."""
+    offset = moment.utcoffset()
+    if offset is None:
         raise LedgerError("naive datetime in a ledger event")
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    if offset:
+        moment = moment.astimezone(UTC)
+    return moment.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,35 +99,52 @@ class ChainedFields:
     attrs: Mapping[str, Any]
     payload_digest: str | None
     encoding_version: int = ENCODING_VERSION
+    #: ``canonical_json(attrs)`` when the caller already has it (the writer does)
+    attrs_json: str | None = None
+
+
+def _scalar(value: Any) -> str:
+    """One JSON scalar exactly as ``canonical_json`` writes it (the common types fast)."""
+    kind = type(value)
+    if kind is str:
+        return _encode_str(value)
+    if value is None:
+        return "null"
+    if kind is int:
+        return int.__repr__(value)
+    return canonical_json(value)
 
 
 def encode(fields: ChainedFields) -> bytes:
     """The canonical bytes of an event (see the module docstring)."""
     if fields.encoding_version != ENCODING_VERSION:
         raise LedgerError(f"unknown event encoding version {fields.encoding_version}")
-    return canonical_json(
-        [
-            fields.encoding_version,
-            fields.chain_id,
-            fields.seq,
-            fields.prev_hash,
-            format_time(fields.occurred_at),
-            fields.kind,
-            fields.tenant,
-            fields.actor,
-            fields.request_id,
-            fields.key_digest,
-            fields.tier,
-            fields.nbytes,
-            fields.outcome,
-            fields.reason,
-            fields.decision_id,
-            fields.policy_revision,
-            fields.principal,
-            fields.attrs,
-            fields.payload_digest,
-        ]
-    ).encode("utf-8")
+    attrs = fields.attrs_json if fields.attrs_json is not None else canonical_json(fields.attrs)
+    # the same text as canonical_json() of the whole array, built without the generic encoder
+    text = ",".join(
+        (
+            _scalar(fields.encoding_version),
+            _scalar(fields.chain_id),
+            _scalar(fields.seq),
+            _scalar(fields.prev_hash),
+            _scalar(format_time(fields.occurred_at)),
+            _scalar(fields.kind),
+            _scalar(fields.tenant),
+            _scalar(fields.actor),
+            _scalar(fields.request_id),
+            _scalar(fields.key_digest),
+            _scalar(fields.tier),
+            _scalar(fields.nbytes),
+            _scalar(fields.outcome),
+            _scalar(fields.reason),
+            _scalar(fields.decision_id),
+            _scalar(fields.policy_revision),
+            _scalar(fields.principal),
+            attrs,
+            _scalar(fields.payload_digest),
+        )
+    )
+    return f"[{text}]".encode()
 
 
 def link(fields: ChainedFields) -> str:
