@@ -204,7 +204,8 @@ async def build_sidecar(
         await asyncio.get_running_loop().run_in_executor(
             None, load_index, engine, index, time.time()
         )
-    tiers = await build_tiers(settings)
+    # capacity evictions become kv:evict events (late bound: the pipeline is built below)
+    tiers = await build_tiers(settings, on_evict=lambda *ev: pipeline.tier_evicted(*ev))  # noqa: PLW0108
     pipeline = Pipeline(
         tiers=tiers,
         pseudonymizer=pseudonymizer,

@@ -6,17 +6,22 @@ key), replies 36 bytes (``iiiiiiiii``: code, length, fmt, dtype, shape0..3, loca
 byte order. PUT has no reply; GET, EXIST and HEALTH do. There is no handshake and no request
 context: operations are attributed to ``settings.dataplane.lm_engine_id`` only. The fmt, dtype,
 shape and location a PUT carried are stored with the entry and returned by GET.
+
+A PUT is stored (tiers written, entry visible to the next request) before the next request is
+read; its ledger event is group-committed in the background (at most ``MAX_UNSETTLED_PUTS``
+per connection wait so), and a put that cannot be recorded is removed again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 from typing import Any
 
 from kvgov.proxy.dataplane.conn import StreamProtocol
 from kvgov.proxy.dataplane.identity import Identity
-from kvgov.proxy.dataplane.pipeline import Pipeline, PutPlan
+from kvgov.proxy.dataplane.pipeline import Pipeline, PutPlan, StoredPut
 from kvgov.types import Operation
 from kvgov.wire.messages import EMPTY_CONTEXT
 
@@ -24,6 +29,10 @@ REQUEST = struct.Struct("=iiiiiiiii150s")  # 186 bytes
 REPLY = struct.Struct("=iiiiiiiii")  # 36 bytes
 PUT, GET, EXIST, LIST, HEALTH = 1, 2, 3, 4, 5
 OK, FAIL = 200, 400
+#: stored PUTs per connection whose ledger events are still being committed
+MAX_UNSETTLED_PUTS = 64
+
+log = logging.getLogger("kvgov.dataplane.lm")
 
 
 class LmServer:
@@ -60,7 +69,13 @@ class LmConnection(StreamProtocol):
     def __init__(self, server: LmServer) -> None:
         super().__init__()
         self.server = server
-        self.busy = False
+        self._handling = False
+        self._unsettled: set[asyncio.Task[None]] = set()
+
+    @property
+    def busy(self) -> bool:
+        """In the middle of a request, or stored PUTs still wait for the ledger."""
+        return self._handling or bool(self._unsettled)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.server.connections.add(self)
@@ -99,7 +114,7 @@ class LmConnection(StreamProtocol):
             if command not in (PUT, GET, EXIST, LIST, HEALTH) or length < 0:
                 metrics.protocol_errors.labels(self.listener, "BAD_FRAME").inc()
                 return  # not LMCache's protocol: close this connection only
-            self.busy = True
+            self._handling = True
             started = asyncio.get_running_loop().time()
             op = {PUT: "put", GET: "get", EXIST: "exists"}.get(command, "health")
             try:
@@ -118,7 +133,7 @@ class LmConnection(StreamProtocol):
                 else:
                     self.reply(OK if command == HEALTH else FAIL)
             finally:
-                self.busy = False
+                self._handling = False
                 metrics.latency.labels(op).observe(asyncio.get_running_loop().time() - started)
 
     async def _put(self, key: str, length: int, meta: dict[str, Any]) -> None:
@@ -147,7 +162,26 @@ class LmConnection(StreamProtocol):
                 await asyncio.gather(*plan.pending, return_exceptions=True)
             plan.abort()
             raise
-        await pipeline.commit_put(plan)
+        try:
+            stored = await pipeline.store_put(plan)
+        except Exception as exc:  # noqa: BLE001 - PUT has no reply: count it and go on
+            log.warning("dataplane.put.failed", extra={"error": type(exc).__name__})
+            pipeline.metrics.ops.labels("put", self.listener, "error").inc()
+            return
+        task = asyncio.get_running_loop().create_task(self._settle(stored))
+        self._unsettled.add(task)
+        task.add_done_callback(self._unsettled.discard)
+        if len(self._unsettled) >= MAX_UNSETTLED_PUTS:
+            await asyncio.wait(list(self._unsettled), return_when=asyncio.FIRST_COMPLETED)
+
+    async def _settle(self, stored: StoredPut) -> None:
+        pipeline = self.server.pipeline
+        try:
+            await pipeline.settle_put(stored)
+        except Exception as exc:  # noqa: BLE001 - already removed from the tiers
+            log.warning("dataplane.put.unrecorded", extra={"error": type(exc).__name__})
+            pipeline.metrics.ops.labels("put", self.listener, "error").inc()
+            return
         pipeline.metrics.ops.labels("put", self.listener, "ok").inc()
 
     async def _get(self, key: str) -> None:

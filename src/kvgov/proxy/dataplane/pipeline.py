@@ -6,10 +6,14 @@ thread pool, into pooled buffers) -> tier store (the policy's tiers and TTL) -> 
 
 A put is planned before its bytes arrive (:meth:`Pipeline.plan_put`): the listener receives
 each segment straight into the plan's buffer and calls :meth:`PutPlan.segment_done`, which seals
-it in place while the next segment is on the wire; :meth:`Pipeline.commit_put` stores it and
-returns only once its ledger event is durable (the writer's group commit). A denied put stores
-nothing; a denied get is a miss; every denial is a ``kv:entry:denied`` event.
-With ``governance=False`` policy, encryption and the ledger are skipped (benchmarks only).
+it in place while the next segment is on the wire. :meth:`Pipeline.store_put` then writes the
+tiers, makes the entry visible and queues its ``kv:put`` event; :meth:`Pipeline.settle_put`
+waits for that event's group commit (a listener acks only then, and keeps reading meanwhile).
+A put whose event cannot be recorded is removed from every tier again: nothing stays stored
+unrecorded. A denied put stores nothing; a denied get is a miss; every denial is a
+``kv:entry:denied`` event. A tier's capacity eviction is a ``kv:evict`` event
+(:meth:`Pipeline.tier_evicted`). With ``governance=False`` policy, encryption and the ledger are
+skipped (benchmarks only).
 """
 
 from __future__ import annotations
@@ -17,69 +21,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from dataclasses import replace
 from typing import Any
 
 from kvgov.connectors.tiers.chain import TierChain
-from kvgov.errors import KvgovError, ProtocolError
+from kvgov.errors import KvgovError, LedgerBackpressureError, ProtocolError
 from kvgov.keys.keyring import Keyring
-from kvgov.keys.sealed import SealReader, SealWriter, sealed_size, segment_count
-from kvgov.ledger.events import EntryChange, Event, EventSink
+from kvgov.keys.sealed import SealWriter, sealed_size, segment_count
+from kvgov.ledger.events import Event, EventSink
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.policy.interfaces import Decision, DecisionRecorder, PolicyEngine
-from kvgov.proxy.dataplane.buffers import BufferPool, Lease
+from kvgov.proxy.dataplane.buffers import BufferPool
 from kvgov.proxy.dataplane.identity import Denied, Identity, Who, build_input, resolve
 from kvgov.proxy.dataplane.index import EntryIndex, EntryMeta, envelope_head, parse_envelope
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
-from kvgov.types import EntryState, EventKind, Operation, Outcome, Scope, Sensitivity
+from kvgov.proxy.dataplane.plans import GetPlan, PutPlan, StoredPut
+from kvgov.proxy.dataplane.records import entry_gone, evict_event, put_event
+from kvgov.types import EntryState, EventKind, Operation, Outcome, Scope
 from kvgov.wire.messages import RequestContext
 
+__all__ = ["GetPlan", "Pipeline", "PutPlan", "StoredPut"]
+
 log = logging.getLogger("kvgov.dataplane")
-
-_SENSITIVITIES = frozenset(s.value for s in Sensitivity)
-
-
-@dataclass(slots=True)
-class PutPlan:
-    """Where one put item's bytes go, and how each received segment is sealed."""
-
-    who: Who
-    lease: Lease
-    length: int
-    item_meta: Mapping[str, Any]
-    decision: Decision | None
-    writer: SealWriter | None
-    body_offset: int
-    #: plaintext receive windows in the buffer, one per segment, in order
-    windows: list[memoryview]
-    pending: list[asyncio.Future[None]] = field(default_factory=list)
-    done: bool = False
-
-    def segment_done(self, index: int, loop: asyncio.AbstractEventLoop, pool: Executor) -> None:
-        """Segment ``index`` has fully arrived: seal it in place in the thread pool."""
-        writer = self.writer
-        if writer is not None:
-            view = self.windows[index]
-            self.pending.append(loop.run_in_executor(pool, writer.seal_segment, index, view))
-
-    def abort(self) -> None:
-        self.done = True
-        self.lease.release()
-
-
-@dataclass(slots=True)
-class GetPlan:
-    """A hit ready to stream: call :meth:`open_segment` for each window, then send it."""
-
-    who: Who
-    lease: Lease
-    length: int
-    item_meta: Mapping[str, Any]
-    reader: SealReader | None
-    windows: list[memoryview]
 
 
 class Pipeline:
@@ -117,6 +82,7 @@ class Pipeline:
         self.segment_size = segment_size
         self.default_tenant = default_tenant or None
         self.clock = clock
+        self._background: set[asyncio.Task[None]] = set()
 
     # -- policy & ledger -----------------------------------------------------------------------
 
@@ -234,7 +200,12 @@ class Pipeline:
         return PutPlan(who, lease, length, item_meta, decision, writer, len(head), windows)
 
     async def commit_put(self, plan: PutPlan) -> None:
-        """Every segment arrived: finish sealing, store, record. Raises on failure."""
+        """Every segment arrived: store, then wait until recorded. Raises on failure."""
+        await self.settle_put(await self.store_put(plan))
+
+    async def store_put(self, plan: PutPlan) -> StoredPut:
+        """Finish sealing, write the tiers, make the entry visible and queue its ``kv:put``
+        event. Raises (having stored nothing) on failure; releases the plan's buffer."""
         who, decision = plan.who, plan.decision
         try:
             if plan.pending:
@@ -269,9 +240,78 @@ class Pipeline:
             raw_key=who.key.raw,
         )
         self.index.set(who.digest, entry)
-        self.metrics.op_bytes.labels("put").inc(plan.length)
+        stored = StoredPut(who.digest, entry)
         if self.governance and decision is not None:
-            await self._record(put_event(self._event, who, decision, entry, written), durable=True)
+            try:
+                stored.recorded = await self._queue(
+                    put_event(self._event, who, decision, entry, written)
+                )
+            except BaseException:
+                await self._unstore(stored)
+                raise
+        self.metrics.op_bytes.labels("put").inc(plan.length)
+        return stored
+
+    async def settle_put(self, stored: StoredPut) -> None:
+        """Wait until the put's ledger event is durable. If it cannot be recorded, the value is
+        removed from every tier (no stored-but-unrecorded data) and the error is raised."""
+        if stored.recorded is None:
+            return
+        try:
+            await asyncio.shield(stored.recorded)
+        except asyncio.CancelledError:
+            raise  # the event may still commit: leave the entry to its record
+        except BaseException:
+            await self._unstore(stored)
+            raise
+
+    async def _queue(self, event: Event) -> Awaitable[Any]:
+        """Queue ``event``; returns what resolves once it is durable. A full queue is
+        backpressure: wait here (in order) until the event is written."""
+        if self.sink is None:
+            raise KvgovError("no ledger sink")
+        try:
+            return self.sink.submit(event)
+        except LedgerBackpressureError:
+            done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            done.set_result(await self.sink.append(event))
+            return done
+
+    async def _unstore(self, stored: StoredPut) -> None:
+        """Take an unrecorded put out of the index and every tier (unless it was replaced)."""
+        log.warning("dataplane.put.unrecorded", extra={"key_digest": stored.digest})
+        if self.index.get(stored.digest) is stored.entry:
+            self.index.pop(stored.digest)
+            await self.tiers.delete(stored.digest)
+
+    def tier_evicted(self, tier: str, digest: str, nbytes: int) -> None:
+        """A tier dropped ``digest`` to make room (its ``on_evict`` hook, called on the loop):
+        update the index and record ``kv:evict`` with the entry-index change."""
+        entry = self.index.get(digest)
+        if entry is None or tier not in entry.tiers:
+            return
+        remaining = tuple(t for t in entry.tiers if t != tier)
+        if remaining:
+            self.index.set(digest, replace(entry, tiers=remaining))
+        else:
+            self.index.pop(digest)
+        if not self.governance or self.sink is None:
+            return
+        event = evict_event(digest, entry, tier, remaining)
+        try:
+            self.sink.submit(event)
+        except LedgerBackpressureError:  # record it as soon as there is room
+            task = asyncio.get_running_loop().create_task(self._record_later(event))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        except KvgovError as exc:
+            log.error("dataplane.evict.unrecorded", extra={"error": exc.code})
+
+    async def _record_later(self, event: Event) -> None:
+        try:
+            await self._record(event, durable=True)
+        except KvgovError as exc:
+            log.error("dataplane.event.unrecorded", extra={"error": exc.code})
 
     # -- get / exists / remove -----------------------------------------------------------------
 
@@ -413,46 +453,3 @@ class Pipeline:
             await loop.run_in_executor(
                 self.executor, plan.reader.open_segment, index, plan.windows[index]
             )
-
-
-def put_event(
-    make: Callable[..., Event],
-    who: Who,
-    decision: Decision,
-    entry: EntryMeta,
-    written: tuple[str, ...],
-) -> Event:
-    sens = entry.sensitivity if entry.sensitivity in _SENSITIVITIES else None
-    return make(
-        EventKind.KV_PUT,
-        who,
-        tier=",".join(written),
-        nbytes=entry.size,
-        outcome=Outcome.OK,
-        decision_id=decision.decision_id,
-        policy_revision=decision.policy_revision,
-        entry=EntryChange(
-            key_digest=who.digest,
-            state=EntryState.LIVE,
-            tenant=entry.tenant,
-            owner=entry.owner,
-            scope_user=entry.scope_user,
-            scope=entry.scope,
-            sensitivity=Sensitivity(sens) if sens else None,
-            model=entry.model,
-            size=entry.size,
-            tiers=written,
-            key_id=entry.key_id,
-            key_version=entry.key_version,
-            expires_at=datetime.fromtimestamp(entry.expires_at, UTC) if entry.expires_at else None,
-            request_id=who.ctx.request_id,
-            decision_id=decision.decision_id,
-            policy_revision=decision.policy_revision,
-        ),
-    )
-
-
-def entry_gone(event: Event, state: EntryState) -> Event:
-    """The event with the entry-index change that marks its key ``state`` (deleted/expired)."""
-    digest = event.key_digest or ""
-    return replace(event, entry=EntryChange(key_digest=digest, state=state))

@@ -1,10 +1,16 @@
 """The kvgov wire protocol server (``docs/protocol.md``) over TCP and/or a Unix socket.
 
 One :class:`WireConnection` per socket: HELLO first (token or, on a Unix socket, peer
-credentials), then one request at a time, replies in order. A malformed or oversize frame gets
-an ERROR and closes only that connection. Payload bytes are received straight into the
-pipeline's pooled buffers and sealed segment by segment as they arrive; a connection that closes
-before a PUT frame is complete stores nothing from that frame.
+credentials), then requests, replies in order. A malformed or oversize frame gets an ERROR and
+closes only that connection. Payload bytes are received straight into the pipeline's pooled
+buffers and sealed segment by segment as they arrive; a connection that closes before a PUT
+frame is complete stores nothing from that frame.
+
+PUTs are pipelined: once a PUT frame's items are stored (tiers written, entries visible) the
+connection reads the next frame while the ledger group-commits their events; the PUT's reply
+is sent when they are durable, in request order (at most ``MAX_PIPELINED_PUTS`` frames wait so
+per connection). Any other request first waits for the earlier PUT replies, so it sees every
+earlier put acknowledged.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 import socket
 import struct
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +32,7 @@ from pydantic import SecretStr
 
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol
 from kvgov.proxy.dataplane.identity import Identity
-from kvgov.proxy.dataplane.pipeline import GetPlan, Pipeline, PutPlan
+from kvgov.proxy.dataplane.pipeline import GetPlan, Pipeline, PutPlan, StoredPut
 from kvgov.types import Operation
 from kvgov.wire.codec import (
     HEADER_SIZE,
@@ -45,6 +52,8 @@ from kvgov.wire.messages import RequestContext, parse_put_items
 log = logging.getLogger("kvgov.dataplane.server")
 
 MAX_BATCH = 4096
+#: PUT frames per connection whose replies wait for their ledger commit
+MAX_PIPELINED_PUTS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,9 +168,16 @@ class WireConnection(StreamProtocol):
         self.unix = unix
         self.peer_uid: int | None = None
         self.identity: Identity | None = None
-        self.busy = False
+        self._handling = False
+        #: PUT replies waiting for their ledger commit, oldest first (they finish in order)
+        self._pending: deque[asyncio.Task[None]] = deque()
         self._next_id = 0
         self._acks: dict[int, asyncio.Future[dict[str, Any]]] = {}
+
+    @property
+    def busy(self) -> bool:
+        """In the middle of a request, or PUT replies still wait for the ledger."""
+        return self._handling or bool(self._pending)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.unix:
@@ -208,6 +224,7 @@ class WireConnection(StreamProtocol):
                 header = decode_header(head, max_payload=max_payload)
                 meta = decode_meta(await self.read_exact(header.meta_len))
             except WireError as exc:
+                await self._replies_sent()
                 self.send_error(0, exc)
                 return  # fatal: close only this connection
             if self.identity is None and header.type is not FrameType.HELLO:
@@ -215,21 +232,36 @@ class WireConnection(StreamProtocol):
                     header.stream_id, WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
                 )
                 return
-            self.busy = True
+            put = header.type is FrameType.PUT and not self.server.draining
+            if not put:
+                await self._replies_sent()
+            self._handling = True
             started = time.perf_counter()
             try:
-                await self._dispatch(
-                    header.type, header.stream_id, header.is_reply, meta, header.payload_len
-                )
+                if put:
+                    await self._put(header.stream_id, meta, header.payload_len, started)
+                else:
+                    await self._dispatch(
+                        header.type, header.stream_id, header.is_reply, meta, header.payload_len
+                    )
+                    self._observe(header.type, started)
             except WireError as exc:
+                await self._replies_sent()
                 self.send_error(header.stream_id, exc)
                 if exc.fatal:
                     return
             finally:
-                self.busy = False
-                self.server.pipeline.metrics.latency.labels(header.type.name.lower()).observe(
-                    time.perf_counter() - started
-                )
+                self._handling = False
+
+    def _observe(self, ftype: FrameType, started: float) -> None:
+        self.server.pipeline.metrics.latency.labels(ftype.name.lower()).observe(
+            time.perf_counter() - started
+        )
+
+    async def _replies_sent(self) -> None:
+        """Wait until every pipelined PUT reply has been sent (they finish in order)."""
+        if self._pending:
+            await asyncio.wait([self._pending[-1]])
 
     async def _dispatch(
         self, ftype: FrameType, sid: int, is_reply: bool, meta: dict[str, Any], payload_len: int
@@ -251,7 +283,7 @@ class WireConnection(StreamProtocol):
         elif ftype is FrameType.PING:
             self.send(FrameType.PING, sid, None)
         elif ftype is FrameType.PUT:
-            await self._put(sid, meta, payload_len)
+            await self._put(sid, meta, payload_len, time.perf_counter())
         elif ftype is FrameType.GET:
             await self._get(sid, meta)
         elif ftype in (FrameType.EXISTS, FrameType.REMOVE):
@@ -286,7 +318,8 @@ class WireConnection(StreamProtocol):
 
     # -- operations ----------------------------------------------------------------------------
 
-    async def _put(self, sid: int, meta: dict[str, Any], payload_len: int) -> None:
+    async def _put(self, sid: int, meta: dict[str, Any], payload_len: int, started: float) -> None:
+        """Receive and store the items, then leave the reply to :meth:`_reply_put`."""
         pipeline = self.server.pipeline
         try:
             items = parse_put_items(meta, payload_len, MAX_BATCH)
@@ -327,9 +360,51 @@ class WireConnection(StreamProtocol):
                     await asyncio.gather(*plan.pending, return_exceptions=True)
                 plan.abort()
             raise
-        outcomes = await asyncio.gather(
-            *(pipeline.commit_put(p) for p in plans), return_exceptions=True
+        # store in request order now (fast: the tiers are written, entries become visible);
+        # the reply waits for the ledger while the next frames are read
+        stored: list[StoredPut | BaseException] = []
+        for plan in plans:
+            try:
+                stored.append(await pipeline.store_put(plan))
+            except Exception as exc:  # noqa: BLE001 - reported per item in the reply
+                stored.append(exc)
+        prev = self._pending[-1] if self._pending else None
+        task = asyncio.get_running_loop().create_task(
+            self._reply_put(prev, sid, results, stored, started)
         )
+        self._pending.append(task)
+        task.add_done_callback(self._put_replied)
+        if len(self._pending) > MAX_PIPELINED_PUTS:
+            await asyncio.wait([self._pending[0]])
+
+    def _put_replied(self, task: asyncio.Task[None]) -> None:
+        self._pending.remove(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("dataplane.put.reply_failed", exc_info=task.exception())
+            self.close()  # the reply order is lost: the client must reconnect
+
+    async def _reply_put(
+        self,
+        prev: asyncio.Task[None] | None,
+        sid: int,
+        results: list[dict[str, Any] | None],
+        stored: list[StoredPut | BaseException],
+        started: float,
+    ) -> None:
+        """Wait for the items' ledger commit and the previous PUT's reply, then reply."""
+        pipeline = self.server.pipeline
+        outcomes: list[BaseException | None] = []
+        for item in stored:
+            if isinstance(item, BaseException):
+                outcomes.append(item)
+                continue
+            try:
+                await pipeline.settle_put(item)
+                outcomes.append(None)
+            except Exception as exc:  # noqa: BLE001 - reported per item in the reply
+                outcomes.append(exc)
+        if prev is not None:
+            await asyncio.wait([prev])
         it = iter(outcomes)
         replies = []
         for r in results:
@@ -338,7 +413,7 @@ class WireConnection(StreamProtocol):
                 pipeline.metrics.ops.labels("put", self.listener, "denied").inc()
                 continue
             outcome = next(it)
-            if isinstance(outcome, BaseException):
+            if outcome is not None:
                 log.warning("dataplane.put.failed", extra={"error": type(outcome).__name__})
                 replies.append({"code": int(ErrorCode.INTERNAL), "reason": "store_failed"})
                 pipeline.metrics.ops.labels("put", self.listener, "error").inc()
@@ -346,6 +421,7 @@ class WireConnection(StreamProtocol):
                 replies.append({"code": 0})
                 pipeline.metrics.ops.labels("put", self.listener, "ok").inc()
         self.send(FrameType.PUT, sid, {"results": replies})
+        self._observe(FrameType.PUT, started)
 
     async def _get(self, sid: int, meta: dict[str, Any]) -> None:
         pipeline = self.server.pipeline
