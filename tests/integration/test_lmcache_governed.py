@@ -8,6 +8,7 @@ assertion is about behaviour an operator can observe: lookups, bytes, ledger row
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -178,6 +179,24 @@ def test_provenance_lists_exactly_the_chunks_loaded_in_order_with_creators(
     assert creators == [("req-p1", alice)] * 2 + [("req-p2", carol)] * 2
     assert len(revisions) == 1
     assert all(revisions)  # every chunk names the policy revision that admitted it
+
+    # the same answers through the CLI, forward and reverse
+    from typer.testing import CliRunner
+
+    from kvgov.cli.main import build_app
+
+    runner = CliRunner()
+    out = runner.invoke(build_app(), ["provenance", "req-p3", "--json"], env=sidecar.env)
+    assert out.exit_code == 0, out.output
+    chunks = json.loads(out.output)["chunks"]
+    assert [(c["created_by_request"], c["created_by_user"]) for c in chunks] == creators
+    out = runner.invoke(
+        build_app(),
+        ["provenance", "--user", "carol", "--tenant", "acme", "--json"],
+        env=sidecar.env,
+    )
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["requests"] == [{"request_id": "req-p3", "chunks": 2}]
     assert "alice" not in str(creators)
 
 
