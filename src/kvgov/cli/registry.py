@@ -11,7 +11,18 @@ import importlib
 import typer
 
 #: modules under ``kvgov.cli`` that expose ``register(app: typer.Typer) -> None``
-GROUPS: tuple[str, ...] = ("keys", "init", "db", "audit", "token", "policy", "serve", "purge")
+GROUPS: tuple[str, ...] = (
+    "keys",
+    "init",
+    "db",
+    "audit",
+    "token",
+    "policy",
+    "serve",
+    "purge",
+    "provenance",
+    "demo",
+)
 
 
 def register(app: typer.Typer) -> None:
