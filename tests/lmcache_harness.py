@@ -36,9 +36,9 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 import torch
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.gpu_connector import GPUConnectorInterface
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.metadata import LMCacheMetadata
+
+from kvgov.connectors.lmcache.cpu import CpuKVConnector as _CpuKV
 
 MODEL = "kvgov-test/tiny"
 TENANT_TAG = "lmcache.tag.tenant"
@@ -69,36 +69,12 @@ class Geometry:
         return 2 * self.layers * self.hidden * self.dtype.itemsize * self.chunk
 
 
-class CpuKVConnector(GPUConnectorInterface):  # type: ignore[misc]
-    """Stand-in for the GPU paged KV cache: a CPU tensor ``[2, layers, slots, hidden]``."""
+class CpuKVConnector(_CpuKV):
+    """Stand-in for the GPU paged KV cache (see ``kvgov.connectors.lmcache.cpu``)."""
 
     def __init__(self, geometry: Geometry) -> None:
+        super().__init__(geometry.layers, geometry.hidden, geometry.slots, geometry.dtype)
         self.geometry = geometry
-        self.kv = torch.zeros(
-            (2, geometry.layers, geometry.slots, geometry.hidden), dtype=geometry.dtype
-        )
-
-    def _slots(self, kwargs: Mapping[str, Any], start: int, end: int) -> torch.Tensor:
-        return torch.as_tensor(kwargs["slot_mapping"], dtype=torch.long)[start:end]
-
-    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        memory_obj.tensor.copy_(self.kv[:, :, self._slots(kwargs, start, end), :])
-        memory_obj.metadata.fmt = MemoryFormat.KV_2LTD
-
-    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        self.kv[:, :, self._slots(kwargs, start, end), :] = memory_obj.tensor
-
-    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):  # type: ignore[no-untyped-def]
-        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
-            self.from_gpu(obj, start, end, **kwargs)
-
-    def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs):  # type: ignore[no-untyped-def]
-        for obj, start, end in zip(memory_objs or [], starts or [], ends or [], strict=True):
-            self.to_gpu(obj, start, end, **kwargs)
-
-    def get_shape(self, num_tokens: int) -> torch.Size:
-        g = self.geometry
-        return torch.Size([2, g.layers, num_tokens, g.hidden])
 
 
 def metadata(geometry: Geometry) -> LMCacheMetadata:
