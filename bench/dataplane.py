@@ -1,13 +1,20 @@
 """Data-plane throughput on loopback, side by side in one run (quote the ratios, not absolutes).
 
 1. kvgov wire: governed (Rego policy + AES-GCM sealing + Postgres ledger) vs the same sidecar
-   with governance off; same client (``kvgov.wire.WireClient``), same workload: N puts then N
-   gets of 1, 4 and 32 MiB chunks.
-2. ``lm://``: kvgov's governed ``lm://`` listener vs LMCache's own ``lmcache_server``
-   (subprocess), both driven by one blocking client that speaks LMCache's protocol with
-   LMCache's own ``ClientMetaMessage``/``ServerMetaMessage`` classes.
+   with governance off; same client (``kvgov.wire.WireClient``), same workload: N puts
+   (``put_stream``: ``--inflight-mib`` of PUT frames, at least 4, in flight on one connection,
+   as an engine's async store keeps several chunks in flight) then N gets (one at a time) of 1,
+   4 and 32 MiB chunks.
+2. ``lm://``: kvgov's governed ``lm://`` listener vs LMCache's own ``lmcache_server``, both
+   driven by one blocking client that speaks LMCache's protocol with LMCache's own
+   ``ClientMetaMessage``/``ServerMetaMessage`` classes (what its ``lm://`` connector sends).
 
-Usage: ``python bench/dataplane.py [--rounds N]`` (needs Postgres on 127.0.0.1:5432).
+Every server runs in its own process (like ``lmcache_server``), so no side shares the client's
+GIL. Tier chain on both kvgov sidecars: ``memory`` only (1 GiB); ``lmcache_server`` keeps chunks
+in memory too. Each size runs ``--repeat`` times, sides interleaved; the median is printed.
+
+Usage: ``python bench/dataplane.py [--mib N] [--repeat R] [--inflight-mib M]`` (needs Postgres on
+127.0.0.1:5432).
 """
 
 from __future__ import annotations
@@ -15,49 +22,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
+import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 MIB = 1 << 20
 SIZES = (1 * MIB, 4 * MIB, 32 * MIB)
-
-
-class SidecarThread:
-    """A sidecar on its own event loop thread."""
-
-    def __init__(self, settings: Any) -> None:
-        self.settings = settings
-        self.loop = asyncio.new_event_loop()
-        self.sidecar: Any = None
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-
-    def __enter__(self) -> SidecarThread:
-        from kvgov.proxy.app import build_sidecar
-
-        self.thread.start()
-
-        async def up() -> Any:
-            sc = await build_sidecar(self.settings)
-            await sc.start()
-            return sc
-
-        self.sidecar = asyncio.run_coroutine_threadsafe(up(), self.loop).result(120)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self.sidecar.stop(), self.loop).result(120)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def settings_for(tmp: Path, db_url: str, *, governance: bool) -> Any:
@@ -77,17 +60,61 @@ def settings_for(tmp: Path, db_url: str, *, governance: bool) -> Any:
     )
 
 
+def serve(data_dir: Path, db_url: str, governance: bool) -> None:
+    """Child process: run one sidecar, print ``READY <wire port> <lm port>``, stop on SIGTERM."""
+    from kvgov.proxy.app import build_sidecar
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        sidecar = await build_sidecar(settings_for(data_dir, db_url, governance=governance))
+        await sidecar.start()
+        print(f"READY {sidecar.server.tcp_port} {sidecar.lm_server.port}", flush=True)
+        await stop.wait()
+        await sidecar.stop()
+
+    asyncio.run(run())
+
+
+@contextmanager
+def sidecar_process(data_dir: Path, db_url: str, *, governance: bool) -> Iterator[tuple[int, int]]:
+    """A sidecar in its own process; yields its (kvgov wire port, lm:// port)."""
+    cmd = [sys.executable, __file__, "--serve", str(data_dir), "--db", db_url]
+    if governance:
+        cmd.append("--governed")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = proc.stdout.readline() if proc.stdout is not None else ""
+        if not line.startswith("READY "):
+            raise RuntimeError(f"sidecar did not start: {line!r}")
+        wire, lm = (int(x) for x in line.split()[1:3])
+        yield wire, lm
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def key(i: int, size: int) -> str:
     return f"bench-model@1@0@{i:016x}{size:x}@bfloat16@tenant%demo@user%u1"
 
 
-def timed(fn: Callable[[], None]) -> float:
+def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
-def run_wire(port: int, size: int, n: int) -> tuple[float, float]:
+def depth_for(size: int, inflight_mib: int) -> int:
+    """PUT frames in flight: ``inflight_mib`` worth of chunks, at least 4."""
+    return max(4, inflight_mib * MIB // size)
+
+
+def run_wire(port: int, size: int, n: int, depth: int) -> tuple[float, float]:
+    """(put GB/s, get GB/s) for ``n`` chunks of ``size`` bytes on the kvgov wire."""
     from kvgov.wire import RequestContext, WireClient
 
     data = os.urandom(size)
@@ -95,11 +122,12 @@ def run_wire(port: int, size: int, n: int) -> tuple[float, float]:
     ctx = RequestContext(request_id="bench", user="u1")
     with WireClient(f"tcp://127.0.0.1:{port}", engine_id="bench", pool_size=1) as client:
         client.put(key(10**6, size), data, ctx)  # warm: keys, buffers, policy cache
+        client.get_into(key(10**6, size), buf, ctx)
 
         def puts() -> None:
-            for i in range(n):
-                if not client.put(key(i, size), data, ctx).ok:
-                    raise RuntimeError("put refused")
+            acks = client.put_stream(((key(i, size), data) for i in range(n)), ctx, depth=depth)
+            if not all(a.ok for a in acks):
+                raise RuntimeError("put refused")
 
         def gets() -> None:
             for i in range(n):
@@ -189,13 +217,27 @@ def run_lm(port: int, size: int, n: int) -> tuple[float, float]:
 
 
 def rounds_for(size: int, budget_mib: int) -> int:
-    return max(4, budget_mib * MIB // size)
+    return max(8, budget_mib * MIB // size)
+
+
+def median_pair(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mib", type=int, default=256, help="bytes moved per size and side")
+    parser.add_argument("--mib", type=int, default=128, help="bytes moved per size, side, run")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per size and side")
+    parser.add_argument(
+        "--inflight-mib", type=int, default=32, help="PUT bytes in flight (kvgov wire), >= 4 frames"
+    )
+    parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--db", help=argparse.SUPPRESS)
+    parser.add_argument("--governed", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve is not None:
+        serve(args.serve, args.db, args.governed)
+        return
     import psycopg
     from tests.lmcache_harness import free_port, lmcache_server
 
@@ -204,24 +246,36 @@ def main() -> None:
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     db_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    print(
+        f"tiers: memory only; {args.repeat} runs per size, medians;"
+        f" kvgov wire puts: {args.inflight_mib} MiB (at least 4 frames) in flight"
+    )
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            gov = SidecarThread(settings_for(Path(tmp) / "g", db_url, governance=True))
-            off = SidecarThread(settings_for(Path(tmp) / "o", db_url, governance=False))
-            with gov, off, lmcache_server(free_port()) as lm_url:
+            gov_dir, off_dir = Path(tmp) / "g", Path(tmp) / "o"
+            with (
+                sidecar_process(gov_dir, db_url, governance=True) as gov,
+                sidecar_process(off_dir, db_url, governance=False) as off,
+                lmcache_server(free_port()) as lm_url,
+            ):
                 lm_port = int(lm_url.rsplit(":", 1)[1])
-                print("kvgov wire, same client: governed vs governance off (GB/s)")
+                print("\nkvgov wire, same client: governed vs governance off (GB/s)")
                 print(
                     f"{'chunk':>7} {'put gov':>8} {'put off':>8} {'ratio':>6}"
                     f" {'get gov':>8} {'get off':>8} {'ratio':>6}"
                 )
                 for size in SIZES:
                     n = rounds_for(size, args.mib)
-                    g = run_wire(gov.sidecar.server.tcp_port, size, n)
-                    o = run_wire(off.sidecar.server.tcp_port, size, n)
+                    gs, os_ = [], []
+                    for _ in range(args.repeat):
+                        depth = depth_for(size, args.inflight_mib)
+                        gs.append(run_wire(gov[0], size, n, depth))
+                        os_.append(run_wire(off[0], size, n, depth))
+                    g, o = median_pair(gs), median_pair(os_)
                     print(
                         f"{size // MIB:>5}MiB {g[0]:8.2f} {o[0]:8.2f} {o[0] / g[0]:5.2f}x"
-                        f" {g[1]:8.2f} {o[1]:8.2f} {o[1] / g[1]:5.2f}x"
+                        f" {g[1]:8.2f} {o[1]:8.2f} {o[1] / g[1]:5.2f}x",
+                        flush=True,
                     )
                 print("\nlm:// protocol: kvgov governed listener vs lmcache_server (GB/s)")
                 print(
@@ -230,11 +284,15 @@ def main() -> None:
                 )
                 for size in SIZES:
                     n = rounds_for(size, args.mib)
-                    k = run_lm(gov.sidecar.lm_server.port, size, n)
-                    m = run_lm(lm_port, size, n)
+                    ks, ms = [], []
+                    for _ in range(args.repeat):
+                        ks.append(run_lm(gov[1], size, n))
+                        ms.append(run_lm(lm_port, size, n))
+                    k, m = median_pair(ks), median_pair(ms)
                     print(
                         f"{size // MIB:>5}MiB {k[0]:9.2f} {m[0]:8.2f} {k[0] / m[0]:6.2f}x"
-                        f" {k[1]:9.2f} {m[1]:8.2f} {k[1] / m[1]:6.2f}x"
+                        f" {k[1]:9.2f} {m[1]:8.2f} {k[1] / m[1]:6.2f}x",
+                        flush=True,
                     )
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:

@@ -4,6 +4,8 @@
 request frame, reads the reply and gives the connection back, so calls from several threads run
 in parallel and a connection is never shared mid-frame. Payloads are sent from the caller's
 buffers and received straight into the caller's buffers (``get_into`` / ``alloc``): no copies.
+``put_stream`` pipelines PUT frames on one connection (several in flight, acks read in order)
+so that the sidecar's ledger commits overlap the transfers.
 
 ``ControlChannel`` is a dedicated connection on which the sidecar sends EVICT (purge) messages;
 a callback removes the keys from the engine's local tiers and the channel answers EVICT_ACK.
@@ -16,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -219,6 +222,47 @@ class WireClient:
         result: list[PutAck] = self._run(op)
         return result
 
+    def put_stream(
+        self,
+        items: Iterable[
+            tuple[str, Buffer | Any] | tuple[str, Buffer | Any, Mapping[str, Any] | None]
+        ],
+        ctx: RequestContext | None = None,
+        *,
+        depth: int = 4,
+    ) -> list[PutAck]:
+        """Store values one PUT frame each, pipelined on one connection: up to ``depth``
+        frames are sent before the oldest ack is read, so the sidecar's ledger commits overlap
+        the transfers. One ack per item, in order. On any failure the connection is dropped
+        (which of the unacknowledged puts were stored is then unknown) and the error raised."""
+        if depth < 1:
+            raise ValueError("depth must be at least 1")
+        ctx_meta = (ctx or EMPTY_CONTEXT).to_meta()
+
+        def op(conn: Connection) -> list[PutAck]:
+            acks: list[PutAck] = []
+            waiting: deque[tuple[int, str]] = deque()
+            try:
+                for entry in items:
+                    key, view = entry[0], as_bytes_view(entry[1])
+                    item = PutItem(key, view.nbytes, (entry[2] if len(entry) > 2 else None) or {})
+                    stream_id = conn.new_stream_id()
+                    meta = {"items": [item.to_meta()], "ctx": ctx_meta}
+                    conn.send(FrameType.PUT, stream_id, meta, [view])
+                    waiting.append((stream_id, key))
+                    if len(waiting) >= depth:
+                        acks.append(_read_put_ack(conn, *waiting.popleft()))
+                while waiting:
+                    acks.append(_read_put_ack(conn, *waiting.popleft()))
+            except BaseException:
+                if waiting:
+                    conn.close()
+                raise
+            return acks
+
+        result: list[PutAck] = self._run(op)
+        return result
+
     def get_into(
         self, key: str, buffer: Buffer | Any, ctx: RequestContext | None = None
     ) -> GetResult | None:
@@ -299,6 +343,17 @@ class WireClient:
         channel = ControlChannel(self, on_evict, reconnect_delay=reconnect_delay)
         channel.start()
         return channel
+
+
+def _read_put_ack(conn: Connection, stream_id: int, key: str) -> PutAck:
+    header, reply = conn.read_reply(FrameType.PUT, stream_id)
+    if header.payload_len:
+        conn.discard(header.payload_len)
+    results = reply.get("results")
+    if not isinstance(results, list) or len(results) != 1:
+        conn.close()
+        raise WireError(ErrorCode.BAD_FRAME, "malformed PUT reply")
+    return _ack(key, results[0])
 
 
 def _ack(key: str, result: Any) -> PutAck:
