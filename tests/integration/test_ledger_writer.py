@@ -403,3 +403,28 @@ async def test_sessions_see_committed_events(engine: sa.Engine) -> None:
         heads = LedgerRepository(session).chain_heads()
         assert [(h.chain_id, h.seq) for h in heads] == [("node-a", 1)]
     await writer.close()
+
+
+async def test_refusals_inside_a_busy_stream_keep_the_chain_whole(
+    engine: sa.Engine, db_url: str
+) -> None:
+    """Batches are chained ahead of the commit; a refused event makes the committer re-chain
+    and the sequencer follow, without gaps or forks."""
+    writer = await started(engine, batch_max_events=300)
+    postgres = db_url.startswith("postgresql")
+
+    def event(i: int) -> Event:
+        if i % 701 == 700:  # refused by the database (Postgres) or by prepare (NUL)
+            return Event(kind=EventKind.KV_MISS, tenant="t" * 500 if postgres else "nul\x00")
+        return Event(kind=EventKind.KV_MISS, nbytes=i, request_id=f"r{i % 37}")
+
+    results = await asyncio.gather(
+        *(writer.submit(event(i)) for i in range(4000)), return_exceptions=True
+    )
+    await writer.close()
+    good = [r for r in results if isinstance(r, Appended)]
+    refused = [r for r in results if isinstance(r, LedgerError)]
+    assert len(refused) == 5 and len(good) == 3995
+    assert sorted(a.seq for a in good) == list(range(1, 3996))
+    report = verify(engine)
+    assert report.ok and report.chains[0].events == 3995

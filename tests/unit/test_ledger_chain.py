@@ -14,11 +14,14 @@ from kvgov.errors import LedgerError, StartupError
 from kvgov.ledger.chain import (
     GENESIS_HASH,
     ChainedFields,
+    canonical_json,
     checkpoint_note,
     checkpoint_signature_ok,
     encode,
+    event_prefix,
     generate_signing_key_file,
     link,
+    link_values,
     load_public_key,
     load_signing_key,
     payload_digest,
@@ -86,6 +89,35 @@ def test_encoding_is_canonical_and_versioned() -> None:
 )
 def test_every_chained_field_changes_the_hash(change: dict[str, object]) -> None:
     assert link(fields(**change)) != link(fields())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{}, {"reason": 'quote " and \\ and \n'}, {"tenant": "ünïcødé 😀"}, {"nbytes": None}],
+)
+def test_the_writers_fast_link_equals_link(change: dict[str, object]) -> None:
+    f = fields(**change)
+    fast = link_values(
+        event_prefix(f.chain_id),
+        f.seq,
+        f.prev_hash,
+        f.occurred_at,
+        f.kind,
+        f.tenant,
+        f.actor,
+        f.request_id,
+        f.key_digest,
+        f.tier,
+        f.nbytes,
+        f.outcome,
+        f.reason,
+        f.decision_id,
+        f.policy_revision,
+        f.principal,
+        canonical_json(f.attrs),
+        f.payload_digest,
+    )
+    assert fast == link(f)
 
 
 def test_encoding_refuses_what_it_cannot_represent() -> None:

@@ -23,9 +23,9 @@ from kvgov.errors import LedgerError
 from kvgov.ledger.chain import (
     ENCODING_VERSION,
     GENESIS_HASH,
-    ChainedFields,
     canonical_json,
-    link,
+    event_prefix,
+    link_values,
     normalize_json,
     payload_digest,
 )
@@ -160,11 +160,19 @@ def read_head(conn: Connection, chain_id: str) -> tuple[int, str]:
     return int(row[0]), str(row[1])
 
 
+Head = tuple[int, str]
+Rows = list[tuple[Any, ...]]
+
+
 @dataclass(slots=True)
 class Applied:
     appended: list[Appended]
     #: user pseudonyms this batch inserted into ``user_refs`` (cache them once committed)
     new_users: set[str]
+    #: the chain's head after this batch
+    head: Head = (0, GENESIS_HASH)
+    #: True when the batch had to be chained here (no or stale pre-chained rows)
+    rechained: bool = True
 
 
 def apply_batch(
@@ -172,19 +180,42 @@ def apply_batch(
     chain_id: str,
     batch: list[Prepared],
     known_users: Set[str] = frozenset(),
+    *,
+    chained: tuple[Head, Rows] | None = None,
 ) -> Applied:
     """Append ``batch`` to the chain inside the caller's transaction; return the positions.
 
-    ``known_users`` are pseudonyms already in ``user_refs`` (skipped)."""
-    seq, prev = read_head(conn, chain_id)
-    rows: list[tuple[Any, ...]] = []
+    ``chained`` is the batch already chained (by :func:`chain_rows`) on top of an expected
+    head: used as is when the chain's head in the database is that head, recomputed
+    otherwise. ``known_users`` are pseudonyms already in ``user_refs`` (skipped)."""
+    head = read_head(conn, chain_id)
+    rechained = chained is None or chained[0] != head
+    if chained is not None and not rechained:
+        rows = chained[1]
+    else:
+        rows, _ = chain_rows(chain_id, head, batch)
+    applied = write_rows(conn, chain_id, batch, rows, known_users)
+    applied.rechained = rechained
+    if rows:
+        applied.head = (rows[-1][1], rows[-1][3])
+    else:
+        applied.head = head
+    return applied
+
+
+def chain_rows(chain_id: str, head: Head, batch: list[Prepared]) -> tuple[Rows, Head]:
+    """Assign seqs and hashes to ``batch`` after ``head``: the ``ledger_events`` rows (in the
+    order of the table's columns) and the new head. Pure computation."""
+    seq, prev = head
+    prefix = event_prefix(chain_id)
+    rows: Rows = []
     for item in batch:
         e = item.event
         seq += 1
         kind = str(e.kind)
         outcome = None if e.outcome is None else str(e.outcome)
-        fields = ChainedFields(
-            chain_id,
+        digest = link_values(
+            prefix,
             seq,
             prev,
             e.occurred_at,
@@ -200,12 +231,9 @@ def apply_batch(
             e.decision_id,
             e.policy_revision,
             e.principal,
-            item.attrs,
-            item.payload_digest,
-            ENCODING_VERSION,
             item.attrs_json,
+            item.payload_digest,
         )
-        digest = link(fields)
         # in the order of _EVENT_COLUMNS
         rows.append(
             (
@@ -232,6 +260,13 @@ def apply_batch(
             )
         )
         prev = digest
+    return rows, (seq, prev)
+
+
+def write_rows(
+    conn: Connection, chain_id: str, batch: list[Prepared], rows: Rows, known_users: Set[str]
+) -> Applied:
+    """Insert chained rows, their payloads and the index changes they carry."""
     _insert_events(conn, rows, batch)
     seqs = [r[1] for r in rows]
     payloads = [

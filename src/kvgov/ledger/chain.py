@@ -147,6 +147,43 @@ def encode(fields: ChainedFields) -> bytes:
     return f"[{text}]".encode()
 
 
+def event_prefix(chain_id: str) -> str:
+    """The constant start of every encoding in one chain (for :func:`link_values`)."""
+    return f"[{ENCODING_VERSION},{_scalar(chain_id)},"
+
+
+def link_values(  # noqa: PLR0917 - one per chained field, in encoding order (hot path)
+    prefix: str,
+    seq: int,
+    prev_hash: str,
+    occurred_at: datetime,
+    kind: str,
+    tenant: str | None,
+    actor: str | None,
+    request_id: str | None,
+    key_digest: str | None,
+    tier: str | None,
+    nbytes: int | None,
+    outcome: str | None,
+    reason: str | None,
+    decision_id: str | None,
+    policy_revision: str | None,
+    principal: str | None,
+    attrs_json: str,
+    payload_digest: str | None,
+) -> str:
+    """:func:`link` for the writer's sequencer: the same hash, computed from plain values
+    (``prev_hash`` must be hex) without building a :class:`ChainedFields`."""
+    s = _scalar
+    text = (
+        f"{prefix}{s(seq)},{s(prev_hash)},{s(format_time(occurred_at))},{s(kind)},{s(tenant)},"
+        f"{s(actor)},{s(request_id)},{s(key_digest)},{s(tier)},{s(nbytes)},{s(outcome)},"
+        f"{s(reason)},{s(decision_id)},{s(policy_revision)},{s(principal)},{attrs_json},"
+        f"{s(payload_digest)}]"
+    )
+    return hashlib.sha256(bytes.fromhex(prev_hash) + text.encode()).hexdigest()
+
+
 def link(fields: ChainedFields) -> str:
     """The event's hash: hex SHA-256(prev_hash || encoding)."""
     try:

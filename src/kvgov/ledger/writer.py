@@ -18,6 +18,7 @@ waits for room instead.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections import deque
@@ -28,7 +29,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import Engine, exc, select
 
 from kvgov.errors import LedgerBackpressureError, LedgerError
-from kvgov.ledger.batch import Prepared, apply_batch, prepare
+from kvgov.ledger.batch import (
+    Applied,
+    Head,
+    Prepared,
+    Rows,
+    apply_batch,
+    chain_rows,
+    prepare,
+    read_head,
+)
 from kvgov.ledger.chain import key_fingerprint, public_key_bytes
 from kvgov.ledger.checkpoint import CheckpointInfo, write_checkpoint
 from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE, utcnow
@@ -58,6 +68,19 @@ class WriterStats:
 
 
 _Item = tuple[Event, "asyncio.Future[Appended]"]
+_Result = Appended | LedgerError
+#: batches chained ahead of the one being committed (bounds memory and wasted re-chaining)
+_PIPELINE_DEPTH = 2
+
+
+@dataclass(slots=True)
+class _Chained:
+    """A batch as the sequencer hands it to the committer."""
+
+    results: list[_Result | None]  # per event; preset for events refused by ``prepare``
+    ready: list[tuple[int, Prepared]]
+    expected: Head
+    rows: Rows
 
 
 class LedgerWriter:
@@ -91,7 +114,13 @@ class LedgerWriter:
         self._room.set()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgov-ledger")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgov-db")
+        self._seq_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgov-seq")
+        self._slots = asyncio.Semaphore(_PIPELINE_DEPTH)
+        self._inflight = 0
+        self._head_lock = threading.Lock()
+        self._seq_head: Head = (0, "")
+        self._head_reset: Head | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._abort = threading.Event()
@@ -106,14 +135,15 @@ class LedgerWriter:
         if self._task is not None:
             return
         loop = asyncio.get_running_loop()
-        self.head_seq = await loop.run_in_executor(self._executor, self._register_chain)
+        self._seq_head = await loop.run_in_executor(self._executor, self._register_chain)
+        self.head_seq = self._seq_head[0]
         self._task = asyncio.create_task(self._run(), name=f"kvgov-ledger-writer:{self.chain_id}")
         log.info(
             "ledger.writer.started",
             extra={"chain_id": self.chain_id, "head_seq": self.head_seq},
         )
 
-    def _register_chain(self) -> int:
+    def _register_chain(self) -> Head:
         chains = table(Chain)
         with self.engine.connect() as conn, conn.begin():
             found = conn.execute(
@@ -134,10 +164,7 @@ class LedgerWriter:
                     f"({key_fingerprint(bytes(found[0]))})",
                     hint="a chain's key never changes: use a new ledger.chain_id with a new key",
                 )
-            from kvgov.ledger.batch import read_head
-
-            seq, _ = read_head(conn, self.chain_id)
-            return seq
+            return read_head(conn, self.chain_id)
 
     async def close(self, *, grace_s: float | None = None) -> None:
         """Stop taking events, write everything queued, stop. With ``grace_s``, events not
@@ -152,6 +179,7 @@ class LedgerWriter:
                 self._abort.set()
                 await task
         self._executor.shutdown(wait=True)
+        self._seq_executor.shutdown(wait=True)
         log.info("ledger.writer.closed", extra={"chain_id": self.chain_id, **self._stats_dict()})
 
     # -- EventSink ------------------------------------------------------------------------
@@ -194,53 +222,102 @@ class LedgerWriter:
         )
 
     # -- the batching loop ----------------------------------------------------------------
+    #
+    # Two stages, one thread each, so hashing the next batch overlaps the database writing
+    # the previous one: the sequencer prepares and chains a batch on top of the head it
+    # expects; the committer writes it in one transaction after checking, under the chain's
+    # lock, that the database head is that head (otherwise it re-chains from the real head:
+    # after a refused event, or if anything else wrote to the chain).
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             if not self._queue:
-                self._idle.set()
+                if not self._inflight:
+                    self._idle.set()
                 if self._closing:
+                    while self._inflight:  # _settle sets _idle when the last one lands
+                        self._idle.clear()
+                        await self._idle.wait()
+                    self._idle.set()
                     return
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             # group commit: no artificial delay. What queued while the previous batch was
             # committing is the next batch; the first event after an idle spell goes at once.
+            await self._slots.acquire()
             n = min(len(self._queue), self._batch_max)
+            if n == 0:  # pragma: no cover - only this task takes from the queue
+                self._slots.release()
+                continue
             items = [self._queue.popleft() for _ in range(n)]
             if len(self._queue) < self._queue_max:
                 self._room.set()
-            events = [event for event, _ in items]
+            self._inflight += 1
             try:
-                results = await loop.run_in_executor(self._executor, self._write, events)
+                chained = await loop.run_in_executor(
+                    self._seq_executor, self._sequence, [e for e, _ in items]
+                )
+                commit = loop.run_in_executor(self._executor, self._commit_chained, chained)
             except Exception as err:  # noqa: BLE001 - every waiter must hear of the failure
-                failure = LedgerError(f"ledger batch failed: {type(err).__name__}")
-                results = [failure] * len(items)
-            for (_, fut), result in zip(items, results, strict=True):
-                if fut.done():
-                    continue
-                if isinstance(result, Appended):
-                    fut.set_result(result)
-                else:
-                    fut.set_exception(result)
+                self._settle(items, [LedgerError(f"ledger batch failed: {type(err).__name__}")])
+                continue
+            commit.add_done_callback(functools.partial(self._finish, items))
 
-    def _write(self, events: list[Event]) -> list[Appended | LedgerError]:
-        """Runs in the worker thread: prepare, then commit with retries."""
-        results: list[Appended | LedgerError | None] = [None] * len(events)
+    def _finish(self, items: list[_Item], done: asyncio.Future[list[_Result]]) -> None:
+        err = done.exception()
+        if err is not None:
+            self._settle(items, [LedgerError(f"ledger batch failed: {type(err).__name__}")])
+        else:
+            self._settle(items, done.result())
+
+    def _settle(self, items: list[_Item], results: list[_Result]) -> None:
+        if len(results) == 1 and len(items) > 1:
+            results = results * len(items)
+        for (_, fut), result in zip(items, results, strict=True):
+            if fut.done():
+                continue
+            if isinstance(result, Appended):
+                fut.set_result(result)
+            else:
+                fut.set_exception(result)
+        self._inflight -= 1
+        self._slots.release()
+        if not self._queue and not self._inflight:
+            self._idle.set()
+
+    def _sequence(self, events: list[Event]) -> _Chained:
+        """Sequencer thread: prepare and chain a batch on top of the head it expects."""
+        results: list[_Result | None] = [None] * len(events)
         ready: list[tuple[int, Prepared]] = []
         for i, event in enumerate(events):
             try:
                 ready.append((i, prepare(event)))
             except LedgerError as err:
                 results[i] = err
-        if ready:
-            for (i, _), outcome in zip(ready, self._commit([p for _, p in ready]), strict=True):
+        with self._head_lock:
+            if self._head_reset is not None:
+                self._seq_head, self._head_reset = self._head_reset, None
+            expected = self._seq_head
+            batch = [p for _, p in ready]
+            rows, self._seq_head = chain_rows(self.chain_id, expected, batch)
+        return _Chained(results, ready, expected, rows)
+
+    def _commit_chained(self, chained: _Chained) -> list[_Result]:
+        """Committer thread: write a chained batch (with retries); the result of each event."""
+        results = chained.results
+        if chained.ready:
+            batch = [p for _, p in chained.ready]
+            outcomes = self._commit(batch, (chained.expected, chained.rows))
+            for (i, _), outcome in zip(chained.ready, outcomes, strict=True):
                 results[i] = outcome
         self.stats.events_failed += sum(isinstance(r, LedgerError) for r in results)
         return [r if r is not None else LedgerError("not written") for r in results]
 
-    def _commit(self, batch: list[Prepared]) -> list[Appended | LedgerError]:
+    def _commit(
+        self, batch: list[Prepared], chained: tuple[Head, Rows] | None = None
+    ) -> list[_Result]:
         delay = 0.05
         while True:
             if self._abort.is_set():
@@ -249,7 +326,7 @@ class LedgerWriter:
                 )
             started = time.perf_counter()
             try:
-                appended = self._transaction(batch)
+                applied = self._transaction(batch, chained)
             except _TRANSIENT as err:
                 self.stats.batch_retries += 1
                 log.warning(
@@ -267,27 +344,33 @@ class LedgerWriter:
                     )
                     return [LedgerError(f"event refused by the database: {type(err).__name__}")]
                 # isolate the refused events: write the others one by one
-                out: list[Appended | LedgerError] = []
+                out: list[_Result] = []
                 for item in batch:
                     out.extend(self._commit([item]))
                 return out
+            appended = applied.appended
             self.stats.batches_committed += 1
             self.stats.events_written += len(appended)
             self.stats.last_batch_size = len(appended)
             self.stats.last_commit_s = time.perf_counter() - started
-            self.head_seq = appended[-1].seq
+            self.head_seq = applied.head[0]
+            if applied.rechained:
+                with self._head_lock:  # chained here, not by the sequencer: it must follow
+                    self._head_reset = applied.head
             return list(appended)
 
-    def _transaction(self, batch: list[Prepared]) -> list[Appended]:
+    def _transaction(self, batch: list[Prepared], chained: tuple[Head, Rows] | None) -> Applied:
         with self.engine.connect() as plain:
             conn = plain.execution_options(**{SQLITE_BEGIN_IMMEDIATE: True})
             with conn.begin():
-                applied = apply_batch(conn, self.chain_id, batch, self._known_users)
+                applied = apply_batch(
+                    conn, self.chain_id, batch, self._known_users, chained=chained
+                )
         # only what is committed is known: a rolled-back batch must insert its users again
         if len(self._known_users) > _KNOWN_USERS_MAX:
             self._known_users.clear()
         self._known_users.update(applied.new_users)
-        return applied.appended
+        return applied
 
     def _stats_dict(self) -> dict[str, float | int]:
         s = self.stats
