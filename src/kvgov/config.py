@@ -73,6 +73,9 @@ class PolicySettings(_Section):
     opa_timeout_s: float = Field(default=0.25, gt=0.0, le=30.0)
     opa_token: SecretStr | None = None
     cache_max_entries: int = Field(default=65_536, ge=0)
+    #: set when your own policies read the request id's value (the shipped ones do not): every
+    #: request then misses the decision cache and records its own first allow
+    cache_vary_on_request_id: bool = False
 
 
 class KeysSettings(_Section):

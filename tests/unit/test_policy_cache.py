@@ -62,6 +62,31 @@ async def test_first_allow_recorded_then_served_from_cache() -> None:
     assert len(sink.events) == 1  # the first allow only
 
 
+async def test_request_id_value_does_not_split_the_cache() -> None:
+    """One decision serves every request of the same shape: no ledger row per request."""
+    from dataclasses import replace
+
+    engine, sink = cached_engine()
+    first = await engine.decide(ALLOW)
+    other_request = replace(ALLOW, request_id="req-2")
+    hit = engine.decide_cached(other_request)
+    assert hit is not None and hit.decision_id == first.decision_id
+    assert (await engine.decide(other_request)).decision_id == first.decision_id
+    assert engine.misses == 1 and len(sink.events) == 1
+    # presence still matters: an input without a request id is its own decision
+    assert engine.decide_cached(replace(ALLOW, request_id=None)) is None
+
+
+async def test_vary_on_request_id_keys_the_cache_on_its_value() -> None:
+    from dataclasses import replace
+
+    engine, sink = cached_engine(vary_on_request_id=True)
+    await engine.decide(ALLOW)
+    assert engine.decide_cached(replace(ALLOW, request_id="req-2")) is None
+    await engine.decide(replace(ALLOW, request_id="req-2"))
+    assert engine.misses == 2 and len(sink.events) == 2
+
+
 async def test_every_deny_is_recorded_and_never_served_by_the_fast_path() -> None:
     engine, sink = cached_engine()
     denies = [await engine.decide(DENY) for _ in range(3)]
@@ -109,7 +134,7 @@ async def test_decision_event_carries_what_the_ledger_needs() -> None:
 async def test_distinct_inputs_are_distinct_decisions() -> None:
     engine, sink = cached_engine()
     a = await engine.decide(ALLOW)
-    b = await engine.decide(PolicyInput(**{**_fields(ALLOW), "request_id": "req-2"}))
+    b = await engine.decide(PolicyInput(**{**_fields(ALLOW), "tier": "filesystem"}))
     assert a.input_digest != b.input_digest
     assert len(sink.events) == 2
 
@@ -151,7 +176,7 @@ async def test_invalid_reload_keeps_the_old_policy(tmp_path: Path) -> None:
 
 async def test_cache_is_bounded_lru() -> None:
     engine, _ = cached_engine(max_entries=2)
-    inputs = [PolicyInput(**{**_fields(ALLOW), "request_id": f"r{i}"}) for i in range(3)]
+    inputs = [PolicyInput(**{**_fields(ALLOW), "model": f"model-{i}"}) for i in range(3)]
     for inp in inputs:
         await engine.decide(inp)
     assert len(engine) == 2

@@ -7,6 +7,11 @@ itself (hashable, equal exactly when the input digests are equal), so a hit cost
 lookup and no serialisation: that is what keeps :meth:`decide_cached` in the microseconds.
 Bounded (LRU); ``max_entries=0`` disables caching.
 
+The request id is not part of the cache key by default: a decision may depend on whether a
+request id is present (the shipped policy checks its type), never on its value — otherwise every
+request would miss the cache and record a fresh "first allow", one ledger row per request.
+Operators whose own policies do read the value set ``vary_on_request_id=True``.
+
 Recording: every deny, and the first allow of each distinct decision (per revision + input
 digest), go to the :class:`DecisionRecorder`. Cached allows are therefore never recorded
 again; cached denies are never served by :meth:`decide_cached` and each gets its own decision
@@ -35,6 +40,9 @@ log = get_logger(__name__)
 
 _Table = OrderedDict[PolicyInput, Decision]
 
+#: what a request id becomes in the cache key (see the module docstring)
+_PRESENT = "\x00present"
+
 
 class CachingPolicyEngine:
     """A :class:`PolicyEngine` that caches another one's answers and records decisions."""
@@ -45,10 +53,12 @@ class CachingPolicyEngine:
         *,
         recorder: DecisionRecorder | None = None,
         max_entries: int = 65_536,
+        vary_on_request_id: bool = False,
     ) -> None:
         self.inner = inner
         self.recorder = recorder
         self.max_entries = max_entries
+        self.vary_on_request_id = vary_on_request_id
         self._table: _Table = OrderedDict()
         self._table_revision = inner.revision
         self.hits = 0
@@ -61,9 +71,16 @@ class CachingPolicyEngine:
     def __len__(self) -> int:
         return len(self._table)
 
+    def _cache_key(self, inp: PolicyInput) -> PolicyInput:
+        """The input as the cache sees it: the request id reduced to present/absent."""
+        if self.vary_on_request_id or inp.request_id is None or inp.request_id == _PRESENT:
+            return inp
+        return replace(inp, request_id=_PRESENT)
+
     def decide_cached(self, inp: PolicyInput) -> Decision | None:
-        """A cached allow for this input, else None. Synchronous, allocation-free on a hit."""
+        """A cached allow for this input, else None. Synchronous, no serialisation on a hit."""
         table = self._table
+        inp = self._cache_key(inp)
         try:
             decision = table.get(inp)
         except TypeError:  # an unhashable field: not a valid input; decide() denies it
@@ -79,13 +96,13 @@ class CachingPolicyEngine:
             self.clear()
         table = self._table
         try:
-            cached = table.get(inp)
+            cached = table.get(self._cache_key(inp))
         except TypeError:
             cached, table = None, OrderedDict()  # evaluate (and deny), cache nothing
         if cached is not None:
             self.hits += 1
             if cached.allowed:
-                table.move_to_end(inp)
+                table.move_to_end(self._cache_key(inp))
                 return cached
             deny = replace(cached, decision_id=new_decision_id())
             await self._record(inp, deny)
@@ -101,7 +118,7 @@ class CachingPolicyEngine:
             )
         if self.max_entries > 0 and table is self._table:
             try:
-                table[inp] = replace(decision, cached=True)
+                table[self._cache_key(inp)] = replace(decision, cached=True)
             except TypeError:
                 return decision
             if len(table) > self.max_entries:

@@ -53,4 +53,5 @@ def build_policy_engine(
         build_inner_engine(settings),
         recorder=recorder,
         max_entries=settings.policy.cache_max_entries,
+        vary_on_request_id=settings.policy.cache_vary_on_request_id,
     )
