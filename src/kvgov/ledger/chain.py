@@ -25,7 +25,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -40,6 +39,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from kvgov.errors import LedgerError, StartupError
+from kvgov.ledger.secretfile import create_private_file, read_private_file
 
 ENCODING_VERSION = 1
 GENESIS_HASH = "0" * 64
@@ -249,36 +249,17 @@ def signed_note(key_name: str, public_key: bytes, signature: bytes, note: bytes)
 
 def generate_signing_key_file(path: Path) -> bool:
     """Create an Ed25519 private key (PKCS#8 PEM, 0600) unless one exists. True if created."""
-    path = Path(path)
-    if path.exists():
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     pem = Ed25519PrivateKey.generate().private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, pem)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return True
+    return create_private_file(path, pem)
 
 
 def load_signing_key(path: Path) -> Ed25519PrivateKey:
     """Load the checkpoint signing key; refuses a missing, loose or non-Ed25519 file."""
-    path = Path(path)
-    try:
-        mode = path.stat().st_mode
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise StartupError(
-            f"ledger signing key not found: {path}", hint="run `kvgov init` to create it"
-        ) from None
-    if mode & 0o077:
-        raise StartupError(f"ledger signing key {path} is readable by others", hint="chmod 600")
+    data = read_private_file(path, "ledger signing key")
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:

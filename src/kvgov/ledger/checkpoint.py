@@ -9,6 +9,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import Engine, select
 
 from kvgov.errors import LedgerError
+from kvgov.ledger.batch import read_head
 from kvgov.ledger.chain import (
     checkpoint_note,
     key_fingerprint,
@@ -17,7 +18,7 @@ from kvgov.ledger.chain import (
     signed_note,
 )
 from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE, utcnow
-from kvgov.ledger.models import Chain, Checkpoint, LedgerEvent, table
+from kvgov.ledger.models import Chain, Checkpoint, table
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +44,6 @@ def write_checkpoint(
     head is already checkpointed. The key must be the chain's own."""
     public = public_key_bytes(key)
     chains = table(Chain)
-    events = table(LedgerEvent)
     cps = table(Checkpoint)
     with engine.connect() as plain:
         conn = plain.execution_options(**{SQLITE_BEGIN_IMMEDIATE: True})
@@ -58,15 +58,9 @@ def write_checkpoint(
                     f"chain {chain_id!r} is signed by another key",
                     hint="run `kvgov audit checkpoint` on the node that owns the chain",
                 )
-            head = conn.execute(
-                select(events.c.seq, events.c.hash)
-                .where(events.c.chain_id == chain_id)
-                .order_by(events.c.seq.desc())
-                .limit(1)
-            ).first()
-            if head is None:
+            seq, head_hash = read_head(conn, chain_id)  # locks the chain against appends
+            if seq == 0:
                 return None
-            seq, head_hash = int(head[0]), str(head[1])
             exists = conn.execute(
                 select(cps.c.seq).where(cps.c.chain_id == chain_id, cps.c.seq == seq)
             ).first()

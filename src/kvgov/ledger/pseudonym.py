@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
-import stat
 from pathlib import Path
 
 from kvgov.errors import StartupError
+from kvgov.ledger.secretfile import create_private_file, read_private_file
 
 KEY_BYTES = 32
 #: hex characters of a user pseudonym (128 bits)
@@ -71,38 +70,17 @@ def generate_pseudonym_key_file(path: Path) -> bool:
 
     An existing key is never overwritten: every pseudonym already recorded depends on it.
     """
-    path = Path(path)
-    if path.exists():
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     body = f"{_FILE_HEADER}\n{secrets.token_hex(KEY_BYTES)}\n".encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, body)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return True
+    return create_private_file(path, body)
 
 
 def load_pseudonym_key(path: Path) -> bytes:
     """Read the key file; refuses a missing, malformed or group/world-readable file."""
-    path = Path(path)
+    data = read_private_file(path, "pseudonym key file")
     try:
-        mode = path.stat().st_mode
-        text = path.read_text(encoding="ascii")
-    except FileNotFoundError:
-        raise StartupError(
-            f"pseudonym key file not found: {path}", hint="run `kvgov init` to create it"
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise StartupError(f"cannot read pseudonym key file {path}: {exc}") from exc
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise StartupError(
-            f"pseudonym key file {path} is readable by others",
-            hint=f"chmod 600 {path}",
-        )
-    lines = text.split()
+        lines = data.decode("ascii").split()
+    except UnicodeDecodeError:
+        raise StartupError(f"pseudonym key file {path} is not a kvgov pseudonym key") from None
     if len(lines) != 2 or lines[0] != _FILE_HEADER:
         raise StartupError(f"pseudonym key file {path} is not a kvgov pseudonym key")
     try:
