@@ -428,3 +428,23 @@ async def test_refusals_inside_a_busy_stream_keep_the_chain_whole(
     assert sorted(a.seq for a in good) == list(range(1, 3996))
     report = verify(engine)
     assert report.ok and report.chains[0].events == 3995
+
+
+async def test_two_writers_sharing_one_chain_id_keep_it_whole(engine: sa.Engine) -> None:
+    """A CLI command appending with the sidecar's chain id while the sidecar writes: the chain
+    lock and the head check make them take turns instead of forking the chain."""
+    sidecar = await started(engine, batch_max_events=100)
+    cli = await started(engine, batch_max_events=100)
+
+    async def load(writer: LedgerWriter, tag: str) -> list[Appended]:
+        out: list[Appended] = []
+        for _ in range(10):
+            batch = [writer.submit(Event(kind=EventKind.KV_MISS, reason=tag)) for _ in range(50)]
+            out += await asyncio.gather(*batch)
+        return out
+
+    a, b = await asyncio.gather(load(sidecar, "sidecar"), load(cli, "cli"))
+    await asyncio.gather(sidecar.close(), cli.close())
+    assert sorted(x.seq for x in a + b) == list(range(1, 1001))
+    report = verify(engine)
+    assert report.ok and [c.events for c in report.chains] == [1000]
