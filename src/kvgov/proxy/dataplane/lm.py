@@ -7,14 +7,16 @@ byte order. PUT has no reply; GET, EXIST and HEALTH do. There is no handshake an
 context: operations are attributed to ``settings.dataplane.lm_engine_id`` only. The fmt, dtype,
 shape and location a PUT carried are stored with the entry and returned by GET.
 
-A PUT is stored (tiers written, entry visible to the next request) before the next request is
-read; its ledger event is group-committed in the background (at most ``MAX_UNSETTLED_PUTS``
-per connection wait so), and a put that cannot be recorded is removed again.
+A PUT is sealed and stored in a task while the next request is read (PUTs of a connection are
+stored in request order, and any other request first waits until they are stored, so it sees
+them); its ledger event is group-committed in the background (at most ``MAX_UNSETTLED_PUTS``
+per connection in flight), and a put that cannot be recorded is removed again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import struct
 from typing import Any
@@ -71,6 +73,8 @@ class LmConnection(StreamProtocol):
         self.server = server
         self._handling = False
         self._unsettled: set[asyncio.Task[None]] = set()
+        #: set once the connection's latest PUT is in the tiers (requests see earlier puts)
+        self._last_stored: asyncio.Event | None = None
 
     @property
     def busy(self) -> bool:
@@ -114,6 +118,8 @@ class LmConnection(StreamProtocol):
             if command not in (PUT, GET, EXIST, LIST, HEALTH) or length < 0:
                 metrics.protocol_errors.labels(self.listener, "BAD_FRAME").inc()
                 return  # not LMCache's protocol: close this connection only
+            if command != PUT and self._last_stored is not None:
+                await self._last_stored.wait()
             self._handling = True
             started = asyncio.get_running_loop().time()
             op = {PUT: "put", GET: "get", EXIST: "exists"}.get(command, "health")
@@ -152,30 +158,39 @@ class LmConnection(StreamProtocol):
             pipeline.metrics.ops.labels("put", self.listener, "denied").inc()
             await self.discard(length)
             return
-        loop = asyncio.get_running_loop()
         try:
             for i, window in enumerate(plan.windows):
                 await self.read_into(window)
-                plan.segment_done(i, loop, pipeline.executor)
+                plan.segment_done(i, pipeline.executor)
         except BaseException:
-            if plan.pending:
-                await asyncio.gather(*plan.pending, return_exceptions=True)
-            plan.abort()
+            await plan.discard()
             raise
-        try:
-            stored = await pipeline.store_put(plan)
-        except Exception as exc:  # noqa: BLE001 - PUT has no reply: count it and go on
-            log.warning("dataplane.put.failed", extra={"error": type(exc).__name__})
-            pipeline.metrics.ops.labels("put", self.listener, "error").inc()
-            return
-        task = asyncio.get_running_loop().create_task(self._settle(stored))
+        prev, done = self._last_stored, asyncio.Event()
+        self._last_stored = done
+        task = asyncio.get_running_loop().create_task(self._finish_put(plan, prev, done))
         self._unsettled.add(task)
         task.add_done_callback(self._unsettled.discard)
         if len(self._unsettled) >= MAX_UNSETTLED_PUTS:
             await asyncio.wait(list(self._unsettled), return_when=asyncio.FIRST_COMPLETED)
 
-    async def _settle(self, stored: StoredPut) -> None:
+    async def _finish_put(
+        self, plan: PutPlan, prev: asyncio.Event | None, done: asyncio.Event
+    ) -> None:
+        """Seal, store after the previous PUT (request order), then wait for the record."""
         pipeline = self.server.pipeline
+        try:
+            with contextlib.suppress(Exception):  # store_put raises it again
+                await plan.sealed()
+            if prev is not None:
+                await prev.wait()
+            stored: StoredPut = await pipeline.store_put(plan)
+        except Exception as exc:  # noqa: BLE001 - PUT has no reply: count it and go on
+            log.warning("dataplane.put.failed", extra={"error": type(exc).__name__})
+            pipeline.metrics.ops.labels("put", self.listener, "error").inc()
+            return
+        finally:
+            done.set()
+            plan.abort()  # idempotent; releases the buffer if the put never got stored
         try:
             await pipeline.settle_put(stored)
         except Exception as exc:  # noqa: BLE001 - already removed from the tiers

@@ -29,7 +29,7 @@ from typing import Any
 from kvgov.connectors.tiers.chain import TierChain
 from kvgov.errors import KvgovError, LedgerBackpressureError, ProtocolError
 from kvgov.keys.keyring import Keyring
-from kvgov.keys.sealed import SealWriter, sealed_size, segment_count
+from kvgov.keys.sealed import SealedHeader, SealWriter, sealed_size, segment_count
 from kvgov.ledger.events import Event, EventSink
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.policy.interfaces import Decision, DecisionRecorder, PolicyEngine
@@ -37,7 +37,7 @@ from kvgov.proxy.dataplane.buffers import BufferPool
 from kvgov.proxy.dataplane.identity import Denied, Identity, Who, build_input, resolve
 from kvgov.proxy.dataplane.index import EntryIndex, EntryMeta, envelope_head, parse_envelope
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
-from kvgov.proxy.dataplane.plans import GetPlan, PutPlan, StoredPut
+from kvgov.proxy.dataplane.plans import GetPlan, PutPlan, StoredPut, segments_per_job
 from kvgov.proxy.dataplane.records import entry_gone, evict_event, put_event
 from kvgov.types import EntryState, EventKind, Operation, Outcome, Scope
 from kvgov.wire.messages import RequestContext
@@ -168,11 +168,10 @@ class Pipeline:
             view = lease.view
             view[: len(head)] = head
             body = view[len(head) :]
-            writer: SealWriter | None = None
+            make: Callable[[], SealWriter] | None = None
             windows: list[memoryview] = []
             if governed and self.keyring is not None:
                 keyring = self.keyring
-                loop = asyncio.get_running_loop()
 
                 def make_writer() -> SealWriter:
                     return keyring.sealer(
@@ -184,11 +183,11 @@ class Pipeline:
                         segment_size=self.segment_size,
                     )
 
-                writer = await loop.run_in_executor(self.executor, make_writer)
-                header = writer.header
-                for i in range(header.segments):
-                    off, _ = header.sealed_span(i)
-                    _, plen = header.plain_span(i)
+                make = make_writer
+                geometry = SealedHeader("", 0, self.segment_size, length, b"", b"")
+                for i in range(geometry.segments):
+                    off, _ = geometry.sealed_span(i)
+                    _, plen = geometry.plain_span(i)
                     windows.append(body[off : off + plen])
             else:
                 for i in range(segment_count(length, self.segment_size)):
@@ -197,7 +196,8 @@ class Pipeline:
         except BaseException:
             lease.release()
             raise
-        return PutPlan(who, lease, length, item_meta, decision, writer, len(head), windows)
+        per_job = segments_per_job(self.segment_size)
+        return PutPlan(who, lease, length, item_meta, decision, make, len(head), windows, per_job)
 
     async def commit_put(self, plan: PutPlan) -> None:
         """Every segment arrived: store, then wait until recorded. Raises on failure."""
@@ -208,8 +208,7 @@ class Pipeline:
         event. Raises (having stored nothing) on failure; releases the plan's buffer."""
         who, decision = plan.who, plan.decision
         try:
-            if plan.pending:
-                await asyncio.gather(*plan.pending)
+            await plan.sealed()
             now = self.clock()
             ttl = decision.ttl_s if decision is not None else None
             expires_at = now + ttl if ttl else None

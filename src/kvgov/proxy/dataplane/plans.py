@@ -1,13 +1,14 @@
 """What is in flight for one operation: a put being received and sealed (:class:`PutPlan`),
 a put stored and waiting for its record (:class:`StoredPut`), a hit ready to stream
-(:class:`GetPlan`). Built by :class:`~kvgov.proxy.dataplane.pipeline.Pipeline`.
+(:class:`GetPlan`), and the thread-pool jobs that seal and open their segments. Built by
+:class:`~kvgov.proxy.dataplane.pipeline.Pipeline`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping
-from concurrent.futures import Executor
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,33 +18,102 @@ from kvgov.proxy.dataplane.buffers import Lease
 from kvgov.proxy.dataplane.identity import Who
 from kvgov.proxy.dataplane.index import EntryMeta
 
+#: plaintext bytes sealed or opened per thread-pool job: fewer, larger jobs cost the event loop
+#: fewer thread hand-offs, while a chunk's first bytes are still processed as the rest streams
+JOB_BYTES = 4 << 20
+
+
+def segments_per_job(segment_size: int) -> int:
+    return max(1, JOB_BYTES // max(1, segment_size))
+
 
 @dataclass(slots=True)
 class PutPlan:
-    """Where one put item's bytes go, and how each received segment is sealed."""
+    """Where one put item's bytes go, and how received segments are sealed.
+
+    Received segments are sealed in place in the crypto pool, a few per job
+    (:data:`JOB_BYTES`), while the next ones arrive. The first job also makes the
+    :class:`SealWriter` (the windows' offsets depend only on the chunk's geometry, so bytes
+    can land before it exists); later jobs wait for it there, and the event loop hears back
+    only in :meth:`sealed`.
+    """
 
     who: Who
     lease: Lease
     length: int
     item_meta: Mapping[str, Any]
     decision: Decision | None
-    writer: SealWriter | None
+    #: makes the writer (None: not sealed); run by the first job, which resolves ``writer_job``
+    make_writer: Callable[[], SealWriter] | None
     body_offset: int
     #: plaintext receive windows in the buffer, one per segment, in order
     windows: list[memoryview]
-    pending: list[asyncio.Future[None]] = field(default_factory=list)
+    per_job: int = 1
+    writer_job: Future[SealWriter] = field(default_factory=Future)
+    pending: list[Future[None]] = field(default_factory=list)
+    ready: list[int] = field(default_factory=list)
+    writer: SealWriter | None = None
     done: bool = False
 
-    def segment_done(self, index: int, loop: asyncio.AbstractEventLoop, pool: Executor) -> None:
-        """Segment ``index`` has fully arrived: seal it in place in the thread pool."""
-        writer = self.writer
-        if writer is not None:
-            view = self.windows[index]
-            self.pending.append(loop.run_in_executor(pool, writer.seal_segment, index, view))
+    def segment_done(self, index: int, pool: Executor) -> None:
+        """Segment ``index`` has fully arrived: seal it (with its neighbours) in the pool."""
+        if self.make_writer is None:
+            return
+        self.ready.append(index)
+        if len(self.ready) < self.per_job and index < len(self.windows) - 1:
+            return
+        make = self.make_writer if not self.pending else None  # the first job makes it
+        windows = [(i, self.windows[i]) for i in self.ready]
+        self.ready = []
+        self.pending.append(pool.submit(_seal, self.writer_job, make, windows))
+
+    async def sealed(self) -> SealWriter | None:
+        """Wait for every submitted job; raises the first failure."""
+        if self.make_writer is None:
+            return None
+        for fut in self.pending:
+            if not fut.done():
+                await asyncio.wrap_future(fut)
+            fut.result()
+        self.writer = self.writer_job.result()
+        return self.writer
+
+    async def discard(self) -> None:
+        """Let the pool finish with the buffer, then release it (nothing is stored)."""
+        running = [asyncio.wrap_future(f) for f in self.pending if not f.done()]
+        if running:
+            await asyncio.wait(running)
+        for fut in self.pending:
+            if not fut.cancelled():
+                fut.exception()  # retrieved: a failed seal of a discarded put is not news
+        self.abort()
 
     def abort(self) -> None:
         self.done = True
         self.lease.release()
+
+
+def _seal(
+    job: Future[SealWriter],
+    make: Callable[[], SealWriter] | None,
+    windows: list[tuple[int, memoryview]],
+) -> None:
+    """A pool job: (make the writer, then) seal ``windows`` in place."""
+    if make is not None:
+        try:
+            job.set_result(make())
+        except BaseException as exc:
+            job.set_exception(exc)
+            raise
+    writer = job.result()
+    for index, window in windows:
+        writer.seal_segment(index, window)
+
+
+def open_segments(reader: SealReader, windows: list[tuple[int, memoryview]]) -> None:
+    """A pool job: open ``windows`` of a sealed chunk in place."""
+    for index, window in windows:
+        reader.open_segment(index, window)
 
 
 @dataclass(slots=True)

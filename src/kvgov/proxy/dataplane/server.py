@@ -159,6 +159,24 @@ class WireServer:
         raise WireError(ErrorCode.UNAUTHENTICATED, "no engine tokens configured")
 
 
+@dataclass(slots=True)
+class _PutJob:
+    """One PUT frame after its bytes arrived: ``stored`` once its items are in the tiers."""
+
+    sid: int
+    #: per item: its denial reply, or None where a plan was received
+    results: list[dict[str, Any] | None]
+    plans: list[PutPlan]
+    started: float
+    stored: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+    async def done(self) -> None:
+        """Wait until its reply was sent (never raises)."""
+        if self.task is not None:
+            await asyncio.wait([self.task])
+
+
 class WireConnection(StreamProtocol):
     listener = "kvgov"
 
@@ -170,7 +188,7 @@ class WireConnection(StreamProtocol):
         self.identity: Identity | None = None
         self._handling = False
         #: PUT replies waiting for their ledger commit, oldest first (they finish in order)
-        self._pending: deque[asyncio.Task[None]] = deque()
+        self._pending: deque[_PutJob] = deque()
         self._next_id = 0
         self._acks: dict[int, asyncio.Future[dict[str, Any]]] = {}
 
@@ -261,7 +279,7 @@ class WireConnection(StreamProtocol):
     async def _replies_sent(self) -> None:
         """Wait until every pipelined PUT reply has been sent (they finish in order)."""
         if self._pending:
-            await asyncio.wait([self._pending[-1]])
+            await self._pending[-1].done()
 
     async def _dispatch(
         self, ftype: FrameType, sid: int, is_reply: bool, meta: dict[str, Any], payload_len: int
@@ -319,7 +337,7 @@ class WireConnection(StreamProtocol):
     # -- operations ----------------------------------------------------------------------------
 
     async def _put(self, sid: int, meta: dict[str, Any], payload_len: int, started: float) -> None:
-        """Receive and store the items, then leave the reply to :meth:`_reply_put`."""
+        """Receive the items; :meth:`_finish_put` stores them and replies."""
         pipeline = self.server.pipeline
         try:
             items = parse_put_items(meta, payload_len, MAX_BATCH)
@@ -329,7 +347,6 @@ class WireConnection(StreamProtocol):
             raise
         if self.identity is None:
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
-        loop = asyncio.get_running_loop()
         results: list[dict[str, Any] | None] = []
         plans: list[PutPlan] = []
         try:
@@ -352,47 +369,48 @@ class WireConnection(StreamProtocol):
                 plans.append(plan)
                 for i, window in enumerate(plan.windows):
                     await self.read_into(window)
-                    plan.segment_done(i, loop, pipeline.executor)
+                    plan.segment_done(i, pipeline.executor)
                 results.append(None)
         except BaseException:
             for plan in plans:  # the frame did not complete: store nothing from it
-                if plan.pending:
-                    await asyncio.gather(*plan.pending, return_exceptions=True)
-                plan.abort()
+                await plan.discard()
             raise
-        # store in request order now (fast: the tiers are written, entries become visible);
-        # the reply waits for the ledger while the next frames are read
-        stored: list[StoredPut | BaseException] = []
-        for plan in plans:
-            try:
-                stored.append(await pipeline.store_put(plan))
-            except Exception as exc:  # noqa: BLE001 - reported per item in the reply
-                stored.append(exc)
+        # seal, store (in request order) and record in a task: the next frame is read meanwhile
         prev = self._pending[-1] if self._pending else None
-        task = asyncio.get_running_loop().create_task(
-            self._reply_put(prev, sid, results, stored, started)
-        )
-        self._pending.append(task)
-        task.add_done_callback(self._put_replied)
+        job = _PutJob(sid, results, plans, started)
+        job.task = asyncio.get_running_loop().create_task(self._finish_put(prev, job))
+        self._pending.append(job)
+        job.task.add_done_callback(lambda t: self._put_replied(job, t))
         if len(self._pending) > MAX_PIPELINED_PUTS:
-            await asyncio.wait([self._pending[0]])
+            await self._pending[0].done()
 
-    def _put_replied(self, task: asyncio.Task[None]) -> None:
-        self._pending.remove(task)
+    def _put_replied(self, job: _PutJob, task: asyncio.Task[None]) -> None:
+        self._pending.remove(job)
         if not task.cancelled() and task.exception() is not None:
             log.error("dataplane.put.reply_failed", exc_info=task.exception())
             self.close()  # the reply order is lost: the client must reconnect
 
-    async def _reply_put(
-        self,
-        prev: asyncio.Task[None] | None,
-        sid: int,
-        results: list[dict[str, Any] | None],
-        stored: list[StoredPut | BaseException],
-        started: float,
-    ) -> None:
-        """Wait for the items' ledger commit and the previous PUT's reply, then reply."""
+    async def _finish_put(self, prev: _PutJob | None, job: _PutJob) -> None:
+        """Store the items after the previous PUT's, wait for their ledger commit and the
+        previous PUT's reply, then reply."""
         pipeline = self.server.pipeline
+        plans = job.plans
+        stored: list[StoredPut | BaseException] = []
+        try:
+            for plan in plans:  # seal while the previous frame may still be storing
+                with contextlib.suppress(Exception):  # store_put raises it again
+                    await plan.sealed()
+            if prev is not None:
+                await prev.stored.wait()
+            for plan in plans:
+                try:
+                    stored.append(await pipeline.store_put(plan))
+                except Exception as exc:  # noqa: BLE001 - reported per item in the reply
+                    stored.append(exc)
+        finally:
+            job.stored.set()
+            for plan in plans[len(stored) :]:  # cancelled before storing these
+                await plan.discard()
         outcomes: list[BaseException | None] = []
         for item in stored:
             if isinstance(item, BaseException):
@@ -404,10 +422,10 @@ class WireConnection(StreamProtocol):
             except Exception as exc:  # noqa: BLE001 - reported per item in the reply
                 outcomes.append(exc)
         if prev is not None:
-            await asyncio.wait([prev])
+            await prev.done()
         it = iter(outcomes)
         replies = []
-        for r in results:
+        for r in job.results:
             if r is not None:
                 replies.append(r)
                 pipeline.metrics.ops.labels("put", self.listener, "denied").inc()
@@ -420,8 +438,8 @@ class WireConnection(StreamProtocol):
             else:
                 replies.append({"code": 0})
                 pipeline.metrics.ops.labels("put", self.listener, "ok").inc()
-        self.send(FrameType.PUT, sid, {"results": replies})
-        self._observe(FrameType.PUT, started)
+        self.send(FrameType.PUT, job.sid, {"results": replies})
+        self._observe(FrameType.PUT, job.started)
 
     async def _get(self, sid: int, meta: dict[str, Any]) -> None:
         pipeline = self.server.pipeline
