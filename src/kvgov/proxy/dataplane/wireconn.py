@@ -1,0 +1,430 @@
+"""One kvgov wire connection (``docs/protocol.md``) on the sidecar side.
+
+One :class:`WireConnection` per socket: HELLO first (token or, on a Unix socket, peer
+credentials), then requests, replies in order. A malformed or oversize frame gets an ERROR and
+closes only that connection. Payload bytes are received straight into the pipeline's pooled
+buffers and sealed segment by segment as they arrive; a connection that closes before a PUT
+frame is complete stores nothing from that frame.
+
+PUTs are pipelined: once a PUT frame's bytes have arrived, the connection reads the next frame
+while a task finishes sealing its items, stores them (after the previous PUT's: request order)
+and waits for the ledger's group commit of their events; the reply is sent once they are
+durable, in request order (at most ``MAX_PIPELINED_PUTS`` frames in flight per connection).
+Any other request first waits for the earlier PUT replies, so it sees every earlier put
+acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol
+from kvgov.proxy.dataplane.identity import Identity
+from kvgov.proxy.dataplane.pipeline import GetPlan, PutPlan, StoredPut
+from kvgov.types import Operation
+from kvgov.wire.codec import (
+    HEADER_SIZE,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Flag,
+    FrameType,
+    WireError,
+    decode_header,
+    decode_meta,
+    encode_frame,
+    error_meta,
+    key_list,
+)
+from kvgov.wire.messages import RequestContext, parse_put_items
+
+if TYPE_CHECKING:
+    from kvgov.proxy.dataplane.server import WireServer
+
+log = logging.getLogger("kvgov.dataplane.server")
+
+MAX_BATCH = 4096
+#: PUT frames per connection whose replies wait for their ledger commit
+MAX_PIPELINED_PUTS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEvictResult:
+    engine: str
+    acked: bool
+    removed: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _PutJob:
+    """One PUT frame after its bytes arrived: ``stored`` once its items are in the tiers."""
+
+    sid: int
+    #: per item: its denial reply, or None where a plan was received
+    results: list[dict[str, Any] | None]
+    plans: list[PutPlan]
+    started: float
+    stored: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+    async def done(self) -> None:
+        """Wait until its reply was sent (never raises)."""
+        if self.task is not None:
+            await asyncio.wait([self.task])
+
+
+class WireConnection(StreamProtocol):
+    listener = "kvgov"
+
+    def __init__(self, server: WireServer, *, unix: bool) -> None:
+        super().__init__()
+        self.server = server
+        self.unix = unix
+        self.peer_uid: int | None = None
+        self.identity: Identity | None = None
+        self._handling = False
+        #: PUT replies waiting for their ledger commit, oldest first (they finish in order)
+        self._pending: deque[_PutJob] = deque()
+        self._next_id = 0
+        self._acks: dict[int, asyncio.Future[dict[str, Any]]] = {}
+
+    @property
+    def busy(self) -> bool:
+        """In the middle of a request, or PUT replies still wait for the ledger."""
+        return self._handling or bool(self._pending)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.unix:
+            sock = transport.get_extra_info("socket")
+            if sock is not None and hasattr(socket, "SO_PEERCRED"):
+                creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+                self.peer_uid = struct.unpack("3i", creds)[1]
+        self.server.connections.add(self)
+        self.server.pipeline.metrics.connections.labels(self.listener).inc()
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self in self.server.connections:
+            self.server.connections.discard(self)
+            self.server.controls.discard(self)
+            self.server.pipeline.metrics.connections.labels(self.listener).dec()
+        for fut in self._acks.values():
+            if not fut.done():
+                fut.set_exception(ConnectionClosed())
+        super().connection_lost(exc)
+
+    # -- framing -------------------------------------------------------------------------------
+
+    def send(
+        self,
+        ftype: FrameType,
+        sid: int,
+        meta: Mapping[str, Any] | None,
+        payload_len: int = 0,
+        flags: Flag = Flag.REPLY,
+    ) -> None:
+        self.write(encode_frame(ftype, sid, meta, payload_len, flags))
+
+    def send_error(self, sid: int, err: WireError) -> None:
+        self.server.pipeline.metrics.protocol_errors.labels(self.listener, err.error.name).inc()
+        self.send(FrameType.ERROR, sid, error_meta(err.error, err.message), flags=Flag.NONE)
+
+    async def handle(self) -> None:
+        max_payload = self.server.config.max_frame_bytes
+        head = memoryview(bytearray(HEADER_SIZE))
+        while True:
+            await self.read_into(head)
+            try:
+                header = decode_header(head, max_payload=max_payload)
+                meta = decode_meta(await self.read_exact(header.meta_len))
+            except WireError as exc:
+                await self._replies_sent()
+                self.send_error(0, exc)
+                return  # fatal: close only this connection
+            if self.identity is None and header.type is not FrameType.HELLO:
+                self.send_error(
+                    header.stream_id, WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
+                )
+                return
+            put = header.type is FrameType.PUT and not self.server.draining
+            if not put:
+                await self._replies_sent()
+            self._handling = True
+            started = time.perf_counter()
+            try:
+                if put:
+                    await self._put(header.stream_id, meta, header.payload_len, started)
+                else:
+                    await self._dispatch(
+                        header.type, header.stream_id, header.is_reply, meta, header.payload_len
+                    )
+                    self._observe(header.type, started)
+            except WireError as exc:
+                await self._replies_sent()
+                self.send_error(header.stream_id, exc)
+                if exc.fatal:
+                    return
+            finally:
+                self._handling = False
+
+    def _observe(self, ftype: FrameType, started: float) -> None:
+        self.server.pipeline.metrics.latency.labels(ftype.name.lower()).observe(
+            time.perf_counter() - started
+        )
+
+    async def _replies_sent(self) -> None:
+        """Wait until every pipelined PUT reply has been sent (they finish in order)."""
+        if self._pending:
+            await self._pending[-1].done()
+
+    async def _dispatch(
+        self, ftype: FrameType, sid: int, is_reply: bool, meta: dict[str, Any], payload_len: int
+    ) -> None:
+        if ftype is FrameType.EVICT_ACK or (ftype is FrameType.PING and is_reply):
+            await self.discard(payload_len)
+            fut = self._acks.pop(sid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(meta)
+            return
+        if ftype is not FrameType.PUT and payload_len:
+            await self.discard(payload_len)
+        if ftype is FrameType.HELLO:
+            await self._hello(sid, meta)
+        elif self.server.draining:
+            if ftype is FrameType.PUT:
+                await self.discard(payload_len)
+            raise WireError(ErrorCode.BUSY, "sidecar is shutting down")
+        elif ftype is FrameType.PING:
+            self.send(FrameType.PING, sid, None)
+        elif ftype is FrameType.PUT:
+            await self._put(sid, meta, payload_len, time.perf_counter())
+        elif ftype is FrameType.GET:
+            await self._get(sid, meta)
+        elif ftype in (FrameType.EXISTS, FrameType.REMOVE):
+            await self._keys_op(ftype, sid, meta)
+        else:
+            raise WireError(ErrorCode.BAD_REQUEST, f"unexpected {ftype.name} frame")
+
+    async def _hello(self, sid: int, meta: dict[str, Any]) -> None:
+        if self.identity is not None:
+            raise WireError(ErrorCode.BAD_REQUEST, "HELLO was already sent")
+        version = meta.get("version", PROTOCOL_VERSION)
+        if version != PROTOCOL_VERSION:
+            raise WireError(ErrorCode.VERSION_MISMATCH, f"protocol {version} not supported")
+        self.identity = self.server.authenticate(meta, self)
+        cfg = self.server.config
+        self.send(
+            FrameType.HELLO,
+            sid,
+            {
+                "server": "kvgov",
+                "version": cfg.version,
+                "protocol": PROTOCOL_VERSION,
+                "sidecar": cfg.sidecar_id,
+                "engine": self.identity.engine,
+                "max_frame_bytes": cfg.max_frame_bytes,
+                "max_batch": MAX_BATCH,
+            },
+        )
+        if meta.get("role") == "control":
+            self.server.controls.add(self)
+        log.info("dataplane.engine.connected", extra={"engine": self.identity.engine})
+
+    # -- operations ----------------------------------------------------------------------------
+
+    async def _put(self, sid: int, meta: dict[str, Any], payload_len: int, started: float) -> None:
+        """Receive the items; :meth:`_finish_put` stores them and replies."""
+        pipeline = self.server.pipeline
+        try:
+            items = parse_put_items(meta, payload_len, MAX_BATCH)
+            ctx = RequestContext.from_meta(meta.get("ctx"))
+        except WireError:
+            await self.discard(payload_len)
+            raise
+        if self.identity is None:
+            raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
+        results: list[dict[str, Any] | None] = []
+        plans: list[PutPlan] = []
+        try:
+            for item in items:
+                who, denied = pipeline.identify(self.identity, item.key, item.ctx or ctx)
+                plan = None
+                if denied is None and who is not None:
+                    got = await pipeline.plan_put(who, item.length, item.meta)
+                    if isinstance(got, PutPlan):
+                        plan = got
+                    else:
+                        denied = got
+                if plan is None:
+                    if denied is not None:
+                        await pipeline.deny(who, denied, Operation.PUT)
+                    await self.discard(item.length)
+                    reason = denied.reason if denied is not None else "denied"
+                    results.append({"code": int(ErrorCode.DENIED), "reason": reason})
+                    continue
+                plans.append(plan)
+                for i, window in enumerate(plan.windows):
+                    await self.read_into(window)
+                    plan.segment_done(i, pipeline.executor)
+                results.append(None)
+        except BaseException:
+            for plan in plans:  # the frame did not complete: store nothing from it
+                await plan.discard()
+            raise
+        # seal, store (in request order) and record in a task: the next frame is read meanwhile
+        prev = self._pending[-1] if self._pending else None
+        job = _PutJob(sid, results, plans, started)
+        job.task = asyncio.get_running_loop().create_task(self._finish_put(prev, job))
+        self._pending.append(job)
+        job.task.add_done_callback(lambda t: self._put_replied(job, t))
+        if len(self._pending) > MAX_PIPELINED_PUTS:
+            await self._pending[0].done()
+
+    def _put_replied(self, job: _PutJob, task: asyncio.Task[None]) -> None:
+        self._pending.remove(job)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("dataplane.put.reply_failed", exc_info=task.exception())
+            self.close()  # the reply order is lost: the client must reconnect
+
+    async def _finish_put(self, prev: _PutJob | None, job: _PutJob) -> None:
+        """Store the items after the previous PUT's, wait for their ledger commit and the
+        previous PUT's reply, then reply."""
+        pipeline = self.server.pipeline
+        plans = job.plans
+        stored: list[StoredPut | BaseException] = []
+        try:
+            for plan in plans:  # seal while the previous frame may still be storing
+                with contextlib.suppress(Exception):  # store_put raises it again
+                    await plan.sealed()
+            if prev is not None:
+                await prev.stored.wait()
+            for plan in plans:
+                try:
+                    stored.append(await pipeline.store_put(plan))
+                except Exception as exc:  # noqa: BLE001 - reported per item in the reply
+                    stored.append(exc)
+        finally:
+            job.stored.set()
+            for plan in plans[len(stored) :]:  # cancelled before storing these
+                await plan.discard()
+        outcomes: list[BaseException | None] = []
+        for item in stored:
+            if isinstance(item, BaseException):
+                outcomes.append(item)
+                continue
+            try:
+                await pipeline.settle_put(item)
+                outcomes.append(None)
+            except Exception as exc:  # noqa: BLE001 - reported per item in the reply
+                outcomes.append(exc)
+        if prev is not None:
+            await prev.done()
+        it = iter(outcomes)
+        replies = []
+        for r in job.results:
+            if r is not None:
+                replies.append(r)
+                pipeline.metrics.ops.labels("put", self.listener, "denied").inc()
+                continue
+            outcome = next(it)
+            if outcome is not None:
+                log.warning("dataplane.put.failed", extra={"error": type(outcome).__name__})
+                replies.append({"code": int(ErrorCode.INTERNAL), "reason": "store_failed"})
+                pipeline.metrics.ops.labels("put", self.listener, "error").inc()
+            else:
+                replies.append({"code": 0})
+                pipeline.metrics.ops.labels("put", self.listener, "ok").inc()
+        self.send(FrameType.PUT, job.sid, {"results": replies})
+        self._observe(FrameType.PUT, job.started)
+
+    async def _get(self, sid: int, meta: dict[str, Any]) -> None:
+        pipeline = self.server.pipeline
+        keys = key_list(meta, max_items=MAX_BATCH)
+        ctx = RequestContext.from_meta(meta.get("ctx"))
+        if self.identity is None:
+            raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
+        plans: list[GetPlan | None] = []
+        budget = self.server.config.max_frame_bytes
+        try:
+            for key in keys:
+                who, denied = pipeline.identify(self.identity, key, ctx)
+                plan = None
+                if denied is not None:
+                    await pipeline.deny(who, denied, Operation.GET)
+                elif who is not None and budget > 0:
+                    plan = await pipeline.get(who)
+                    if plan is not None:
+                        budget -= plan.length
+                outcome = "hit" if plan is not None else "miss"
+                pipeline.metrics.ops.labels("get", self.listener, outcome).inc()
+                plans.append(plan)
+            items = [
+                {"code": 0, "len": p.length, "meta": dict(p.item_meta)}
+                if p is not None
+                else {"code": int(ErrorCode.NOT_FOUND)}
+                for p in plans
+            ]
+            total = sum(p.length for p in plans if p is not None)
+            self.send(FrameType.GET, sid, {"items": items}, total)
+            for p in plans:
+                if p is not None:
+                    await self.send_plan(p, pipeline.executor)
+        finally:
+            for p in plans:
+                if p is not None:
+                    p.lease.release()
+
+    async def _keys_op(self, ftype: FrameType, sid: int, meta: dict[str, Any]) -> None:
+        pipeline = self.server.pipeline
+        keys = key_list(meta, max_items=MAX_BATCH)
+        ctx = RequestContext.from_meta(meta.get("ctx"))
+        if self.identity is None:
+            raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
+        op = Operation.EXISTS if ftype is FrameType.EXISTS else Operation.REMOVE
+        out: list[bool] = []
+        for key in keys:
+            who, denied = pipeline.identify(self.identity, key, ctx)
+            if denied is not None or who is None:
+                if denied is not None:
+                    await pipeline.deny(who, denied, op)
+                out.append(False)
+                continue
+            found = await (pipeline.exists(who) if op is Operation.EXISTS else pipeline.remove(who))
+            pipeline.metrics.ops.labels(op.value, self.listener, "hit" if found else "miss").inc()
+            out.append(found)
+        field_name = "found" if op is Operation.EXISTS else "removed"
+        self.send(ftype, sid, {field_name: out})
+
+    # -- server -> engine ----------------------------------------------------------------------
+
+    async def evict(self, keys: Sequence[str], timeout_s: float) -> EngineEvictResult:
+        engine = self.identity.engine if self.identity else "?"
+        self._next_id = self._next_id + 1 if self._next_id < 0x7FFF_FFFF else 1
+        sid = 0x8000_0000 | self._next_id  # server-initiated ids have the top bit set
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._acks[sid] = fut
+        try:
+            self.send(
+                FrameType.EVICT, sid, {"keys": list(keys), "reason": "purge"}, flags=Flag.NONE
+            )
+            ack = await asyncio.wait_for(fut, timeout_s)
+        except (TimeoutError, ConnectionClosed) as exc:
+            self._acks.pop(sid, None)
+            return EngineEvictResult(engine, acked=False, error=type(exc).__name__)
+        removed = ack.get("removed")
+        error = ack.get("error")
+        return EngineEvictResult(
+            engine,
+            acked=True,
+            removed=len(removed) if isinstance(removed, list) else 0,
+            error=error if isinstance(error, str) else None,
+        )
