@@ -111,10 +111,12 @@ class LmConnection(StreamProtocol):
         while True:
             await self.read_into(head)
             command, length, fmt, dtype, location, s0, s1, s2, s3, raw = REQUEST.unpack(head)
-            try:
-                key = raw.decode().strip()
+            try:  # LMCache pads with spaces; C clients may pad with NULs
+                key = raw.rstrip(b"\x00").decode().strip()
             except UnicodeDecodeError:
                 key = ""
+            if "\x00" in key:
+                key = ""  # a malformed key: denied, never recorded verbatim
             if command not in (PUT, GET, EXIST, LIST, HEALTH) or length < 0:
                 metrics.protocol_errors.labels(self.listener, "BAD_FRAME").inc()
                 return  # not LMCache's protocol: close this connection only

@@ -141,7 +141,10 @@ class Pipeline:
                 policy_revision=d.policy_revision if d else None,
                 attrs={"operation": op.value},
             )
-        await self._record(event, durable=op is Operation.PUT)
+        try:
+            await self._record(event, durable=op is Operation.PUT)
+        except KvgovError as exc:  # still denied (nothing was stored); the connection lives on
+            log.error("dataplane.denial.unrecorded", extra={"error": exc.code})
 
     def identify(
         self, identity: Identity, raw_key: str, ctx: RequestContext
@@ -445,10 +448,3 @@ class Pipeline:
         for digest in digests:
             await self.expire(digest)
         return len(digests)
-
-    async def open_segment(self, plan: GetPlan, index: int) -> None:
-        if plan.reader is not None:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(
-                self.executor, plan.reader.open_segment, index, plan.windows[index]
-            )

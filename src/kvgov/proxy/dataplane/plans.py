@@ -128,7 +128,7 @@ class StoredPut:
 
 @dataclass(slots=True)
 class GetPlan:
-    """A hit ready to stream: call :meth:`open_segment` for each window, then send it."""
+    """A hit ready to stream: open its windows in place (:func:`open_segments`), send them."""
 
     who: Who
     lease: Lease
