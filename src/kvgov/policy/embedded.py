@@ -5,19 +5,30 @@ as its entry point; evaluating it costs tens of microseconds where regorus' tree
 interpreter costs hundreds for the same policy (``bench/policy.py``). Policies the RVM compiler
 cannot take (it does not support ``with`` yet) fall back to the interpreter, with a warning.
 
-regorus engines are not thread-safe: one program per engine, evaluations serialised by a lock.
-Evaluation runs inline on the caller's thread (the event loop): it is shorter than a hop to a
-worker thread would be.
+Threads. regorus objects (``Program``, ``Rvm``, ``Engine``) are bound to the thread that created
+them: using one from another thread panics, and dropping one on another thread raises
+"unsendable, but is being dropped on another thread" (an unraisable error, a test failure under
+``-W error``). So the engine itself holds no regorus object, only a :class:`_Spec` of plain data
+(the serialized program, or the module sources for the interpreter). Each thread that evaluates
+builds its own VM from the spec on first use (~0.1 ms) and keeps it in a thread-local table:
+evaluation runs inline on the caller's thread (the event loop) with no lock and no thread hop,
+and a thread's VMs are dropped on that thread when it exits, or by that thread once their spec
+is gone (engine collected, policy reloaded). The engine can be built, used and dropped on any
+threads.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvgov.errors import PolicyError
 from kvgov.logging import get_logger
 from kvgov.policy.bundle import PolicyBundle, load_bundle, rego_error_text
 from kvgov.policy.interfaces import (
@@ -41,48 +52,126 @@ _UNDEFINED = '"<undefined>"'
 #: evaluates one JSON input document, returns the decision as JSON text (or _UNDEFINED)
 _Evaluator = Callable[[str], str]
 
+_tokens = itertools.count(1)
+#: tokens of the specs still alive; a thread drops its VMs of the others
+_live: set[int] = set()
+#: bumped whenever a spec dies, so a thread knows when to sweep its table
+_retired = [0]
+#: this thread's VMs: ``table`` {spec token: evaluator}, ``seen`` the _retired it last swept at.
+#: Module-level on purpose: a thread's entry is freed when that thread exits, on that thread.
+_THREAD = threading.local()
 
-def _compile(bundle: PolicyBundle, *, rvm: bool = True) -> tuple[_Evaluator, str]:
-    """Build the evaluator for a bundle: RVM bytecode when it compiles, else the interpreter."""
+
+def _retire(token: int) -> None:
+    _live.discard(token)
+    _retired[0] += 1
+
+
+@dataclass(frozen=True, eq=False)
+class _Spec:
+    """Everything a thread needs to build its own evaluator; plain data, safe on any thread."""
+
+    mode: str  # "rvm" or "interpreter"
+    data_json: str
+    modules: tuple[tuple[str, str], ...]
+    program: bytes = b""  # the RVM program, serialized
+    token: int = field(default_factory=lambda: next(_tokens))
+
+    def __post_init__(self) -> None:
+        _live.add(self.token)
+        weakref.finalize(self, _retire, self.token)
+
+    def build(self) -> _Evaluator:
+        """A new evaluator owned by the calling thread."""
+        import regorus
+
+        if self.mode == "rvm":
+            program, partial = regorus.Program.deserialize_binary(self.program)
+            if partial:  # written by another regorus build: compile from the sources
+                program = regorus.Program.compile_from_modules(
+                    self.data_json, list(self.modules), [DECISION_PATH]
+                )
+            vm = regorus.Rvm()
+            vm.load_program(program)
+            vm.set_data_json(self.data_json)
+
+            def run_vm(input_json: str) -> str:
+                vm.set_input_json(input_json)
+                return str(vm.execute())
+
+            return run_vm
+
+        engine = regorus.Engine()
+        for name, source in self.modules:
+            engine.add_policy(name, source)
+        engine.add_data_json(self.data_json)
+
+        def run_interpreter(input_json: str) -> str:
+            engine.set_input_json(input_json)
+            result = engine.eval_rule(DECISION_PATH)
+            return _UNDEFINED if result is None else json.dumps(result)
+
+        return run_interpreter
+
+    def evaluator(self) -> _Evaluator:
+        """This thread's evaluator for the spec (built on first use)."""
+        try:
+            return _THREAD.table[self.token]  # type: ignore[no-any-return]
+        except AttributeError:
+            _THREAD.table, _THREAD.seen = {}, _retired[0]
+        except KeyError:
+            pass
+        table: dict[int, _Evaluator] = _THREAD.table
+        if _THREAD.seen != _retired[0]:
+            _THREAD.seen = _retired[0]
+            for token in [t for t in table if t not in _live]:
+                del table[token]  # dropped here, on the thread that built it
+        table[self.token] = evaluator = self.build()
+        return evaluator
+
+    def release(self) -> None:
+        """Drop this thread's evaluator for the spec (other threads drop theirs later)."""
+        table = getattr(_THREAD, "table", None)
+        if table is not None:
+            table.pop(self.token, None)
+
+
+def _compile(bundle: PolicyBundle, *, rvm: bool = True) -> _Spec:
+    """Compile the bundle once (here, to check it): RVM bytecode when it compiles, else the
+    interpreter. The regorus objects made here are dropped before returning."""
     import regorus
 
     data_json = json.dumps(bundle.data_document())
-    modules = [(m.name, m.source) for m in bundle.modules]
-    program = None
+    modules = tuple((m.name, m.source) for m in bundle.modules)
     if rvm:
         try:
-            program = regorus.Program.compile_from_modules(data_json, modules, [DECISION_PATH])
+            program = regorus.Program.compile_from_modules(
+                data_json, list(modules), [DECISION_PATH]
+            )
         except RuntimeError as exc:
             log.warning(
                 "policy.rvm_unavailable",
                 extra={"error": rego_error_text(exc).splitlines()[-1:], "mode": "interpreter"},
             )
-    if program is not None:
-        vm = regorus.Rvm()
-        vm.load_program(program)
-        vm.set_data_json(data_json)
-
-        def run_vm(input_json: str) -> str:
-            vm.set_input_json(input_json)
-            return str(vm.execute())
-
-        return run_vm, "rvm"
-
+        else:
+            blob = bytes(program.serialize_binary())
+            del program
+            return _Spec("rvm", data_json, modules, blob)
     engine = regorus.Engine()
-    for module in bundle.modules:
-        engine.add_policy(module.name, module.source)
-    engine.add_data_json(data_json)
-
-    def run_interpreter(input_json: str) -> str:
-        engine.set_input_json(input_json)
-        result = engine.eval_rule(DECISION_PATH)
-        return _UNDEFINED if result is None else json.dumps(result)
-
-    return run_interpreter, "interpreter"
+    try:
+        for name, source in modules:
+            engine.add_policy(name, source)
+        engine.add_data_json(data_json)
+    except RuntimeError as exc:
+        raise PolicyError(f"the policies do not load: {rego_error_text(exc)[:500]}") from exc
+    del engine
+    return _Spec("interpreter", data_json, modules)
 
 
 class EmbeddedPolicyEngine:
-    """:class:`kvgov.policy.interfaces.PolicyEngine` evaluating Rego in process with regorus."""
+    """:class:`kvgov.policy.interfaces.PolicyEngine` evaluating Rego in process with regorus.
+
+    Safe to build, use and drop on any threads (see the module docstring)."""
 
     def __init__(
         self,
@@ -92,11 +181,10 @@ class EmbeddedPolicyEngine:
         rvm: bool = True,
     ) -> None:
         """``rvm=False`` forces regorus' interpreter (for comparisons; slower)."""
-        self._lock = threading.Lock()
         self._loader = loader
-        self._bundle = bundle
         self._rvm = rvm
-        self._evaluate, self.mode = _compile(bundle, rvm=rvm)
+        #: (bundle, spec), swapped as one on reload
+        self._state = (bundle, _compile(bundle, rvm=rvm))
 
     @classmethod
     def from_paths(
@@ -108,12 +196,17 @@ class EmbeddedPolicyEngine:
         return cls(loader(), loader=loader)
 
     @property
+    def mode(self) -> str:
+        """``rvm`` (bytecode) or ``interpreter`` (the fallback)."""
+        return self._state[1].mode
+
+    @property
     def revision(self) -> PolicyRevision:
-        return self._bundle.revision
+        return self._state[0].revision
 
     @property
     def bundle(self) -> PolicyBundle:
-        return self._bundle
+        return self._state[0]
 
     def decide_cached(self, inp: PolicyInput) -> Decision | None:
         return None
@@ -122,8 +215,9 @@ class EmbeddedPolicyEngine:
         return self.decide_sync(inp)
 
     def decide_sync(self, inp: PolicyInput) -> Decision:
-        """Evaluate now, on this thread; never raises."""
-        revision = self._bundle.revision
+        """Evaluate now, on this thread (any thread); never raises."""
+        bundle, spec = self._state
+        revision = bundle.revision
         operation = inp.operation if isinstance(inp.operation, str) else None
         doc, problems = validated_document(inp)
         if doc is None:
@@ -136,9 +230,7 @@ class EmbeddedPolicyEngine:
         input_json = canonical_json(doc)
         digest = text_digest(input_json)
         try:
-            with self._lock:
-                revision = self._bundle.revision
-                raw = self._evaluate(input_json)
+            raw = spec.evaluator()(input_json)
             result: Any = None if raw == _UNDEFINED else json.loads(raw)
         except (RuntimeError, ValueError) as exc:
             log.error("policy.eval_failed", extra={"error": rego_error_text(exc)[:500]})
@@ -153,22 +245,28 @@ class EmbeddedPolicyEngine:
             result, revision=revision, input_digest=digest, operation=operation
         )
 
+    def _evaluate(self, input_json: str) -> str:
+        """The raw decision JSON for an input document (differential tests compare engines)."""
+        return self._state[1].evaluator()(input_json)
+
     async def reload(self) -> PolicyRevision:
         if self._loader is None:
-            return self._bundle.revision
+            return self.revision
         bundle = self._loader()  # raises PolicyError: the current policies keep answering
-        evaluate, mode = _compile(bundle, rvm=self._rvm)
-        with self._lock:
-            self._bundle, self._evaluate, self.mode = bundle, evaluate, mode
+        spec = _compile(bundle, rvm=self._rvm)
+        old = self._state[1]
+        self._state = (bundle, spec)
+        old.release()
         log.info(
             "policy.reloaded",
             extra={
                 "policy_revision": bundle.revision.policy,
                 "data_revision": bundle.revision.data,
-                "mode": mode,
+                "mode": spec.mode,
             },
         )
         return bundle.revision
 
     async def aclose(self) -> None:
-        return None
+        """Drop this thread's VM now; other threads drop theirs when they exit or next build."""
+        self._state[1].release()
