@@ -3,19 +3,27 @@
 Events explain the mutable tables: a put creates a ``cache_entries`` row and later events change
 its state or tiers; a request id upserts ``requests``; a new actor, owner or scoped user gets a
 ``user_refs`` row; a ``policy:decision`` event records its decision in ``policy_decisions``.
+
+An entry has lives. A put of an entry that is live (LMCache re-puts chunks it already stored)
+refreshes its tiers, size, key, expiry and decision but keeps its life: owner, scope user,
+creation time, creating request and chain. A put of an entry that expired, was deleted or purged
+starts a new life with the new put's values. Whether the row is live is decided by the UPDATE
+itself (a CASE on the row's state), so a concurrent chain's change is not overwritten blindly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence, Set
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Protocol
 
-from sqlalchemy import Connection, bindparam, select, update
+from sqlalchemy import ColumnElement, Connection, Table, bindparam, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from kvgov.ledger.events import EntryChange, Event
 from kvgov.ledger.models import CacheEntry, PolicyDecision, Request, UserRef, table
-from kvgov.types import EventKind
+from kvgov.types import EntryState, EventKind
 
 _ENTRY_OPTIONAL = [
     "tenant",
@@ -33,8 +41,32 @@ _ENTRY_OPTIONAL = [
     "policy_revision",
 ]
 
-#: set when an entry is created, never changed by later events
-_KEEP_ON_UPDATE = frozenset({"key_digest", "created_at", "created_request_id", "chain_id"})
+#: what a put of a live entry keeps and a put of an ended entry (or a new key) sets: its life
+_LIFE = ("owner", "scope_user", "created_at", "created_request_id", "chain_id")
+
+
+class _Mode(Enum):
+    """How an UPDATE writes one column of an existing ``cache_entries`` row."""
+
+    SET = "set"
+    #: the row's value while it is live (a re-put), else the new one (a new life)
+    KEEP_IF_LIVE = "keep_if_live"
+    #: the row's value if it has one, else the new one
+    FILL = "fill"
+    #: KEEP_IF_LIVE, filling an empty value (scope_user: err on covering more in a purge)
+    FILL_IF_LIVE = "fill_if_live"
+
+
+@dataclass(slots=True)
+class _Plan:
+    """The changes a batch makes to one key, folded in order."""
+
+    #: every column the batch writes, latest value
+    values: dict[str, Any]
+    #: how the UPDATE of an existing row writes a column of ``values`` (default SET)
+    modes: dict[str, _Mode] = field(default_factory=dict)
+    #: the entry's state after the last change folded (None: as in the database)
+    state: EntryState | None = None
 
 
 class _Item(Protocol):
@@ -53,7 +85,7 @@ def apply_indexes(
 ) -> set[str]:
     requests: dict[str, dict[str, Any]] = {}
     users: dict[str, dict[str, Any]] = {}
-    entries: dict[str, dict[str, Any]] = {}
+    entries: dict[str, _Plan] = {}
     decisions: dict[str, dict[str, Any]] = {}
     for item, seq in zip(batch, seqs, strict=True):
         e = item.event
@@ -100,59 +132,103 @@ def apply_indexes(
 
 
 def _merge_entry(
-    entries: dict[str, dict[str, Any]], change: EntryChange, event: Event, chain_id: str
+    entries: dict[str, _Plan], change: EntryChange, event: Event, chain_id: str
 ) -> None:
-    """Fold successive changes to one key within a batch: later non-None values win."""
+    """Fold one change into the key's plan: later non-None values win, except that a put of an
+    entry that is live keeps its life (owner, scope user, creation time and request)."""
     at = event.occurred_at
-    current = entries.get(change.key_digest)
-    if current is None:
-        current = {
-            "key_digest": change.key_digest,
+    plan = entries.get(change.key_digest)
+    if plan is None:
+        # a row this batch inserts without a put (an evict of an unknown key) starts here
+        plan = _Plan(
+            values={
+                "created_at": at,
+                "created_request_id": change.request_id or event.request_id,
+                "chain_id": chain_id,
+            },
+            modes=dict.fromkeys(("created_at", "created_request_id", "chain_id"), _Mode.FILL),
+        )
+        entries[change.key_digest] = plan
+    values, modes = plan.values, plan.modes
+    is_put = event.kind == EventKind.KV_PUT and change.state is EntryState.LIVE
+    if is_put and plan.state is not EntryState.LIVE:
+        life = {
+            "owner": change.owner,
+            "scope_user": change.scope_user,
             "created_at": at,
             "created_request_id": change.request_id or event.request_id,
             "chain_id": chain_id,
         }
-        entries[change.key_digest] = current
-    current["state"] = change.state
-    current["updated_at"] = at
+        values.update(life)
+        if plan.state is None:  # the first change: the row's state is the database's
+            modes.update(dict.fromkeys(_LIFE, _Mode.KEEP_IF_LIVE))
+            modes["scope_user"] = _Mode.FILL_IF_LIVE
+        else:  # ended earlier in this batch: a new life, whatever the row held
+            modes.update(dict.fromkeys(_LIFE, _Mode.SET))
+    elif is_put and change.scope_user is not None and values.get("scope_user") is None:
+        values["scope_user"] = change.scope_user
+        modes.setdefault("scope_user", _Mode.FILL)
+    values["state"] = change.state
+    values["updated_at"] = at
     if change.tenant is None and event.tenant is not None:
-        current.setdefault("tenant", event.tenant)
+        values.setdefault("tenant", event.tenant)
     for name in _ENTRY_OPTIONAL:
+        if is_put and name in _LIFE:
+            continue
         value = getattr(change, name)
         if value is not None:
-            current[name] = list(value) if name == "tiers" else value
+            values[name] = list(value) if name == "tiers" else value
+            modes.pop(name, None)
+    plan.state = change.state
 
 
-def _write_entries(conn: Connection, entries: dict[str, dict[str, Any]]) -> None:
+def _write_entries(conn: Connection, entries: dict[str, _Plan]) -> None:
     entries_t = table(CacheEntry)
     existing = set(
         conn.execute(
             select(entries_t.c.key_digest).where(entries_t.c.key_digest.in_(list(entries)))
         ).scalars()
     )
-    fresh = [_full_entry(v) for k, v in entries.items() if k not in existing]
+    fresh = [_full_entry(k, v.values) for k, v in entries.items() if k not in existing]
     if fresh:
         # another chain may create the same key between the SELECT and here: its row wins, and
         # this event still records what happened
         stmt = _insert(conn, entries_t).on_conflict_do_nothing(index_elements=["key_digest"])
         conn.execute(stmt, fresh)
-    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    groups: dict[tuple[tuple[str, _Mode], ...], list[dict[str, Any]]] = {}
     for key in existing:
-        change = entries[key]
-        cols = tuple(sorted(c for c in change if c not in _KEEP_ON_UPDATE))
-        groups.setdefault(cols, []).append({"b_key": key, **{f"v_{c}": change[c] for c in cols}})
-    for cols, params in groups.items():
+        plan = entries[key]
+        cols = tuple(sorted((c, plan.modes.get(c, _Mode.SET)) for c in plan.values))
+        params = {f"v_{c}": plan.values[c] for c, _ in cols}
+        groups.setdefault(cols, []).append({"b_key": key, **params})
+    for cols, rows in groups.items():
+        # the CASEs read the row as it is before this UPDATE (and, on Postgres, as committed
+        # by any other chain that updated it first): whether the put found it live
         stmt = (
             update(entries_t)
             .where(entries_t.c.key_digest == bindparam("b_key"))
-            .values({c: bindparam(f"v_{c}") for c in cols})
+            .values({c: _column_value(entries_t, c, mode) for c, mode in cols})
         )
-        conn.execute(stmt, params)
+        conn.execute(stmt, rows)
 
 
-def _full_entry(change: dict[str, Any]) -> dict[str, Any]:
-    row = dict.fromkeys(_ENTRY_OPTIONAL)
-    row.update(change)
+def _column_value(entries_t: Table, name: str, mode: _Mode) -> ColumnElement[Any]:
+    column = entries_t.c[name]
+    new = bindparam(f"v_{name}", type_=column.type)
+    live = entries_t.c.state == EntryState.LIVE
+    if mode is _Mode.KEEP_IF_LIVE:
+        return case((live, column), else_=new)
+    if mode is _Mode.FILL:
+        return func.coalesce(column, new)
+    if mode is _Mode.FILL_IF_LIVE:
+        return case((live, func.coalesce(column, new)), else_=new)
+    return new
+
+
+def _full_entry(key: str, values: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = dict.fromkeys(_ENTRY_OPTIONAL)
+    row.update(values)
+    row["key_digest"] = key
     if row.get("tiers") is None:
         row["tiers"] = []
     return row
