@@ -415,3 +415,50 @@ async def test_retention_and_ttl_use_the_same_deletion_path(env: Env) -> None:
     )
     assert again.ttl_expired == again.retention_expired == 0
     assert (await asyncio.to_thread(verify, env.engine)).ok
+
+
+async def test_user_purge_covers_entries_the_user_re_put(env: Env) -> None:
+    """A re-put of a live entry keeps its first owner; the re-putting user's purge still
+    covers it (scope errs on deleting more). A mere read does not put a key in scope."""
+    mine = await env.seed("acme", "alice", scope=Scope.TENANT)
+    theirs = await env.seed("globex", "bob", scope=Scope.TENANT)
+    alice, bob = env.pseudo.user("acme", "alice"), env.pseudo.user("acme", "bob")
+    re_put, read = mine[0], mine[1]
+    await env.writer.append(
+        Event(
+            kind=EventKind.KV_PUT,
+            tenant="acme",
+            actor=bob,
+            key_digest=re_put,
+            entry=EntryChange(
+                key_digest=re_put,
+                state=EntryState.LIVE,
+                tenant="acme",
+                owner=bob,
+                scope=Scope.TENANT,
+                tiers=("memory", "filesystem"),
+            ),
+        )
+    )
+    await env.writer.append(Event(kind=EventKind.KV_GET, tenant="acme", actor=bob, key_digest=read))
+    assert env.count(CacheEntry, CacheEntry.key_digest == re_put, CacheEntry.owner == alice) == 1
+
+    service = env.service()
+    plan = await service.plan(PurgeRequest(tenant="acme", user="bob", dry_run=True))
+    assert plan["entries_in_scope"] == 1
+    job = await service.create(PurgeRequest(tenant="acme", user="bob"))
+    job = await asyncio.wait_for(service.wait(job.id), 30)
+
+    assert job.state is PurgeState.COMPLETED
+    assert await _held(env, [re_put]) == {"memory": 0, "filesystem": 0}
+    assert await _held(env, mine[1:]) == {"memory": N - 1, "filesystem": N - 1}
+    assert await _held(env, theirs) == {"memory": N, "filesystem": N}
+    assert env.count(CacheEntry, CacheEntry.state == EntryState.PURGED) == 1
+    assert (
+        env.count(
+            CacheEntry, CacheEntry.key_digest == re_put, CacheEntry.state == EntryState.PURGED
+        )
+        == 1
+    )
+    report = await asyncio.to_thread(verify, env.engine)
+    assert report.ok, report.to_dict()

@@ -1,10 +1,11 @@
 """What a purge covers, found through the ledger, and the ledger-side erasure.
 
 Scope errs on the side of deleting more (KV cache is recomputable): a user purge covers every
-cache entry of the tenant that the user owns *or* that is scoped to the user, in any state (an
-entry marked expired or deleted may still linger in a tier some sidecar could not reach at the
-time); a tenant purge covers every entry of the tenant. Functions take a session and never
-commit.
+cache entry of the tenant that the user owns, that is scoped to the user, *or* that the user ever
+put (a ``kv:put`` by the user for that key: a re-put of a live entry keeps its first owner), in
+any state (an entry marked expired or deleted may still linger in a tier some sidecar could not
+reach at the time); a tenant purge covers every entry of the tenant. Functions take a session
+and never commit.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from sqlalchemy import ColumnElement, and_, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from kvgov.ledger.models import CacheEntry, EventPayload, LedgerEvent, UserRef
-from kvgov.types import EntryState
+from kvgov.types import EntryState, EventKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,9 +31,21 @@ class ScopedEntry:
 def _entry_filter(tenant: str, subject: str | None) -> ColumnElement[bool]:
     if subject is None:
         return CacheEntry.tenant == tenant
+    # a re-put of a live entry keeps its first owner, so ownership alone misses what the
+    # subject put later: every key the subject ever put in the tenant is in scope too
+    put_by_subject = select(LedgerEvent.key_digest).where(
+        LedgerEvent.actor == subject,
+        LedgerEvent.kind == EventKind.KV_PUT.value,
+        LedgerEvent.tenant == tenant,
+        LedgerEvent.key_digest.is_not(None),
+    )
     return and_(
         CacheEntry.tenant == tenant,
-        or_(CacheEntry.owner == subject, CacheEntry.scope_user == subject),
+        or_(
+            CacheEntry.owner == subject,
+            CacheEntry.scope_user == subject,
+            CacheEntry.key_digest.in_(put_by_subject),
+        ),
     )
 
 
