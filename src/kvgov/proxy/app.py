@@ -93,10 +93,17 @@ class Sidecar:
         interval = heartbeat_interval_s(self.settings)
         loop = asyncio.get_running_loop()
         while True:
+            beat = loop.run_in_executor(
+                None, touch_sidecar, self.engine, self.sidecar_id, self.settings.chain_id
+            )
             try:
-                await loop.run_in_executor(
-                    None, touch_sidecar, self.engine, self.sidecar_id, self.settings.chain_id
-                )
+                await asyncio.shield(beat)
+            except asyncio.CancelledError:
+                # stop() disposes of the engine next: let the beat in flight check its
+                # connection back in first
+                with contextlib.suppress(SQLAlchemyError, OSError):
+                    await beat
+                raise
             except (SQLAlchemyError, OSError) as exc:
                 log.warning("sidecar.heartbeat.failed", extra={"error": type(exc).__name__})
             await asyncio.sleep(interval)
