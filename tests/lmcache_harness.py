@@ -15,7 +15,6 @@ Import this module only from tests marked ``lmcache``: it imports torch and lmca
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import os
 import signal
@@ -541,13 +540,7 @@ class SidecarThread:
     def stop(self) -> None:
         if self.sidecar is not None:
             self.call(self.sidecar.stop(grace_s=5.0), timeout_s=60.0)
-
-            async def release() -> None:
-                # regorus' VM must be dropped on the thread that built it: collect it here
-                self.sidecar = None
-                gc.collect()
-
-            self.call(release())
+            self.sidecar = None
         self._stop_loop()
 
     def _stop_loop(self) -> None:
