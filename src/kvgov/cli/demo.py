@@ -4,14 +4,17 @@ It starts a sidecar on embedded defaults in a temporary directory (SQLite ledger
 policy, per-tenant encryption, memory tier) and two real LMCache engines on CPU (a tiny model
 geometry) whose only remote tier is ``KvgovConnector``; then runs two tenants and several users
 through them and prints what happened: a cross-engine hit, a cross-tenant miss, a policy denial,
-and the provenance of one request. The demo imports torch and lmcache (the ``lmcache`` extra);
-the sidecar it starts does not need them.
+the provenance of one request, then the right to be forgotten: one user purged through the
+running sidecar's purge service (the one behind ``kvgov purge`` and ``POST /v1/purges``, so its
+memory tier and both engines are covered), the signed receipt checked, the user's prompts
+missing on both engines while another user's still hit, and the whole ledger verified as
+``kvgov audit verify`` does. The demo imports torch and lmcache (the ``lmcache`` extra); the
+sidecar it starts does not need them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import os
@@ -68,6 +71,8 @@ def _run(data_dir: Path) -> bool:
         dataplane={"host": "", "unix_path": data_dir / "data.sock", "lm_port": -1},
         policy={"data_file": data_file},
         tiers={"chain": ["memory"]},
+        # a purge that cannot finish ends `incomplete` (naming what) well within the demo
+        purge={"poll_interval_s": 0.05, "job_timeout_s": 30.0},
     )
     echo(f"kvgov demo: sidecar on unix://{settings.dataplane.unix_path} (data in {data_dir})")
     sidecar = _SidecarThread(settings)
@@ -87,9 +92,12 @@ def _scenario(sidecar: _SidecarThread, endpoint: str) -> bool:
     try:
         prompt = torch.randint(1, 32_000, (2 * CHUNK,), generator=torch.Generator().manual_seed(1))
         tokens = prompt.tolist()
+        notes = (prompt[:CHUNK] + 11).tolist()
         echo(f"\n1. alice@acme sends a {len(tokens)}-token prompt to engine vllm-1 (req-1)")
         engine_1.store(tokens, _ids("acme", "req-1", "alice"))
+        engine_1.store(notes, _ids("acme", "req-1", "alice", private=True))
         echo("   stored 2 chunks, encrypted with acme's key; the ledger records alice's pseudonym")
+        echo("   (and 1 chunk of her private chat history, tagged user=alice: alice's own key)")
 
         echo("\n2. bob@acme sends the same prompt to engine vllm-2 (req-2)")
         hits = engine_2.retrieve(tokens, _ids("acme", "req-2", "bob"))
@@ -111,6 +119,35 @@ def _scenario(sidecar: _SidecarThread, endpoint: str) -> bool:
 
         echo("\n5. provenance of req-2 (which cached chunks fed bob's request?)")
         ok &= _print_provenance(sidecar, "req-2")
+
+        other = (prompt + 3).tolist()
+        echo("\n6. erin@acme caches her own prompt on vllm-2 (req-6)")
+        engine_2.store(other, _ids("acme", "req-6", "erin"))
+
+        echo("\n7. alice@acme asks to be forgotten: `kvgov purge --user alice --tenant acme`")
+        echo("   (here: the same purge service, run by the demo sidecar as for POST /v1/purges)")
+        ok &= _purge(sidecar, "acme", "alice")
+
+        echo("\n8. after the purge")
+        engines = (engine_1, engine_2)
+        gone = [e.lookup(tokens, _ids("acme", "req-8", "alice")) for e in engines]
+        echo(
+            f"   alice's prompt: {gone[0]} tokens hit on vllm-1, {gone[1]} on vllm-2 "
+            "(alice created it; acme's other users recompute it)"
+        )
+        private = [e.lookup(notes, _ids("acme", "req-8", "alice", private=True)) for e in engines]
+        echo(
+            f"   alice's private history: {private[0]} tokens hit on vllm-1, {private[1]} on vllm-2"
+        )
+        kept = [e.lookup(other, _ids("acme", "req-9", "erin")) for e in engines]
+        echo(
+            f"   erin's prompt: still {kept[0]} of {len(other)} tokens hit on vllm-1, "
+            f"{kept[1]} on vllm-2"
+        )
+        ok &= gone == [0, 0] and private == [0, 0] and kept == [len(other)] * 2
+
+        echo("\n9. ledger integrity (what `kvgov audit verify` checks)")
+        ok &= _verify_ledger(sidecar)
     finally:
         engine_1.close()
         engine_2.close()
@@ -118,14 +155,27 @@ def _scenario(sidecar: _SidecarThread, endpoint: str) -> bool:
     return ok
 
 
-def _ids(tenant: str, request_id: str, user: str, sensitivity: str = "internal") -> dict[str, str]:
-    """What a gateway puts in ``kv_transfer_params``: tenant tag first, then kvgov's context."""
-    return {
-        "lmcache.tag.tenant": tenant,
-        "lmcache.kvgov.request_id": request_id,
-        "lmcache.kvgov.user": user,
-        "lmcache.kvgov.sensitivity": sensitivity,
-    }
+def _ids(
+    tenant: str,
+    request_id: str,
+    user: str,
+    sensitivity: str = "internal",
+    *,
+    private: bool = False,
+) -> dict[str, str]:
+    """What a gateway puts in ``kv_transfer_params``: tenant tag first (then the user tag of
+    user-scoped data), then kvgov's context."""
+    ids = {"lmcache.tag.tenant": tenant}
+    if private:
+        ids["lmcache.tag.user"] = user
+    ids.update(
+        {
+            "lmcache.kvgov.request_id": request_id,
+            "lmcache.kvgov.user": user,
+            "lmcache.kvgov.sensitivity": sensitivity,
+        }
+    )
+    return ids
 
 
 def _print_provenance(sidecar: _SidecarThread, request_id: str) -> bool:
@@ -145,6 +195,71 @@ def _print_provenance(sidecar: _SidecarThread, request_id: str) -> bool:
                 f"policy {e.policy_revision}"
             )
     return len(rows) == 2
+
+
+def _purge(sidecar: _SidecarThread, tenant: str, user: str) -> bool:
+    """Purge through the running sidecar as ``POST /v1/purges`` does (create the job, wake the
+    sidecar's executor, wait for the receipt); print the receipt and check its signature."""
+    from kvgov.ledger.chain import load_public_key
+    from kvgov.proxy.purge.model import PurgeRequest
+    from kvgov.proxy.purge.receipts import verify_receipt
+
+    executor = sidecar.app.purge
+    started = time.monotonic()
+
+    async def run() -> Any:
+        job = await executor.service.create(
+            PurgeRequest(tenant=tenant, user=user, requested_by="kvgov demo")
+        )
+        executor.wake()
+        return await executor.service.wait(job.id, run_local=False)
+
+    job = sidecar.call(run(), timeout_s=90.0)
+    took = time.monotonic() - started
+    receipt = (job.receipt or {}).get("receipt") or {}
+    echo(f"   purge {job.id[:8]}: {job.state} in {took:.1f} s; the signed receipt says:")
+    tiers = ", ".join(f"{k} {v}" for k, v in sorted(receipt.get("tiers", {}).items()))
+    verified = "verified absent" if receipt.get("tiers_verified_absent") else "NOT verified"
+    purged = receipt.get("entries_purged")
+    echo(f"   - entries purged: {purged}; deleted per tier: {tiers} ({verified})")
+    keys = [f"{k['key_id'][:16]}... v{k['version']}" for k in receipt.get("keys_destroyed", [])]
+    echo(f"   - keys destroyed: {', '.join(keys) or 'none'} (what they sealed is now unreadable)")
+    engines = receipt.get("engines") or {}
+    echo(f"   - engines acknowledged EVICT: {', '.join(engines.get('acknowledged') or [])}")
+    ledger = receipt.get("ledger") or {}
+    event, checkpoint = ledger.get("erasure_event") or {}, ledger.get("checkpoint") or {}
+    echo(
+        f"   - ledger: erasure event at seq {event.get('seq')}, signed checkpoint at seq "
+        f"{checkpoint.get('seq')} (payloads erased: {ledger.get('payloads_erased')})"
+    )
+    for line in receipt.get("incomplete") or []:
+        echo(f"   - NOT DONE: {line}")
+    trusted = [load_public_key(sidecar.settings.signing_key_path)]
+    check = verify_receipt(job.receipt, trusted)
+    mark = "valid" if check.ok else f"INVALID: {check.reason}"
+    echo(f"   receipt signature: {mark} (Ed25519, this ledger's key {str(check.key_id)[:16]})")
+    return bool(check.ok and job.state == "completed" and receipt.get("state") == "completed")
+
+
+def _verify_ledger(sidecar: _SidecarThread) -> bool:
+    """``kvgov audit verify`` on the demo's ledger: every chain recomputed, every checkpoint
+    checked, against this node's signing key."""
+    from kvgov.ledger.chain import load_public_key
+    from kvgov.ledger.verify import verify
+
+    sidecar.call(sidecar.app.writer.flush())
+    trusted = {load_public_key(sidecar.settings.signing_key_path)}
+    report = verify(sidecar.app.engine, trusted_keys=trusted)
+    for c in report.chains:
+        bad = c.first_bad
+        if bad is None:
+            echo(
+                f"   ok: {c.events} events, {c.checkpoints} signed checkpoint(s); every hash and "
+                f"signature verifies (chain {c.chain_id})"
+            )
+        else:
+            echo(f"   BROKEN chain {c.chain_id}: {bad.problem} at seq {bad.seq}: {bad.detail}")
+    return report.ok and bool(report.chains)
 
 
 class _Engine:
@@ -269,12 +384,7 @@ class _SidecarThread:
     def stop(self) -> None:
         if self.app is not None:
             self.call(self.app.stop(grace_s=5.0))
-
-            async def release() -> None:
-                self.app = None
-                gc.collect()  # objects bound to the loop thread are dropped on it
-
-            self.call(release())
+            self.app = None
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
