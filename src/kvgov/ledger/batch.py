@@ -159,18 +159,22 @@ def apply_batch(
     known_users: Set[str] = frozenset(),
     *,
     chained: tuple[Head, Rows] | None = None,
+    attempts: list[tuple[Rows, bool]] | None = None,
 ) -> Applied:
     """Append ``batch`` to the chain inside the caller's transaction; return the positions.
 
     ``chained`` is the batch already chained (by :func:`chain_rows`) on top of an expected
     head: used as is when the chain's head in the database is that head, recomputed
-    otherwise. ``known_users`` are pseudonyms already in ``user_refs`` (skipped)."""
+    otherwise. ``known_users`` are pseudonyms already in ``user_refs`` (skipped). The rows
+    about to be written are appended to ``attempts`` (for :func:`find_committed`)."""
     head = read_head(conn, chain_id)
     rechained = chained is None or chained[0] != head
     if chained is not None and not rechained:
         rows = chained[1]
     else:
         rows, _ = chain_rows(chain_id, head, batch)
+    if attempts is not None:
+        attempts.append((rows, rechained))
     applied = write_rows(conn, chain_id, batch, rows, known_users)
     applied.rechained = rechained
     if rows:
@@ -178,6 +182,40 @@ def apply_batch(
     else:
         applied.head = head
     return applied
+
+
+def find_committed(
+    conn: Connection, chain_id: str, attempts: list[tuple[Rows, bool]]
+) -> Applied | None:
+    """After a failed attempt: whether one of the ``attempts`` (rows written by earlier tries
+    of this batch) is in the chain after all, its COMMIT's reply lost with the connection.
+
+    Locks the chain like :func:`apply_batch`, so an attempt still committing is waited for.
+    A batch is one transaction: its first and last rows, with their hashes, being where it
+    put them means all of it is. Returns the batch as committed (its positions), or None."""
+    head = read_head(conn, chain_id)
+    events = table(LedgerEvent)
+    for rows, rechained in attempts:
+        if not rows or head[0] < rows[-1][1]:
+            continue
+        first, last = rows[0], rows[-1]
+        found = {
+            int(seq): str(digest)
+            for seq, digest in conn.execute(
+                select(events.c.seq, events.c.hash).where(
+                    events.c.chain_id == chain_id, events.c.seq.in_([first[1], last[1]])
+                )
+            )
+        }
+        if found.get(first[1]) == first[3] and found.get(last[1]) == last[3]:
+            moved = head != (last[1], last[3])
+            return Applied(
+                [Appended(chain_id, r[1]) for r in rows],
+                set(),  # not known: those users are upserted again later, harmlessly
+                head=head,
+                rechained=rechained or moved,
+            )
+    return None
 
 
 def chain_rows(chain_id: str, head: Head, batch: list[Prepared]) -> tuple[Rows, Head]:

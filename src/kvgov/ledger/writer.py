@@ -36,6 +36,7 @@ from kvgov.ledger.batch import (
     Rows,
     apply_batch,
     chain_rows,
+    find_committed,
     prepare,
     read_head,
 )
@@ -319,6 +320,8 @@ class LedgerWriter:
         self, batch: list[Prepared], chained: tuple[Head, Rows] | None = None
     ) -> list[_Result]:
         delay = 0.05
+        #: rows each try wrote: a try whose COMMIT reply was lost may be in the chain
+        attempts: list[tuple[Rows, bool]] = []
         while True:
             if self._abort.is_set():
                 return [LedgerError("ledger writer closed before the event was written")] * len(
@@ -326,7 +329,7 @@ class LedgerWriter:
                 )
             started = time.perf_counter()
             try:
-                applied = self._transaction(batch, chained)
+                applied = self._transaction(batch, chained, attempts)
             except _TRANSIENT as err:
                 self.stats.batch_retries += 1
                 log.warning(
@@ -359,12 +362,30 @@ class LedgerWriter:
                     self._head_reset = applied.head
             return list(appended)
 
-    def _transaction(self, batch: list[Prepared], chained: tuple[Head, Rows] | None) -> Applied:
+    def _transaction(
+        self,
+        batch: list[Prepared],
+        chained: tuple[Head, Rows] | None,
+        attempts: list[tuple[Rows, bool]],
+    ) -> Applied:
         with self.engine.connect() as plain:
             conn = plain.execution_options(**{SQLITE_BEGIN_IMMEDIATE: True})
             with conn.begin():
+                # a retry first looks for its own earlier try: committed, reply lost
+                found = find_committed(conn, self.chain_id, attempts) if attempts else None
+                if found is not None:
+                    log.warning(
+                        "ledger.batch.recovered",
+                        extra={"chain_id": self.chain_id, "events": len(found.appended)},
+                    )
+                    return found
                 applied = apply_batch(
-                    conn, self.chain_id, batch, self._known_users, chained=chained
+                    conn,
+                    self.chain_id,
+                    batch,
+                    self._known_users,
+                    chained=chained,
+                    attempts=attempts,
                 )
         # only what is committed is known: a rolled-back batch must insert its users again
         if len(self._known_users) > _KNOWN_USERS_MAX:
