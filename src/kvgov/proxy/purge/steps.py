@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from sqlalchemy.orm import Session, sessionmaker
 
 from kvgov.config import Settings
+from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE
 from kvgov.ledger.events import Appended, Event, EventSink
 from kvgov.proxy.purge import scope
 from kvgov.proxy.purge.deletion import delete_entries, emit_all
@@ -47,10 +48,16 @@ class StepContext:
     principal: str
 
     async def db(self, fn: Callable[[Session], T]) -> T:
-        """Run ``fn`` in its own transaction, off the event loop."""
+        """Run ``fn`` in its own transaction, off the event loop.
+
+        On SQLite the transaction takes the write lock at BEGIN (``BEGIN IMMEDIATE``): ``fn``
+        often reads, then writes, and a deferred transaction whose snapshot another writer (the
+        ledger writer, a heartbeat) has moved past fails at once with "database is locked"
+        instead of waiting its turn. No effect on Postgres."""
 
         def run() -> T:
             with self.sessions.begin() as s:
+                s.connection(execution_options={SQLITE_BEGIN_IMMEDIATE: True})
                 return fn(s)
 
         return await asyncio.to_thread(run)
