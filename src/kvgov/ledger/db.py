@@ -11,6 +11,7 @@ returns timezone-aware datetimes (SQLite has no time zones), :class:`StrEnumType
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 from sqlalchemy import JSON, DateTime, Engine, String, create_engine, event
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.engine import Dialect
+from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 from sqlalchemy.types import TypeDecorator
@@ -87,7 +88,8 @@ def is_sqlite(url: str) -> bool:
 
 
 def make_engine(url: str, *, pool_size: int = 5, echo: bool = False) -> Engine:
-    """An Engine tuned for the ledger. Creates the SQLite file's directory if needed."""
+    """An Engine tuned for the ledger. Creates the SQLite file (0600) and its directory (0700)
+    if needed."""
     if is_sqlite(url):
         _ensure_sqlite_dir(url)
         engine = create_engine(
@@ -116,9 +118,20 @@ def make_engine(url: str, *, pool_size: int = 5, echo: bool = False) -> Engine:
 
 
 def _ensure_sqlite_dir(url: str) -> None:
-    prefix = "sqlite:///"
-    if url.startswith(prefix) and ":memory:" not in url:
-        Path(url[len(prefix) :]).parent.mkdir(parents=True, exist_ok=True)
+    """Create the database file's directory (0700) and the file itself (0600) if missing.
+
+    SQLite creates ``-wal`` and ``-shm`` with the database file's permissions, so they are
+    private too. An existing directory or file is left as the operator made it."""
+    database = make_url(url).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    path = Path(database)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    os.close(fd)  # an empty file is an empty SQLite database
 
 
 def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
