@@ -481,10 +481,11 @@ def small_pool(tmp_path: Path) -> Iterator[LiveSidecar]:
 
 
 POOL_DEADLOCK = (
-    "hold-and-wait in the buffer pool: WireConnection._put (server.py) plans items one by one, "
-    "keeping earlier items' leases while BufferPool.acquire waits for room that only it could "
-    "free; the handler hangs for ever (a client disconnect does not cancel it) and the pool "
-    "stays exhausted for every connection (_get does the same for batched hits)"
+    "hold-and-wait in the buffer pool: WireConnection._put (proxy/dataplane/wireconn.py) plans "
+    "a batch's items one by one, keeping earlier items' leases while BufferPool.acquire waits "
+    "for room only it could free; the handler hangs for ever (a disconnect does not cancel it) "
+    "and the pool stays exhausted for every connection. WireConnection._get does the same for "
+    "batched hits (Pipeline.get -> _load -> acquire per key)"
 )
 
 
@@ -530,7 +531,7 @@ def test_batched_get_larger_than_the_pool_does_not_wedge_the_sidecar(
 
 @pytest.mark.xfail(
     strict=True,
-    reason="LmConnection._put (lm.py) has no length limit: Pipeline.plan_put -> "
+    reason="LmConnection._put (proxy/dataplane/lm.py) has no length limit: Pipeline.plan_put -> "
     "BufferPool.acquire raises ProtocolError, which escapes the handler (logged with a "
     "traceback as dataplane.connection.failed) instead of a FAIL/close",
 )
