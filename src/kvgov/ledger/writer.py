@@ -167,9 +167,10 @@ class LedgerWriter:
                 )
             return read_head(conn, self.chain_id)
 
-    async def close(self, *, grace_s: float | None = None) -> None:
+    async def close(self, *, grace_s: float | None = None, checkpoint: bool = False) -> None:
         """Stop taking events, write everything queued, stop. With ``grace_s``, events not
-        written by then fail with :class:`LedgerError` (never reported as written)."""
+        written by then fail with :class:`LedgerError` (never reported as written). With
+        ``checkpoint``, sign the final head (a failure is logged, the close goes on)."""
         self._closing = True
         self._wake.set()
         task = self._task
@@ -179,6 +180,8 @@ class LedgerWriter:
             except TimeoutError:
                 self._abort.set()
                 await task
+        if checkpoint and task is not None:
+            await _checkpoint_logged(self)
         self._executor.shutdown(wait=True)
         self._seq_executor.shutdown(wait=True)
         log.info("ledger.writer.closed", extra={"chain_id": self.chain_id, **self._stats_dict()})
@@ -404,10 +407,22 @@ class LedgerWriter:
 
 
 async def periodic_checkpoints(writer: LedgerWriter, interval_s: float) -> None:
-    """Sign the head every ``interval_s`` seconds until cancelled (``kvgov serve`` runs this)."""
+    """Sign the head every ``interval_s`` seconds until cancelled (``Sidecar.start`` runs this;
+    ``Sidecar.stop`` has the writer sign the final head). A failed checkpoint is logged and the
+    next one tried: the loop lives as long as the sidecar."""
     while True:
         await asyncio.sleep(interval_s)
-        try:
-            await writer.write_checkpoint()
-        except LedgerError as err:
-            log.warning("ledger.checkpoint.failed", extra={"error": err.code})
+        await _checkpoint_logged(writer)
+
+
+async def _checkpoint_logged(writer: LedgerWriter) -> None:
+    try:
+        info = await writer.write_checkpoint()
+    except (LedgerError, exc.SQLAlchemyError, OSError) as err:
+        log.warning(
+            "ledger.checkpoint.failed",
+            extra={"chain_id": writer.chain_id, "error": type(err).__name__},
+        )
+        return
+    if info is not None:
+        log.info("ledger.checkpoint.written", extra={"chain_id": info.chain_id, "seq": info.seq})

@@ -73,6 +73,15 @@ class Sidecar:
             self._tasks.append(self.purge.task)
         if self.engine is not None:  # after the purge executor has registered the row
             self._tasks.append(asyncio.create_task(self._heartbeat(), name="kvgov-heartbeat"))
+        checkpoint_s = self.settings.ledger.checkpoint_interval_s
+        if self.writer is not None and checkpoint_s > 0:
+            from kvgov.ledger.writer import periodic_checkpoints
+
+            self._tasks.append(
+                asyncio.create_task(
+                    periodic_checkpoints(self.writer, checkpoint_s), name="kvgov-checkpoints"
+                )
+            )
         self.ready = True
         log.info("sidecar.started", extra={"addresses": self.server.addresses})
 
@@ -123,8 +132,8 @@ class Sidecar:
                 await task
         if self.pipeline.policy is not None:
             await self.pipeline.policy.aclose()
-        if self.writer is not None:
-            await self.writer.close()
+        if self.writer is not None:  # a final checkpoint signs everything it wrote
+            await self.writer.close(checkpoint=self.settings.ledger.checkpoint_interval_s > 0)
         await self.tiers.close()
         if self.pipeline.keyring is not None:
             self.pipeline.keyring.flush_usage()
@@ -167,7 +176,7 @@ async def build_sidecar(
     governance = dp.governance
     metrics = DataPlaneMetrics()
     executor = ThreadPoolExecutor(max_workers=dp.crypto_threads, thread_name_prefix="kvgov-crypto")
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     generate_pseudonym_key_file(settings.pseudonym_key_path)
     pseudonymizer = Pseudonymizer.from_file(settings.pseudonym_key_path)
     index = EntryIndex()
