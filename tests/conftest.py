@@ -19,24 +19,27 @@ PG_ADMIN_DSN = os.environ.get("KVGOV_TEST_PG_DSN", "postgresql://postgres@127.0.
 REDIS_URL = os.environ.get("KVGOV_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
-def _pg_admin_connect():  # type: ignore[no-untyped-def]
+def _pg_admin_execute(sql: str) -> None:
+    """Run one statement on the admin database, closing the connection whatever happens."""
     import psycopg
 
-    return psycopg.connect(PG_ADMIN_DSN, autocommit=True)
+    conn = psycopg.connect(PG_ADMIN_DSN, autocommit=True)
+    try:
+        conn.execute(sql)
+    finally:
+        conn.close()
 
 
 def create_pg_database() -> tuple[str, str]:
     """Create an empty database; return (name, SQLAlchemy URL)."""
     name = f"kvgov_test_{uuid.uuid4().hex[:12]}"
-    with _pg_admin_connect() as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
+    _pg_admin_execute(f'CREATE DATABASE "{name}"')
     base = PG_ADMIN_DSN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://", 1)
     return name, f"{base}/{name}"
 
 
 def drop_pg_database(name: str) -> None:
-    with _pg_admin_connect() as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    _pg_admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture
