@@ -1,8 +1,9 @@
 """Database plumbing for the ledger: engines, sessions, column types and migrations.
 
 ``make_engine`` tunes each backend (SQLite: WAL, foreign keys, busy timeout; Postgres through
-psycopg 3). ``upgrade`` runs the Alembic migrations under ``migrations/`` programmatically; it is
-what ``kvgov db upgrade``, ``kvgov init``, ``kvgov serve`` and the tests call.
+psycopg 3). ``upgrade`` runs the Alembic migrations under ``migrations/`` programmatically (the
+checkout's, or the copy a wheel installs under ``<prefix>/share/kvgov``); it is what ``kvgov db
+upgrade``, ``kvgov init``, ``kvgov serve`` and the tests call.
 
 Column types shared by the models live here too: :class:`UTCDateTime` stores UTC and always
 returns timezone-aware datetimes (SQLite has no time zones), :class:`StrEnumType` stores a
@@ -12,6 +13,7 @@ returns timezone-aware datetimes (SQLite has no time zones), :class:`StrEnumType
 from __future__ import annotations
 
 import os
+import sysconfig
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
@@ -171,15 +173,22 @@ def utcnow() -> datetime:
 
 
 def migrations_dir() -> Path:
-    """The ``migrations/`` folder beside ``alembic.ini`` at the project root."""
-    root = Path(__file__).resolve().parents[3]
-    path = root / "migrations"
-    if not (path / "env.py").is_file():
-        raise StartupError(
-            f"ledger migrations not found at {path}",
-            hint="run kvgov from a source checkout or an install that ships migrations/",
+    """The ``migrations/`` folder: the source checkout's (beside ``alembic.ini`` at the project
+    root), else the one an installed wheel put under ``<prefix>/share/kvgov`` (its data files,
+    see ``pyproject.toml``)."""
+    candidates = [Path(__file__).resolve().parents[3] / "migrations"]
+    schemes = [sysconfig.get_default_scheme(), sysconfig.get_preferred_scheme("user")]
+    for scheme in dict.fromkeys(schemes):
+        candidates.append(
+            Path(sysconfig.get_path("data", scheme)) / "share" / "kvgov" / "migrations"
         )
-    return path
+    for path in candidates:
+        if (path / "env.py").is_file() and (path / "versions").is_dir():
+            return path
+    raise StartupError(
+        f"ledger migrations not found (looked in {', '.join(str(p) for p in candidates)})",
+        hint="run kvgov from a source checkout or install its wheel (it ships share/kvgov)",
+    )
 
 
 def alembic_config(url: str) -> Any:
