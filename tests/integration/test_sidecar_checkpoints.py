@@ -114,6 +114,7 @@ async def test_a_serving_sidecar_checkpoints_and_verify_passes(tmp_path: Path, p
     head = _head(sc)
     assert head > second
     assert _checkpoints(sc)[-1] == head
+    sc.engine.dispose()  # the reads above opened connections after stop() disposed of it
 
     env = {"KVGOV_DATABASE_URL": pg_url, "KVGOV_DATA_DIR": str(data_dir)}
     result = CliRunner().invoke(build_app(), ["audit", "verify", "--json"], env=env)
@@ -134,3 +135,4 @@ async def test_interval_zero_writes_no_checkpoints(tmp_path: Path, pg_url: str) 
         await sc.stop()
     assert _head(sc) > 0
     assert _checkpoints(sc) == []
+    sc.engine.dispose()
