@@ -448,3 +448,43 @@ async def test_two_writers_sharing_one_chain_id_keep_it_whole(engine: sa.Engine)
     assert sorted(x.seq for x in a + b) == list(range(1, 1001))
     report = verify(engine)
     assert report.ok and [c.events for c in report.chains] == [1000]
+
+
+async def test_text_that_copy_must_escape_round_trips(engine: sa.Engine) -> None:
+    """Backslashes, tabs, newlines and carriage returns in any text column or in attrs (the
+    COPY text format escapes them on Postgres), unicode, empty strings and NULLs read back
+    exactly and the chain verifies."""
+    writer = await started(engine)
+    tricky = "tab\there, nl\nthere, cr\rand \\N and \\\\ and \\. and ünïcødé 😀"
+    events = [
+        Event(
+            kind=EventKind.KV_DENIED,
+            tenant=tricky,
+            actor="",
+            request_id="r\\1",
+            key_digest="k\t1",
+            tier=None,
+            reason=tricky,
+            principal="\\.",
+            nbytes=None,
+            attrs={"why": tricky, "nested": {"list": [tricky, 1, 2.5, None, True]}},
+        ),
+        Event(kind=EventKind.KV_GET, tenant="plain", reason="\\N", attrs={"a": "\\N"}),
+    ]
+    for event in events:
+        await writer.append(event)
+    await writer.close()
+    with make_sessionmaker(engine)() as session:
+        rows = LedgerRepository(session).events_for_request("r\\1")
+        assert len(rows) == 1
+        row = rows[0]
+        assert (row.tenant, row.actor, row.key_digest, row.tier) == (tricky, "", "k\t1", None)
+        assert (row.reason, row.principal, row.nbytes) == (tricky, "\\.", None)
+        assert row.attrs == {"why": tricky, "nested": {"list": [tricky, 1, 2.5, None, True]}}
+        other = session.scalars(
+            sa.select(sa.text("reason"))
+            .select_from(sa.table("ledger_events"))
+            .where(sa.text("tenant = 'plain'"))
+        ).one()
+        assert other == "\\N"
+    assert verify(engine).ok

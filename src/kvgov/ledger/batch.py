@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Set
 from dataclasses import dataclass
+from datetime import UTC
+from itertools import repeat
 from typing import Any
 
 from sqlalchemy import Connection, exc, select
@@ -24,7 +27,8 @@ from kvgov.ledger.chain import (
     GENESIS_HASH,
     canonical_json,
     event_prefix,
-    link_values,
+    format_time,
+    link_encoded,
     normalize_json,
     payload_digest,
 )
@@ -85,56 +89,118 @@ class Prepared:
     payload: dict[str, Any] | None
     salt: bytes | None
     payload_digest: str | None
+    #: no text value needs escaping in COPY's text format (no backslash, tab, CR or LF)
+    copy_plain: bool = False
 
 
 _SCALARS = (str, int, float, bool, type(None))
+_STR = frozenset({str})
+#: ``map(isinstance, values, _ALL_SCALARS)`` checks each value against _SCALARS
+_ALL_SCALARS = repeat(_SCALARS)
+#: characters COPY's text format escapes (NUL is refused before)
+_COPY_SPECIAL = re.compile(r"[\\\t\n\r]")
 
 
 def prepare(event: Event) -> Prepared:
     """Check and normalise one event. Raises :class:`LedgerError` for what cannot be stored."""
-    for name in _TEXT_FIELDS:
-        value = getattr(event, name)
-        if value is not None and "\x00" in value:
-            raise LedgerError(f"event field {name} contains a NUL character")
-    if event.occurred_at.utcoffset() is None:
+    e = event
+    texts = [
+        t
+        for t in (
+            e.tenant,
+            e.actor,
+            e.request_id,
+            e.key_digest,
+            e.tier,
+            e.reason,
+            e.decision_id,
+            e.policy_revision,
+            e.principal,
+        )
+        if t is not None
+    ]
+    joined = "".join(texts)
+    if "\x00" in joined:
+        for name in _TEXT_FIELDS:
+            value = getattr(event, name)
+            if value is not None and "\x00" in value:
+                raise LedgerError(f"event field {name} contains a NUL character")
+    occurred = e.occurred_at
+    if occurred.tzinfo is not UTC and occurred.utcoffset() is None:
         raise LedgerError("event occurred_at must be timezone-aware")
-    attrs_json = canonical_json(event.attrs) if event.attrs else "{}"
-    if "\\u0000" in attrs_json:
-        raise LedgerError("event attrs contain a NUL character")
-    if all(type(k) is str and isinstance(v, _SCALARS) for k, v in event.attrs.items()):
-        attrs = dict(event.attrs)  # flat: reads back exactly as written
+    given = e.attrs
+    if not given:
+        attrs: dict[str, Any] = {}
+        attrs_json = "{}"
     else:
-        attrs = json.loads(attrs_json)
-        if canonical_json(attrs) != attrs_json:  # e.g. int keys, which JSON turns into strings
-            raise LedgerError("event attrs do not survive a JSON round trip (keys must be str)")
+        attrs_json = canonical_json(given)
+        if "\\u0000" in attrs_json:
+            raise LedgerError("event attrs contain a NUL character")
+        if set(map(type, given)) <= _STR and all(map(isinstance, given.values(), _ALL_SCALARS)):
+            attrs = dict(given)  # flat: reads back exactly as written
+        else:
+            attrs = json.loads(attrs_json)
+            if canonical_json(attrs) != attrs_json:  # e.g. int keys, which JSON makes strings
+                raise LedgerError("event attrs do not survive a JSON round trip (keys must be str)")
     payload: dict[str, Any] | None = None
     salt: bytes | None = None
     digest: str | None = None
-    if event.payload is not None:
-        payload = normalize_json(event.payload)
+    if e.payload is not None:
+        payload = normalize_json(e.payload)
         salt = os.urandom(_SALT_BYTES)
         digest = payload_digest(salt, payload)
-    return Prepared(event, attrs, attrs_json, payload, salt, digest)
+    plain = _COPY_SPECIAL.search(joined) is None and _COPY_SPECIAL.search(attrs_json) is None
+    return Prepared(event, attrs, attrs_json, payload, salt, digest, plain)
 
 
 def read_head(conn: Connection, chain_id: str) -> tuple[int, str]:
     """Lock the chain (Postgres: its ``chains`` row) and return its last (seq, hash)."""
-    chains = table(Chain)
-    locked = conn.execute(
-        select(chains.c.chain_id).where(chains.c.chain_id == chain_id).with_for_update()
-    ).first()
-    if locked is None:
+    if conn.dialect.name == "postgresql":
+        found, row = _read_head_pipelined(conn, chain_id)
+    else:
+        chains = table(Chain)
+        found = (
+            conn.execute(
+                select(chains.c.chain_id).where(chains.c.chain_id == chain_id).with_for_update()
+            ).first()
+            is not None
+        )
+        events = table(LedgerEvent)
+        row = conn.execute(
+            select(events.c.seq, events.c.hash)
+            .where(events.c.chain_id == chain_id)
+            .order_by(events.c.seq.desc())
+            .limit(1)
+        ).first()
+    if not found:
         raise LedgerError(f"chain {chain_id!r} is not registered")
-    events = table(LedgerEvent)
-    row = conn.execute(
-        select(events.c.seq, events.c.hash)
-        .where(events.c.chain_id == chain_id)
-        .order_by(events.c.seq.desc())
-        .limit(1)
-    ).first()
     if row is None:
         return 0, GENESIS_HASH
     return int(row[0]), str(row[1])
+
+
+_LOCK_CHAIN = "SELECT chain_id FROM chains WHERE chain_id = %s FOR UPDATE"
+_HEAD = "SELECT seq, hash FROM ledger_events WHERE chain_id = %s ORDER BY seq DESC LIMIT 1"
+
+
+def _read_head_pipelined(conn: Connection, chain_id: str) -> tuple[bool, Any]:
+    """Postgres: BEGIN, the lock and the head query in one round trip (libpq pipeline). The
+    head query runs after the lock is granted, on a snapshot of its own (READ COMMITTED), so
+    it sees what the previous holder of the lock committed."""
+    raw = conn.connection.driver_connection
+    if raw is None:  # pragma: no cover - a live connection always has one
+        raise LedgerError("no driver connection")
+    import psycopg
+
+    try:
+        with raw.pipeline():
+            lock = raw.execute(_LOCK_CHAIN, (chain_id,))
+            head = raw.execute(_HEAD, (chain_id,))
+        return lock.fetchone() is not None, head.fetchone()
+    except psycopg.OperationalError as err:
+        raise exc.OperationalError(_HEAD, None, err) from err
+    except psycopg.Error as err:
+        raise exc.DatabaseError(_HEAD, None, err) from err
 
 
 Head = tuple[int, str]
@@ -160,22 +226,25 @@ def apply_batch(
     *,
     chained: tuple[Head, Rows] | None = None,
     attempts: list[tuple[Rows, bool]] | None = None,
+    copy: str | None = None,
 ) -> Applied:
     """Append ``batch`` to the chain inside the caller's transaction; return the positions.
 
     ``chained`` is the batch already chained (by :func:`chain_rows`) on top of an expected
     head: used as is when the chain's head in the database is that head, recomputed
-    otherwise. ``known_users`` are pseudonyms already in ``user_refs`` (skipped). The rows
-    about to be written are appended to ``attempts`` (for :func:`find_committed`)."""
+    otherwise (``copy`` is their COPY text, used with them). ``known_users`` are pseudonyms
+    already in ``user_refs`` (skipped). The rows about to be written are appended to
+    ``attempts`` (for :func:`find_committed`)."""
     head = read_head(conn, chain_id)
     rechained = chained is None or chained[0] != head
     if chained is not None and not rechained:
         rows = chained[1]
     else:
         rows, _ = chain_rows(chain_id, head, batch)
+        copy = None
     if attempts is not None:
         attempts.append((rows, rechained))
-    applied = write_rows(conn, chain_id, batch, rows, known_users)
+    applied = write_rows(conn, chain_id, batch, rows, known_users, copy=copy)
     applied.rechained = rechained
     if rows:
         applied.head = (rows[-1][1], rows[-1][3])
@@ -218,9 +287,12 @@ def find_committed(
     return None
 
 
-def chain_rows(chain_id: str, head: Head, batch: list[Prepared]) -> tuple[Rows, Head]:
+def chain_rows(
+    chain_id: str, head: Head, batch: list[Prepared], copy_lines: list[str] | None = None
+) -> tuple[Rows, Head]:
     """Assign seqs and hashes to ``batch`` after ``head``: the ``ledger_events`` rows (in the
-    order of the table's columns) and the new head. Pure computation."""
+    order of the table's columns) and the new head. Pure computation. With ``copy_lines``,
+    also append each row as a line of COPY text (see :func:`copy_text`)."""
     seq, prev = head
     prefix = event_prefix(chain_id)
     rows: Rows = []
@@ -229,11 +301,12 @@ def chain_rows(chain_id: str, head: Head, batch: list[Prepared]) -> tuple[Rows, 
         seq += 1
         kind = str(e.kind)
         outcome = None if e.outcome is None else str(e.outcome)
-        digest = link_values(
+        when = format_time(e.occurred_at)
+        digest = link_encoded(
             prefix,
             seq,
             prev,
-            e.occurred_at,
+            when,
             kind,
             e.tenant,
             e.actor,
@@ -250,39 +323,76 @@ def chain_rows(chain_id: str, head: Head, batch: list[Prepared]) -> tuple[Rows, 
             item.payload_digest,
         )
         # in the order of _EVENT_COLUMNS
-        rows.append(
-            (
-                chain_id,
-                seq,
-                prev,
-                digest,
-                ENCODING_VERSION,
-                e.occurred_at,
-                kind,
-                e.tenant,
-                e.actor,
-                e.request_id,
-                e.key_digest,
-                e.tier,
-                e.nbytes,
-                outcome,
-                e.reason,
-                e.decision_id,
-                e.policy_revision,
-                e.principal,
-                item.attrs_json,
-                item.payload_digest,
-            )
+        row = (
+            chain_id,
+            seq,
+            prev,
+            digest,
+            ENCODING_VERSION,
+            e.occurred_at,
+            kind,
+            e.tenant,
+            e.actor,
+            e.request_id,
+            e.key_digest,
+            e.tier,
+            e.nbytes,
+            outcome,
+            e.reason,
+            e.decision_id,
+            e.policy_revision,
+            e.principal,
+            item.attrs_json,
+            item.payload_digest,
         )
+        rows.append(row)
+        if copy_lines is not None:
+            copy_lines.append(_copy_line(row, when, item.copy_plain))
         prev = digest
     return rows, (seq, prev)
 
 
+_COPY_NULL = "\\N"
+_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+_WHEN = _EVENT_COLUMNS.index("occurred_at")
+
+
+def _copy_line(row: tuple[Any, ...], when: str, plain: bool) -> str:
+    """One row in COPY's text format (tab-separated, ``\\N`` for NULL, backslash escapes);
+    ``occurred_at`` as ``when`` (ISO 8601 with ``Z``, which Postgres reads exactly)."""
+    if plain:
+        values = [_COPY_NULL if v is None else v if type(v) is str else str(v) for v in row]
+    else:
+        values = [
+            _COPY_NULL if v is None else v.translate(_COPY_ESCAPES) if type(v) is str else str(v)
+            for v in row
+        ]
+    values[_WHEN] = when
+    return "\t".join(values)
+
+
+def copy_text(rows: Rows, batch: list[Prepared]) -> str:
+    """The rows as the data of ``COPY ledger_events (...) FROM STDIN`` (text format)."""
+    lines = [
+        _copy_line(row, format_time(row[_WHEN]), item.copy_plain)
+        for row, item in zip(rows, batch, strict=True)
+    ]
+    lines.append("")
+    return "\n".join(lines)
+
+
 def write_rows(
-    conn: Connection, chain_id: str, batch: list[Prepared], rows: Rows, known_users: Set[str]
+    conn: Connection,
+    chain_id: str,
+    batch: list[Prepared],
+    rows: Rows,
+    known_users: Set[str],
+    *,
+    copy: str | None = None,
 ) -> Applied:
-    """Insert chained rows, their payloads and the index changes they carry."""
-    _insert_events(conn, rows, batch)
+    """Insert chained rows, their payloads and the index changes they carry. ``copy`` is the
+    rows' COPY text when the caller already has it (Postgres)."""
+    _insert_events(conn, rows, batch, copy)
     seqs = [r[1] for r in rows]
     payloads = [
         {"chain_id": chain_id, "seq": n, "salt": it.salt, "payload": it.payload}
@@ -295,18 +405,22 @@ def write_rows(
     return Applied([Appended(chain_id, n) for n in seqs], new_users)
 
 
-def _insert_events(conn: Connection, rows: list[tuple[Any, ...]], batch: list[Prepared]) -> None:
+def _insert_events(
+    conn: Connection, rows: list[tuple[Any, ...]], batch: list[Prepared], data: str | None
+) -> None:
     if conn.dialect.name == "postgresql":
         raw = conn.connection.driver_connection
         if raw is None:  # pragma: no cover - a live connection always has one
             raise LedgerError("no driver connection for COPY")
         import psycopg
 
+        if data is None:
+            data = copy_text(rows, batch)
         copy_sql = f"COPY ledger_events ({', '.join(_EVENT_COLUMNS)}) FROM STDIN"
         try:
+            # one write of the whole batch: few driver calls, so few GIL hand-offs
             with raw.cursor() as cur, cur.copy(copy_sql) as copy:
-                for row in rows:
-                    copy.write_row(row)
+                copy.write(data.encode())
         # the raw driver raises its own errors: map them onto SQLAlchemy's like any statement
         except psycopg.OperationalError as err:
             raise exc.OperationalError(copy_sql, None, err) from err

@@ -25,7 +25,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -52,11 +52,40 @@ _ENCODER = json.JSONEncoder(
 )
 
 
+def _unserializable(value: Any) -> Any:
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _make_fast_encoder() -> Callable[[Any], str] | None:
+    """The C encoder behind ``_ENCODER``, built once (``JSONEncoder.encode`` builds it on every
+    call). Same output; no circular-reference bookkeeping (a cycle ends in RecursionError)."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - CPython always has the C accelerator
+        return None
+    # (markers, default, encoder, indent, key sep, item sep, sort_keys, skipkeys, allow_nan)
+    sort_keys, skipkeys, allow_nan = True, False, False
+    c_encode = make(
+        None, _unserializable, _encode_str, None, ":", ",", sort_keys, skipkeys, allow_nan
+    )
+
+    def encode(value: Any) -> str:
+        if type(value) is str:
+            return _encode_str(value)
+        return "".join(c_encode(value, 0))
+
+    return encode
+
+
+_FAST_ENCODE = _make_fast_encoder()
+
+
 def canonical_json(value: Any) -> str:
     """Deterministic JSON: sorted keys, compact, UTF-8, no NaN/Infinity."""
     try:
-        return _ENCODER.encode(value)
-    except (TypeError, ValueError) as exc:
+        if _FAST_ENCODE is not None:
+            return _FAST_ENCODE(value)
+        return _ENCODER.encode(value)  # pragma: no cover - no C accelerator
+    except (TypeError, ValueError, RecursionError) as exc:
         raise LedgerError(f"value is not canonical JSON: {exc}") from exc
 
 
@@ -68,6 +97,8 @@ def normalize_json(value: Mapping[str, Any]) -> dict[str, Any]:
 
 def format_time(moment: datetime) -> str:
     """``YYYY-MM-DDTHH:MM:SS.ffffffZ`` in UTC."""
+    if moment.tzinfo is UTC:  # the usual case: isoformat() ends in "+00:00"
+        return moment.isoformat(timespec="microseconds")[:-6] + "Z"
     offset = moment.utcoffset()
     if offset is None:
         raise LedgerError("naive datetime in a ledger event")
@@ -174,13 +205,78 @@ def link_values(  # noqa: PLR0917 - one per chained field, in encoding order (ho
 ) -> str:
     """:func:`link` for the writer's sequencer: the same hash, computed from plain values
     (``prev_hash`` must be hex) without building a :class:`ChainedFields`."""
-    s = _scalar
-    text = (
-        f"{prefix}{s(seq)},{s(prev_hash)},{s(format_time(occurred_at))},{s(kind)},{s(tenant)},"
-        f"{s(actor)},{s(request_id)},{s(key_digest)},{s(tier)},{s(nbytes)},{s(outcome)},"
-        f"{s(reason)},{s(decision_id)},{s(policy_revision)},{s(principal)},{attrs_json},"
-        f"{s(payload_digest)}]"
+    return link_encoded(
+        prefix,
+        seq,
+        prev_hash,
+        format_time(occurred_at),
+        kind,
+        tenant,
+        actor,
+        request_id,
+        key_digest,
+        tier,
+        nbytes,
+        outcome,
+        reason,
+        decision_id,
+        policy_revision,
+        principal,
+        attrs_json,
+        payload_digest,
     )
+
+
+def link_encoded(  # noqa: PLR0917 - one per chained field, in encoding order (hot path)
+    prefix: str,
+    seq: int,
+    prev_hash: str,
+    occurred_at: str,
+    kind: str,
+    tenant: str | None,
+    actor: str | None,
+    request_id: str | None,
+    key_digest: str | None,
+    tier: str | None,
+    nbytes: int | None,
+    outcome: str | None,
+    reason: str | None,
+    decision_id: str | None,
+    policy_revision: str | None,
+    principal: str | None,
+    attrs_json: str,
+    payload_digest: str | None,
+) -> str:
+    """:func:`link_values` with ``occurred_at`` already formatted (:func:`format_time`)."""
+    if _FAST_ENCODE is None:  # pragma: no cover - no C accelerator
+        s = _scalar
+        middle = (
+            f"{s(seq)},{s(prev_hash)},{s(occurred_at)},{s(kind)},{s(tenant)},{s(actor)},"
+            f"{s(request_id)},{s(key_digest)},{s(tier)},{s(nbytes)},{s(outcome)},{s(reason)},"
+            f"{s(decision_id)},{s(policy_revision)},{s(principal)}"
+        )
+    else:  # the scalars as one JSON list, in C: the same text between the brackets
+        middle = _FAST_ENCODE(
+            [
+                seq,
+                prev_hash,
+                occurred_at,
+                kind,
+                tenant,
+                actor,
+                request_id,
+                key_digest,
+                tier,
+                nbytes,
+                outcome,
+                reason,
+                decision_id,
+                policy_revision,
+                principal,
+            ]
+        )[1:-1]
+    digest = "null" if payload_digest is None else _encode_str(payload_digest)
+    text = f"{prefix}{middle},{attrs_json},{digest}]"
     return hashlib.sha256(bytes.fromhex(prev_hash) + text.encode()).hexdigest()
 
 
