@@ -19,7 +19,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
-from typing import Any
+from typing import Any, TypeGuard
 
 from kvgov.errors import ProtocolError
 
@@ -205,11 +205,20 @@ def error_from_meta(meta: Mapping[str, Any]) -> WireError:
 
 
 # -- metadata field helpers (shared by client and server) -------------------------------------
+# Strings never carry NUL: the ledger refuses it, so such a request is malformed at the edge.
+
+
+def valid_key(key: object) -> TypeGuard[str]:
+    """A non-empty string of at most :data:`MAX_KEY_BYTES`, without NUL (no ledger could
+    record it faithfully)."""
+    if not isinstance(key, str) or not key or "\x00" in key:
+        return False
+    return len(key.encode()) <= MAX_KEY_BYTES
 
 
 def require_str(meta: Mapping[str, Any], name: str, *, max_len: int = MAX_KEY_BYTES) -> str:
     value = meta.get(name)
-    if not isinstance(value, str) or not value or len(value.encode()) > max_len:
+    if not isinstance(value, str) or "\x00" in value or not value or len(value.encode()) > max_len:
         raise WireError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a non-empty string")
     return value
 
@@ -218,7 +227,7 @@ def optional_str(meta: Mapping[str, Any], name: str, *, max_len: int = 256) -> s
     value = meta.get(name)
     if value is None:
         return None
-    if not isinstance(value, str) or len(value.encode()) > max_len:
+    if not isinstance(value, str) or len(value.encode()) > max_len or "\x00" in value:
         raise WireError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a string")
     return value or None
 
@@ -229,7 +238,7 @@ def key_list(meta: Mapping[str, Any], name: str = "keys", *, max_items: int = 40
         raise WireError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a non-empty list")
     out: list[str] = []
     for key in value:
-        if not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_BYTES:
+        if not valid_key(key):
             raise WireError(ErrorCode.BAD_REQUEST, "keys must be non-empty strings")
         out.append(key)
     return out

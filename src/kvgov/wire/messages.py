@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgov.wire.codec import ErrorCode, WireError, optional_str
+from kvgov.wire.codec import ErrorCode, WireError, optional_str, valid_key
 
 #: the small per-entry metadata an engine may attach to a put (fmt/dtype/shape...); bounded
 MAX_ITEM_META_BYTES = 1024
@@ -124,7 +124,7 @@ def parse_put_items(meta: Mapping[str, Any], payload_len: int, max_items: int) -
             raise WireError(ErrorCode.BAD_REQUEST, "each item must be an object")
         key = entry.get("key")
         length = entry.get("len")
-        if not isinstance(key, str) or not key or len(key.encode()) > 1024:
+        if not valid_key(key):
             raise WireError(ErrorCode.BAD_REQUEST, "item key must be a non-empty string")
         if not isinstance(length, int) or isinstance(length, bool) or length < 0:
             raise WireError(ErrorCode.BAD_REQUEST, "item len must be a non-negative integer")

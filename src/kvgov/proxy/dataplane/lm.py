@@ -21,7 +21,7 @@ import logging
 import struct
 from typing import Any
 
-from kvgov.proxy.dataplane.conn import StreamProtocol
+from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.pipeline import Pipeline, PutPlan, StoredPut
 from kvgov.types import Operation
@@ -146,6 +146,12 @@ class LmConnection(StreamProtocol):
 
     async def _put(self, key: str, length: int, meta: dict[str, Any]) -> None:
         pipeline = self.server.pipeline
+        if pipeline.lease_bound(length) > pipeline.pool.max_bytes:
+            # no frame limit in this protocol: a length no buffer can hold closes the
+            # connection (reading and dropping up to 2 GiB would only feed the sender)
+            pipeline.metrics.protocol_errors.labels(self.listener, "TOO_LARGE").inc()
+            log.warning("dataplane.lm.put_too_large", extra={"nbytes": length})
+            raise ConnectionClosed
         who, denied = pipeline.identify(self.server.identity, key, EMPTY_CONTEXT)
         plan = None
         if denied is None and who is not None:

@@ -33,7 +33,7 @@ from kvgov.keys.sealed import SealedHeader, SealWriter, sealed_size, segment_cou
 from kvgov.ledger.events import Event, EventSink
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.policy.interfaces import Decision, DecisionRecorder, PolicyEngine
-from kvgov.proxy.dataplane.buffers import BufferPool
+from kvgov.proxy.dataplane.buffers import BufferPool, size_class
 from kvgov.proxy.dataplane.identity import Denied, Identity, Who, build_input, resolve
 from kvgov.proxy.dataplane.index import EntryIndex, EntryMeta, envelope_head, parse_envelope
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
@@ -45,6 +45,9 @@ from kvgov.wire.messages import RequestContext
 __all__ = ["GetPlan", "Pipeline", "PutPlan", "StoredPut"]
 
 log = logging.getLogger("kvgov.dataplane")
+
+#: room for an envelope head (magic, length, the item's small metadata as JSON)
+ENVELOPE_SLACK = 4096
 
 
 class Pipeline:
@@ -152,6 +155,14 @@ class Pipeline:
         return resolve(identity, raw_key, ctx, self.pseudonymizer, self.default_tenant)
 
     # -- put -----------------------------------------------------------------------------------
+
+    def lease_bound(self, length: int) -> int:
+        """An upper bound on the pooled buffer a put of ``length`` bytes takes."""
+        try:
+            body = sealed_size(length, self.segment_size) if self.governance else length
+        except ValueError:  # beyond what one sealed chunk can hold
+            return 1 << 62
+        return size_class(body + ENVELOPE_SLACK)
 
     async def plan_put(
         self, who: Who, length: int, item_meta: Mapping[str, Any]
@@ -354,9 +365,11 @@ class Pipeline:
             )
         return found
 
-    async def get(self, who: Who) -> GetPlan | None:
+    async def get(self, who: Who, *, max_lease: int | None = None) -> GetPlan | None:
+        """A hit ready to stream, or None. A value whose buffer would exceed ``max_lease``
+        bytes (what the caller's frame may still hold of the pool) is a miss."""
         entry, decision = await self._readable(who, Operation.GET)
-        plan = await self._load(who, entry) if entry is not None else None
+        plan = await self._load(who, entry, max_lease) if entry is not None else None
         if self.governance:
             kind = EventKind.KV_GET if plan is not None else EventKind.KV_MISS
             await self._record(
@@ -374,10 +387,13 @@ class Pipeline:
             self.metrics.op_bytes.labels("get").inc(plan.length)
         return plan
 
-    async def _load(self, who: Who, entry: EntryMeta) -> GetPlan | None:
+    async def _load(self, who: Who, entry: EntryMeta, max_lease: int | None) -> GetPlan | None:
         size = await self.tiers.size_of(who.digest)
         if size is None:
             return None
+        limit = self.pool.max_bytes if max_lease is None else min(max_lease, self.pool.max_bytes)
+        if size_class(size) > limit:
+            return None  # waiting for that much of the pool could wait for ever
         lease = await self.pool.acquire(size)
         try:
             hit = await self.tiers.get_into(who.digest, lease.view, allowed=entry.tiers)

@@ -252,6 +252,14 @@ class WireConnection(StreamProtocol):
             raise
         if self.identity is None:
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
+        if sum(pipeline.lease_bound(item.length) for item in items) > pipeline.pool.max_bytes:
+            # its items' buffers are held together: waiting for that much room never ends
+            await self.discard(payload_len)
+            raise WireError(
+                ErrorCode.BAD_REQUEST,
+                "the PUT needs more buffer than the sidecar's pool holds",
+                hint="send fewer or smaller items per frame",
+            )
         results: list[dict[str, Any] | None] = []
         plans: list[PutPlan] = []
         try:
@@ -354,6 +362,7 @@ class WireConnection(StreamProtocol):
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
         plans: list[GetPlan | None] = []
         budget = self.server.config.max_frame_bytes
+        room = pipeline.pool.max_bytes
         try:
             for key in keys:
                 who, denied = pipeline.identify(self.identity, key, ctx)
@@ -361,9 +370,12 @@ class WireConnection(StreamProtocol):
                 if denied is not None:
                     await pipeline.deny(who, denied, Operation.GET)
                 elif who is not None and budget > 0:
-                    plan = await pipeline.get(who)
+                    # a frame's hits hold their buffers together: never wait for more room
+                    # than the pool has left for this frame (a hit that does not fit is a miss)
+                    plan = await pipeline.get(who, max_lease=room)
                     if plan is not None:
                         budget -= plan.length
+                        room -= len(plan.lease.buf)
                 outcome = "hit" if plan is not None else "miss"
                 pipeline.metrics.ops.labels("get", self.listener, outcome).inc()
                 plans.append(plan)
