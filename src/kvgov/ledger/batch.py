@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Set
 from dataclasses import dataclass
 from datetime import UTC
 from itertools import repeat
 from typing import Any
 
-from sqlalchemy import Connection, exc, select
+from sqlalchemy import Connection, select
 
 from kvgov.errors import LedgerError
 from kvgov.ledger.chain import (
@@ -40,31 +39,17 @@ from kvgov.ledger.models import (
     LedgerEvent,
     table,
 )
+from kvgov.ledger.pgfast import (
+    COPY_SPECIAL,
+    EVENT_COLUMNS,
+    copy_line,
+    copy_rows,
+    copy_text,
+    read_head_pipelined,
+)
 
 _SALT_BYTES = 16
-_EVENT_COLUMNS = [
-    "chain_id",
-    "seq",
-    "prev_hash",
-    "hash",
-    "encoding_version",
-    "occurred_at",
-    "kind",
-    "tenant",
-    "actor",
-    "request_id",
-    "key_digest",
-    "tier",
-    "nbytes",
-    "outcome",
-    "reason",
-    "decision_id",
-    "policy_revision",
-    "principal",
-    "attrs",
-    "payload_digest",
-]
-_ATTRS = _EVENT_COLUMNS.index("attrs")
+_ATTRS = EVENT_COLUMNS.index("attrs")
 _TEXT_FIELDS = (
     "tenant",
     "actor",
@@ -97,8 +82,6 @@ _SCALARS = (str, int, float, bool, type(None))
 _STR = frozenset({str})
 #: ``map(isinstance, values, _ALL_SCALARS)`` checks each value against _SCALARS
 _ALL_SCALARS = repeat(_SCALARS)
-#: characters COPY's text format escapes (NUL is refused before)
-_COPY_SPECIAL = re.compile(r"[\\\t\n\r]")
 
 
 def prepare(event: Event) -> Prepared:
@@ -149,14 +132,14 @@ def prepare(event: Event) -> Prepared:
         payload = normalize_json(e.payload)
         salt = os.urandom(_SALT_BYTES)
         digest = payload_digest(salt, payload)
-    plain = _COPY_SPECIAL.search(joined) is None and _COPY_SPECIAL.search(attrs_json) is None
+    plain = COPY_SPECIAL.search(joined) is None and COPY_SPECIAL.search(attrs_json) is None
     return Prepared(event, attrs, attrs_json, payload, salt, digest, plain)
 
 
 def read_head(conn: Connection, chain_id: str) -> tuple[int, str]:
     """Lock the chain (Postgres: its ``chains`` row) and return its last (seq, hash)."""
     if conn.dialect.name == "postgresql":
-        found, row = _read_head_pipelined(conn, chain_id)
+        found, row = read_head_pipelined(conn, chain_id)
     else:
         chains = table(Chain)
         found = (
@@ -177,30 +160,6 @@ def read_head(conn: Connection, chain_id: str) -> tuple[int, str]:
     if row is None:
         return 0, GENESIS_HASH
     return int(row[0]), str(row[1])
-
-
-_LOCK_CHAIN = "SELECT chain_id FROM chains WHERE chain_id = %s FOR UPDATE"
-_HEAD = "SELECT seq, hash FROM ledger_events WHERE chain_id = %s ORDER BY seq DESC LIMIT 1"
-
-
-def _read_head_pipelined(conn: Connection, chain_id: str) -> tuple[bool, Any]:
-    """Postgres: BEGIN, the lock and the head query in one round trip (libpq pipeline). The
-    head query runs after the lock is granted, on a snapshot of its own (READ COMMITTED), so
-    it sees what the previous holder of the lock committed."""
-    raw = conn.connection.driver_connection
-    if raw is None:  # pragma: no cover - a live connection always has one
-        raise LedgerError("no driver connection")
-    import psycopg
-
-    try:
-        with raw.pipeline():
-            lock = raw.execute(_LOCK_CHAIN, (chain_id,))
-            head = raw.execute(_HEAD, (chain_id,))
-        return lock.fetchone() is not None, head.fetchone()
-    except psycopg.OperationalError as err:
-        raise exc.OperationalError(_HEAD, None, err) from err
-    except psycopg.Error as err:
-        raise exc.DatabaseError(_HEAD, None, err) from err
 
 
 Head = tuple[int, str]
@@ -322,7 +281,7 @@ def chain_rows(
             item.attrs_json,
             item.payload_digest,
         )
-        # in the order of _EVENT_COLUMNS
+        # in the order of EVENT_COLUMNS
         row = (
             chain_id,
             seq,
@@ -347,38 +306,9 @@ def chain_rows(
         )
         rows.append(row)
         if copy_lines is not None:
-            copy_lines.append(_copy_line(row, when, item.copy_plain))
+            copy_lines.append(copy_line(row, when, item.copy_plain))
         prev = digest
     return rows, (seq, prev)
-
-
-_COPY_NULL = "\\N"
-_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
-_WHEN = _EVENT_COLUMNS.index("occurred_at")
-
-
-def _copy_line(row: tuple[Any, ...], when: str, plain: bool) -> str:
-    """One row in COPY's text format (tab-separated, ``\\N`` for NULL, backslash escapes);
-    ``occurred_at`` as ``when`` (ISO 8601 with ``Z``, which Postgres reads exactly)."""
-    if plain:
-        values = [_COPY_NULL if v is None else v if type(v) is str else str(v) for v in row]
-    else:
-        values = [
-            _COPY_NULL if v is None else v.translate(_COPY_ESCAPES) if type(v) is str else str(v)
-            for v in row
-        ]
-    values[_WHEN] = when
-    return "\t".join(values)
-
-
-def copy_text(rows: Rows, batch: list[Prepared]) -> str:
-    """The rows as the data of ``COPY ledger_events (...) FROM STDIN`` (text format)."""
-    lines = [
-        _copy_line(row, format_time(row[_WHEN]), item.copy_plain)
-        for row, item in zip(rows, batch, strict=True)
-    ]
-    lines.append("")
-    return "\n".join(lines)
 
 
 def write_rows(
@@ -409,27 +339,13 @@ def _insert_events(
     conn: Connection, rows: list[tuple[Any, ...]], batch: list[Prepared], data: str | None
 ) -> None:
     if conn.dialect.name == "postgresql":
-        raw = conn.connection.driver_connection
-        if raw is None:  # pragma: no cover - a live connection always has one
-            raise LedgerError("no driver connection for COPY")
-        import psycopg
-
-        if data is None:
-            data = copy_text(rows, batch)
-        copy_sql = f"COPY ledger_events ({', '.join(_EVENT_COLUMNS)}) FROM STDIN"
-        try:
-            # one write of the whole batch: few driver calls, so few GIL hand-offs
-            with raw.cursor() as cur, cur.copy(copy_sql) as copy:
-                copy.write(data.encode())
-        # the raw driver raises its own errors: map them onto SQLAlchemy's like any statement
-        except psycopg.OperationalError as err:
-            raise exc.OperationalError(copy_sql, None, err) from err
-        except psycopg.Error as err:
-            raise exc.DatabaseError(copy_sql, None, err) from err
+        copy_rows(
+            conn, data if data is not None else copy_text(rows, [i.copy_plain for i in batch])
+        )
         return
     dicts = []
     for row, item in zip(rows, batch, strict=True):
-        values = dict(zip(_EVENT_COLUMNS, row, strict=True))
+        values = dict(zip(EVENT_COLUMNS, row, strict=True))
         values["attrs"] = item.attrs
         dicts.append(values)
     conn.execute(table(LedgerEvent).insert(), dicts)

@@ -1,12 +1,15 @@
-"""Writing signed checkpoints of a chain head (the signing itself is in :mod:`.chain`)."""
+"""Writing signed checkpoints of a chain head (the signing itself is in :mod:`.chain`), and the
+loop that writes them periodically while a sidecar serves."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Protocol
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, exc, select
 
 from kvgov.errors import LedgerError
 from kvgov.ledger.batch import read_head
@@ -19,6 +22,9 @@ from kvgov.ledger.chain import (
 )
 from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE, utcnow
 from kvgov.ledger.models import Chain, Checkpoint, table
+from kvgov.logging import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,3 +95,34 @@ def chains_of_key(engine: Engine, key: Ed25519PrivateKey) -> list[str]:
     with engine.connect() as conn:
         rows = conn.execute(select(chains.c.chain_id, chains.c.public_key)).all()
     return sorted(cid for cid, pk in rows if bytes(pk) == public)
+
+
+class Checkpointer(Protocol):
+    """What signs a chain's head on demand (:class:`~kvgov.ledger.writer.LedgerWriter`)."""
+
+    @property
+    def chain_id(self) -> str: ...
+
+    async def write_checkpoint(self) -> CheckpointInfo | None: ...
+
+
+async def periodic_checkpoints(writer: Checkpointer, interval_s: float) -> None:
+    """Sign the head every ``interval_s`` seconds until cancelled (``Sidecar.start`` runs this;
+    ``Sidecar.stop`` has the writer sign the final head). A failed checkpoint is logged and the
+    next one tried: the loop lives as long as the sidecar."""
+    while True:
+        await asyncio.sleep(interval_s)
+        await checkpoint_logged(writer)
+
+
+async def checkpoint_logged(writer: Checkpointer) -> None:
+    try:
+        info = await writer.write_checkpoint()
+    except (LedgerError, exc.SQLAlchemyError, OSError) as err:
+        log.warning(
+            "ledger.checkpoint.failed",
+            extra={"chain_id": writer.chain_id, "error": type(err).__name__},
+        )
+        return
+    if info is not None:
+        log.info("ledger.checkpoint.written", extra={"chain_id": info.chain_id, "seq": info.seq})

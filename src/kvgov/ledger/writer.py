@@ -42,7 +42,7 @@ from kvgov.ledger.batch import (
     read_head,
 )
 from kvgov.ledger.chain import key_fingerprint, public_key_bytes
-from kvgov.ledger.checkpoint import CheckpointInfo, write_checkpoint
+from kvgov.ledger.checkpoint import CheckpointInfo, checkpoint_logged, write_checkpoint
 from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE, utcnow
 from kvgov.ledger.events import Appended, Event
 from kvgov.ledger.models import Chain, table
@@ -196,7 +196,7 @@ class LedgerWriter:
                 self._abort.set()
                 await task
         if checkpoint and task is not None:
-            await _checkpoint_logged(self)
+            await checkpoint_logged(self)
         await asyncio.get_running_loop().run_in_executor(self._executor, self._drop_connection)
         self._executor.shutdown(wait=True)
         self._seq_executor.shutdown(wait=True)
@@ -461,25 +461,3 @@ class LedgerWriter:
             "batches_committed": s.batches_committed,
             "batch_retries": s.batch_retries,
         }
-
-
-async def periodic_checkpoints(writer: LedgerWriter, interval_s: float) -> None:
-    """Sign the head every ``interval_s`` seconds until cancelled (``Sidecar.start`` runs this;
-    ``Sidecar.stop`` has the writer sign the final head). A failed checkpoint is logged and the
-    next one tried: the loop lives as long as the sidecar."""
-    while True:
-        await asyncio.sleep(interval_s)
-        await _checkpoint_logged(writer)
-
-
-async def _checkpoint_logged(writer: LedgerWriter) -> None:
-    try:
-        info = await writer.write_checkpoint()
-    except (LedgerError, exc.SQLAlchemyError, OSError) as err:
-        log.warning(
-            "ledger.checkpoint.failed",
-            extra={"chain_id": writer.chain_id, "error": type(err).__name__},
-        )
-        return
-    if info is not None:
-        log.info("ledger.checkpoint.written", extra={"chain_id": info.chain_id, "seq": info.seq})

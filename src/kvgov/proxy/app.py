@@ -75,7 +75,7 @@ class Sidecar:
             self._tasks.append(asyncio.create_task(self._heartbeat(), name="kvgov-heartbeat"))
         checkpoint_s = self.settings.ledger.checkpoint_interval_s
         if self.writer is not None and checkpoint_s > 0:
-            from kvgov.ledger.writer import periodic_checkpoints
+            from kvgov.ledger.checkpoint import periodic_checkpoints
 
             self._tasks.append(
                 asyncio.create_task(
