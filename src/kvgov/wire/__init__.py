@@ -4,8 +4,9 @@ Importable inside an inference engine without pulling in the sidecar: nothing he
 anything beyond the standard library and :mod:`kvgov.errors`. See ``docs/protocol.md``.
 """
 
-from kvgov.wire.client import ControlChannel, WireClient
+from kvgov.wire.client import WireClient
 from kvgov.wire.codec import ErrorCode, FrameType, WireConnectionError, WireError
+from kvgov.wire.control import ControlChannel
 from kvgov.wire.messages import (
     CacheKey,
     GetResult,

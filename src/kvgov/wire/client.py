@@ -7,8 +7,8 @@ buffers and received straight into the caller's buffers (``get_into`` / ``alloc`
 ``put_stream`` pipelines PUT frames on one connection (several in flight, acks read in order)
 so that the sidecar's ledger commits overlap the transfers.
 
-``ControlChannel`` is a dedicated connection on which the sidecar sends EVICT (purge) messages;
-a callback removes the keys from the engine's local tiers and the channel answers EVICT_ACK.
+``control()`` opens a :class:`~kvgov.wire.control.ControlChannel`: a dedicated connection on
+which the sidecar sends EVICT (purge) messages, answered with EVICT_ACK.
 See ``docs/protocol.md``.
 """
 
@@ -20,12 +20,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvgov.wire._conn import Buffer, Connection, as_bytes_view
 from kvgov.wire.codec import (
     ErrorCode,
-    Flag,
     FrameType,
     WireConnectionError,
     WireError,
@@ -38,6 +37,9 @@ from kvgov.wire.messages import (
     RequestContext,
     ServerInfo,
 )
+
+if TYPE_CHECKING:
+    from kvgov.wire.control import ControlChannel
 
 log = logging.getLogger("kvgov.wire.client")
 
@@ -340,6 +342,8 @@ class WireClient:
 
     def control(self, on_evict: EvictCallback, *, reconnect_delay: float = 1.0) -> ControlChannel:
         """Open the control connection that receives EVICT messages (a :class:`ControlChannel`)."""
+        from kvgov.wire.control import ControlChannel
+
         channel = ControlChannel(self, on_evict, reconnect_delay=reconnect_delay)
         channel.start()
         return channel
@@ -365,75 +369,3 @@ def _ack(key: str, result: Any) -> PutAck:
         error = ErrorCode.INTERNAL
     reason = result.get("reason")
     return PutAck(key, error, reason if isinstance(reason, str) else None)
-
-
-class ControlChannel:
-    """A background thread holding a ``role=control`` connection: EVICT in, EVICT_ACK out.
-
-    It reconnects after a failure (every ``reconnect_delay`` seconds) until :meth:`close`.
-    ``connected`` is set while a HELLO-authenticated connection is up.
-    """
-
-    def __init__(
-        self, client: WireClient, on_evict: EvictCallback, *, reconnect_delay: float = 1.0
-    ) -> None:
-        self._client = client
-        self._on_evict = on_evict
-        self._delay = reconnect_delay
-        self._stop = threading.Event()
-        self.connected = threading.Event()
-        self._conn: Connection | None = None
-        self._thread = threading.Thread(target=self._loop, name="kvgov-control", daemon=True)
-        self.evictions = 0
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        conn = self._conn
-        if conn is not None:
-            conn.close()
-        self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn = self._client._connect(role="control")
-            except WireError as exc:
-                log.warning("wire.control.connect_failed", extra={"error": exc.error.name})
-                self._stop.wait(self._delay)
-                continue
-            self._conn = conn
-            conn.sock.settimeout(None)  # idle until the sidecar speaks
-            self.connected.set()
-            try:
-                self._serve(conn)
-            except WireError as exc:
-                if not self._stop.is_set():
-                    log.warning("wire.control.lost", extra={"error": exc.error.name})
-            finally:
-                self.connected.clear()
-                conn.close()
-                self._conn = None
-            self._stop.wait(self._delay)
-
-    def _serve(self, conn: Connection) -> None:
-        while not self._stop.is_set():
-            header, meta = conn.read_frame()
-            if header.payload_len:
-                conn.discard(header.payload_len)
-            if header.type is FrameType.PING and not header.is_reply:
-                conn.send(FrameType.PING, header.stream_id, None, flags=Flag.REPLY)
-                continue
-            if header.type is not FrameType.EVICT or header.is_reply:
-                continue  # nothing else is expected; ignore rather than tear the channel down
-            keys = [k for k in meta.get("keys", []) if isinstance(k, str)]
-            try:
-                removed = list(self._on_evict(keys))
-                ack: dict[str, Any] = {"removed": removed}
-            except Exception as exc:  # the callback is the engine's code; report, keep serving
-                log.exception("wire.control.evict_failed")
-                ack = {"removed": [], "error": type(exc).__name__}
-            self.evictions += 1
-            conn.send(FrameType.EVICT_ACK, header.stream_id, ack)
