@@ -181,3 +181,25 @@ async def test_provenance_reports_the_true_creator(engine: sa.Engine) -> None:
         reuse = reuse_of_user(session, "acme", ALICE)
         assert [(r.request_id, r.created_request_id) for r in reuse] == [("r3", "r1")]
         assert reuse_of_user(session, "acme", BOB) == []
+
+
+async def test_a_user_who_re_put_an_entry_sees_it_in_every_user_view(engine: sa.Engine) -> None:
+    """Purge scope, the footprint and the entry filter share one definition of "the user's
+    entries": after a re-put keeps the first owner, the re-putting user still finds it."""
+    from sqlalchemy.orm import Session
+
+    from kvgov.ledger.queries_api import footprint_summary, list_entries
+    from kvgov.ledger.repository import LedgerRepository
+
+    await write(engine, [put(ALICE, "r1", 0), put(BOB, "r2", 5)], one_batch=False)
+    carol = "c" * 32
+    with Session(engine) as session:
+        repo = LedgerRepository(session)
+        for who in (ALICE, BOB):
+            assert [e.key_digest for e in repo.entries(user=who, tenant="acme")] == [DIGEST]
+            listed = list_entries(session, tenant="acme", user=who)
+            assert [e.key_digest for e in listed] == [DIGEST]
+            assert footprint_summary(session, "acme", who).entries_by_state == {"live": 1}
+        assert repo.entries(user=carol, tenant="acme") == []
+        assert repo.entries(user=BOB, tenant="globex") == []
+        assert footprint_summary(session, "acme", carol).entries_by_state == {}

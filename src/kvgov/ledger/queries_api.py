@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, get_args
 
-from sqlalchemy import String, and_, case, cast, func, or_, select, tuple_
+from sqlalchemy import String, and_, case, cast, func, select, tuple_
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -30,6 +30,7 @@ from kvgov.ledger.models import (
     Request,
     Tenant,
 )
+from kvgov.ledger.repository import user_entries
 from kvgov.types import EntryState, EventKind, Sensitivity
 
 #: tier names the stats break bytes down by
@@ -59,12 +60,13 @@ def list_entries(
     after: tuple[datetime, str] | None = None,
     limit: int = 50,
 ) -> list[CacheEntry]:
-    """Cache entries, newest first. ``user`` is a pseudonym: entries it owns or is scoped to."""
+    """Cache entries, newest first. ``user`` is a pseudonym: entries that hold its data
+    (:func:`kvgov.ledger.repository.user_entries`)."""
     query = select(CacheEntry)
     if tenant is not None:
         query = query.where(CacheEntry.tenant == tenant)
     if user is not None:
-        query = query.where(or_(CacheEntry.owner == user, CacheEntry.scope_user == user))
+        query = query.where(user_entries(user, tenant))
     if sensitivity is not None:
         query = query.where(CacheEntry.sensitivity == sensitivity)
     if tier is not None:
@@ -150,9 +152,7 @@ class Footprint:
 
 
 def footprint_summary(session: Session, tenant: str, user: str) -> Footprint:
-    mine = and_(
-        CacheEntry.tenant == tenant, or_(CacheEntry.owner == user, CacheEntry.scope_user == user)
-    )
+    mine = user_entries(user, tenant)
     by_state = {
         str(state): int(count)
         for state, count in session.execute(

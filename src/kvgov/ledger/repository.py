@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import func, or_, select, tuple_, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from kvgov.ledger.db import utcnow
@@ -20,7 +20,29 @@ from kvgov.ledger.models import (
     LedgerEvent,
     PolicyDecision,
 )
-from kvgov.types import EntryState
+from kvgov.types import EntryState, EventKind
+
+
+def user_entries(user: str, tenant: str | None = None) -> ColumnElement[bool]:
+    """Entries that hold a user's data: owned by them, scoped to them, or put by them.
+
+    A re-put of a live entry keeps its first owner, so ownership alone would miss what the
+    user put later: every key the user ever put (in the tenant) counts too. The one definition
+    used by purge scope, the footprint and the entry filters, so they never disagree.
+    """
+    put_by_user = select(LedgerEvent.key_digest).where(
+        LedgerEvent.actor == user,
+        LedgerEvent.kind == EventKind.KV_PUT.value,
+        LedgerEvent.key_digest.is_not(None),
+    )
+    if tenant is not None:
+        put_by_user = put_by_user.where(LedgerEvent.tenant == tenant)
+    mine = or_(
+        CacheEntry.owner == user,
+        CacheEntry.scope_user == user,
+        CacheEntry.key_digest.in_(put_by_user),
+    )
+    return mine if tenant is None else and_(CacheEntry.tenant == tenant, mine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +68,8 @@ class LedgerRepository:
         states: Sequence[EntryState] | None = None,
         limit: int | None = None,
     ) -> list[CacheEntry]:
-        """Cache entries matching every filter given. ``user`` matches entries the user owns
-        or is scoped to (what a purge of that user must erase)."""
+        """Cache entries matching every filter given. ``user`` matches :func:`user_entries`
+        (what a purge of that user must erase)."""
         query = select(CacheEntry)
         if tenant is not None:
             query = query.where(CacheEntry.tenant == tenant)
@@ -56,7 +78,7 @@ class LedgerRepository:
         if scope_user is not None:
             query = query.where(CacheEntry.scope_user == scope_user)
         if user is not None:
-            query = query.where(or_(CacheEntry.owner == user, CacheEntry.scope_user == user))
+            query = query.where(user_entries(user, tenant))
         if states is not None:
             query = query.where(CacheEntry.state.in_(list(states)))
         query = query.order_by(CacheEntry.created_at, CacheEntry.key_digest)

@@ -17,7 +17,8 @@ from sqlalchemy import ColumnElement, and_, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from kvgov.ledger.models import CacheEntry, EventPayload, LedgerEvent, UserRef
-from kvgov.types import EntryState, EventKind
+from kvgov.ledger.repository import user_entries
+from kvgov.types import EntryState
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,22 +32,7 @@ class ScopedEntry:
 def _entry_filter(tenant: str, subject: str | None) -> ColumnElement[bool]:
     if subject is None:
         return CacheEntry.tenant == tenant
-    # a re-put of a live entry keeps its first owner, so ownership alone misses what the
-    # subject put later: every key the subject ever put in the tenant is in scope too
-    put_by_subject = select(LedgerEvent.key_digest).where(
-        LedgerEvent.actor == subject,
-        LedgerEvent.kind == EventKind.KV_PUT.value,
-        LedgerEvent.tenant == tenant,
-        LedgerEvent.key_digest.is_not(None),
-    )
-    return and_(
-        CacheEntry.tenant == tenant,
-        or_(
-            CacheEntry.owner == subject,
-            CacheEntry.scope_user == subject,
-            CacheEntry.key_digest.in_(put_by_subject),
-        ),
-    )
+    return user_entries(subject, tenant)
 
 
 def scoped_entries(s: Session, tenant: str, subject: str | None) -> list[ScopedEntry]:

@@ -301,7 +301,7 @@ def build_receipt(job: JobView, state: PurgeState, *, finished_at: str) -> dict[
             "subject": job.subject,
             "rule": "every entry of the tenant"
             if job.subject is None
-            else "entries of the tenant owned by or scoped to the subject",
+            else "entries of the tenant owned by, scoped to, or put by the subject",
         },
         "requested_by": job.requested_by,
         "requested_at": job.created_at.isoformat(),

@@ -189,7 +189,7 @@ def request_provenance(
     "/users/{user}/footprint",
     summary="A user's footprint",
     description=(
-        "What is cached for a user (owned by or scoped to them) in a tenant: where, until "
+        "What is cached for a user (owned by, scoped to or put by them) in a tenant: where, until "
         "when, and which requests reused each chunk. The user id is pseudonymised server-side "
         "exactly as the ledger does; only the pseudonym is returned."
     ),
