@@ -5,8 +5,8 @@ the pool never holds more than ``max_bytes`` (in use plus idle). When it is exha
 :meth:`BufferPool.acquire` waits: the connection asking stops reading from its socket, which
 is how backpressure reaches the engine (TCP flow control), instead of memory growing.
 
-Buffers are recycled by size class (powers of two from 64 KiB), so steady-state traffic of one
-chunk size allocates nothing.
+Buffers are recycled by size class (powers of two from 64 KiB to 1 MiB, whole MiB above), so
+steady-state traffic of one chunk size allocates nothing.
 """
 
 from __future__ import annotations
@@ -17,9 +17,14 @@ from collections import deque
 from kvgov.errors import ProtocolError
 
 MIN_CLASS = 64 * 1024
+LARGE_STEP = 1 << 20
 
 
 def size_class(n: int) -> int:
+    """Powers of two from 64 KiB up to 1 MiB, then whole MiB: a 32 MiB chunk plus its few
+    bytes of header takes a 33 MiB buffer, not a 64 MiB one."""
+    if n > LARGE_STEP:
+        return -(-n // LARGE_STEP) * LARGE_STEP
     size = MIN_CLASS
     while size < n:
         size <<= 1
