@@ -480,16 +480,6 @@ def small_pool(tmp_path: Path) -> Iterator[LiveSidecar]:
         yield sc
 
 
-POOL_DEADLOCK = (
-    "hold-and-wait in the buffer pool: WireConnection._put (proxy/dataplane/wireconn.py) plans "
-    "a batch's items one by one, keeping earlier items' leases while BufferPool.acquire waits "
-    "for room only it could free; the handler hangs for ever (a disconnect does not cancel it) "
-    "and the pool stays exhausted for every connection. WireConnection._get does the same for "
-    "batched hits (Pipeline.get -> _load -> acquire per key)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=POOL_DEADLOCK)
 def test_batched_put_larger_than_the_pool_does_not_wedge_the_sidecar(
     small_pool: LiveSidecar,
 ) -> None:
@@ -508,7 +498,6 @@ def test_batched_put_larger_than_the_pool_does_not_wedge_the_sidecar(
         _still_healthy(small_pool, c, 0)
 
 
-@pytest.mark.xfail(strict=True, reason=POOL_DEADLOCK)
 def test_batched_get_larger_than_the_pool_does_not_wedge_the_sidecar(
     small_pool: LiveSidecar,
 ) -> None:
@@ -529,12 +518,6 @@ def test_batched_get_larger_than_the_pool_does_not_wedge_the_sidecar(
         _still_healthy(small_pool, c, 0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LmConnection._put (proxy/dataplane/lm.py) has no length limit: Pipeline.plan_put -> "
-    "BufferPool.acquire raises ProtocolError, which escapes the handler (logged with a "
-    "traceback as dataplane.connection.failed) instead of a FAIL/close",
-)
 def test_lm_put_with_a_huge_length_is_refused_cleanly(tmp_path: Path) -> None:
     """``lm://`` has no frame limit of its own: a PUT claiming 2 GiB (more than the pool) must
     be refused without a handler dying with a traceback."""
