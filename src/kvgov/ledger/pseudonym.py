@@ -3,7 +3,10 @@
 The ledger never holds a raw user id. ``Pseudonymizer.user(tenant, user_id)`` is a keyed,
 tenant-bound HMAC, so the same user id in two tenants gives two unrelated pseudonyms and nobody
 without the key can confirm a guess. Cache key strings can carry a raw user tag, so their
-digests are keyed too (``key_digest``).
+digests are keyed too (``key_digest``), with a separate **key-digest key** derived from the
+pseudonym key (``HMAC(pseudonym_key, "kvgov/key-digest/v1")``): the sidecar gives that one to
+authenticated engines so they can match EVICT digests against their local tiers
+(:mod:`kvgov.wire.digest`), and it cannot compute user pseudonyms.
 
 The key lives in a 0600 file at ``settings.pseudonym_key_path``, created by ``kvgov init``.
 Destroying it unlinks every pseudonym from the person behind it.
@@ -18,24 +21,26 @@ from pathlib import Path
 
 from kvgov.errors import StartupError
 from kvgov.ledger.secretfile import create_private_file, read_private_file
+from kvgov.wire.digest import KeyDigester
 
 KEY_BYTES = 32
 #: hex characters of a user pseudonym (128 bits)
 USER_PSEUDONYM_CHARS = 32
 _USER_DOMAIN = b"kvgov/user/v1\x00"
-_KEY_DOMAIN = b"kvgov/cache-key/v1\x00"
+_DIGEST_KEY_LABEL = b"kvgov/key-digest/v1"
 _FILE_HEADER = "kvgov-pseudonym-key-v1"
 
 
 class Pseudonymizer:
     """Keyed pseudonyms for user ids and cache keys. Thread-safe (holds only the key)."""
 
-    __slots__ = ("_key",)
+    __slots__ = ("_digester", "_key")
 
     def __init__(self, key: bytes) -> None:
         if len(key) < 16:
             raise ValueError("pseudonym key must be at least 16 bytes")
         self._key = bytes(key)
+        self._digester = KeyDigester(derive_key_digest_key(self._key))
 
     def __repr__(self) -> str:
         return "Pseudonymizer(<key hidden>)"
@@ -51,14 +56,22 @@ class Pseudonymizer:
         return digest[:USER_PSEUDONYM_CHARS]
 
     def key_digest(self, cache_key: str) -> str:
-        """Keyed digest of a cache key string (64 hex characters)."""
-        return hmac.new(
-            self._key, _KEY_DOMAIN + cache_key.encode("utf-8"), hashlib.sha256
-        ).hexdigest()
+        """Keyed digest of a cache key string (64 hex characters), with the key-digest key."""
+        return self._digester.digest(cache_key)
+
+    @property
+    def key_digester(self) -> KeyDigester:
+        """What computes :meth:`key_digest`: handed to authenticated engines (HELLO reply)."""
+        return self._digester
 
     @classmethod
     def from_file(cls, path: Path) -> Pseudonymizer:
         return cls(load_pseudonym_key(path))
+
+
+def derive_key_digest_key(pseudonym_key: bytes) -> bytes:
+    """The key-digest key: a one-way function of the pseudonym key, for cache-key digests only."""
+    return hmac.new(pseudonym_key, _DIGEST_KEY_LABEL, hashlib.sha256).digest()
 
 
 def _length_prefixed(data: bytes) -> bytes:

@@ -7,8 +7,10 @@ anything beyond the standard library and :mod:`kvgov.errors`. See ``docs/protoco
 from kvgov.wire.client import WireClient
 from kvgov.wire.codec import ErrorCode, FrameType, WireConnectionError, WireError
 from kvgov.wire.control import ControlChannel
+from kvgov.wire.digest import KeyDigester
 from kvgov.wire.messages import (
     CacheKey,
+    EvictRequest,
     GetResult,
     PutAck,
     RequestContext,
@@ -20,8 +22,10 @@ __all__ = [
     "CacheKey",
     "ControlChannel",
     "ErrorCode",
+    "EvictRequest",
     "FrameType",
     "GetResult",
+    "KeyDigester",
     "PutAck",
     "RequestContext",
     "ServerInfo",

@@ -103,18 +103,10 @@ class Connection:
             meta["token"] = token
         _, reply = self.call(FrameType.HELLO, meta)
         try:
-            info = ServerInfo(
-                server=str(reply["server"]),
-                version=str(reply["version"]),
-                protocol=int(reply["protocol"]),
-                sidecar_id=str(reply["sidecar"]),
-                max_frame_bytes=int(reply["max_frame_bytes"]),
-                max_batch=int(reply["max_batch"]),
-                engine=str(reply["engine"]),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
+            info = ServerInfo.from_reply(reply)
+        except WireError:
             self.close()
-            raise WireError(ErrorCode.BAD_FRAME, "malformed HELLO reply") from exc
+            raise
         self.info = info
         return info
 

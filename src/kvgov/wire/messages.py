@@ -6,11 +6,14 @@ and read the same JSON shapes documented in ``docs/protocol.md``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvgov.wire.codec import ErrorCode, WireError, optional_str, valid_key
+from kvgov.wire.digest import KeyDigester, is_digest
+
+K = TypeVar("K")
 
 #: the small per-entry metadata an engine may attach to a put (fmt/dtype/shape...); bounded
 MAX_ITEM_META_BYTES = 1024
@@ -110,6 +113,64 @@ class ServerInfo:
     max_frame_bytes: int
     max_batch: int
     engine: str
+    #: the sidecar's key digester (``key_digest_key``), given only on an authenticated
+    #: control connection: it matches EVICT digests against the engine's local keys
+    digester: KeyDigester | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_reply(cls, reply: Mapping[str, Any]) -> ServerInfo:
+        """Parse a HELLO reply. Raises :class:`WireError` (BAD_FRAME) when malformed."""
+        try:
+            key = reply.get("key_digest_key")
+            return cls(
+                server=str(reply["server"]),
+                version=str(reply["version"]),
+                protocol=int(reply["protocol"]),
+                sidecar_id=str(reply["sidecar"]),
+                max_frame_bytes=int(reply["max_frame_bytes"]),
+                max_batch=int(reply["max_batch"]),
+                engine=str(reply["engine"]),
+                digester=KeyDigester.from_hex(key) if isinstance(key, str) else None,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WireError(ErrorCode.BAD_FRAME, "malformed HELLO reply") from exc
+
+
+#: digests per EVICT frame (a frame's metadata stays well under its 1 MiB limit)
+MAX_EVICT_DIGESTS = 4096
+
+
+def evict_meta(
+    digests: Sequence[str], *, reason: str = "purge", job: str | None = None
+) -> dict[str, Any]:
+    """The metadata of an EVICT frame: the entries' key digests, never raw keys."""
+    out: dict[str, Any] = {"digests": list(digests), "reason": reason}
+    if job is not None:
+        out["job"] = job
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class EvictRequest:
+    """An EVICT as the engine's callback sees it: the digests of the entries to remove and the
+    sidecar's digester to recognise them among the engine's own keys."""
+
+    digests: frozenset[str]
+    digester: KeyDigester = field(repr=False)
+    reason: str = "purge"
+    job: str | None = None
+
+    def matching(self, keys: Iterable[K]) -> list[tuple[K, str]]:
+        """The ``(key, digest)`` pairs of ``keys`` (strings or LMCache keys) this EVICT names."""
+        return self.digester.matching(self.digests, keys)
+
+
+def parse_evict(meta: Mapping[str, Any]) -> list[str]:
+    """The well-formed digests an EVICT names (anything else in the list is ignored)."""
+    raw = meta.get("digests")
+    if not isinstance(raw, list):
+        return []
+    return [d for d in raw if is_digest(d)]
 
 
 def parse_put_items(meta: Mapping[str, Any], payload_len: int, max_items: int) -> list[PutItem]:
