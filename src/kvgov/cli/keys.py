@@ -8,7 +8,9 @@ User ids are pseudonymised (the ledger's keyed HMAC) before they name a key; not
 material. Rotation and shredding are recorded in the ledger (``key:rotated`` / ``key:created``,
 ``key:shredded``) on a chain of the CLI's own. Shredding here destroys the wrapped rows; a
 running sidecar drops its in-memory copies when it runs the purge's key step or restarts, so
-the right-to-be-forgotten path is ``kvgov purge``, which calls the same shred.
+the right-to-be-forgotten path is ``kvgov purge``, which calls the same shred. Rotation, the
+ledger events and what a key listing shows come from :mod:`kvgov.proxy.keys_service`, which
+``POST /v1/keys/rotate`` and ``GET /v1/keys`` use too.
 Exit 0 done, 1 done but not recorded in the ledger, 2 bad usage or configuration.
 """
 
@@ -69,14 +71,20 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Start a new key version for new data; older versions stay readable (retired)."""
         from kvgov.keys.keyring import Keyring
+        from kvgov.proxy.keys_service import rotate_key
 
         cfg = settings(ctx)
         subject = _pseudonym(cfg, tenant, user)
-        changes: list[tuple[EventKind, Any]] = []
         with _store(cfg) as store:
-            ring = Keyring.from_settings(cfg, store, on_change=lambda k, r: changes.append((k, r)))
-            info = ring.rotate(tenant, subject)
-        recorded = _record(cfg, [_event(kind, row, subject, "cli rotate") for kind, row in changes])
+            done = rotate_key(
+                Keyring.from_settings(cfg, store),
+                tenant,
+                subject,
+                principal="cli",
+                reason="cli rotate",
+            )
+        info = done.key
+        recorded = _record(cfg, done.events)
         if as_json:
             emit_json({"rotated": _as_dict(info), "ledger": recorded})
         else:
@@ -100,6 +108,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Crypto-shred a tenant's keys (all of them) or one user's keys: irreversible."""
         from kvgov.keys.keyring import key_id_for
+        from kvgov.proxy.keys_service import key_event
 
         cfg = settings(ctx)
         subject = _pseudonym(cfg, tenant, user)
@@ -125,7 +134,10 @@ def register(app: typer.Typer) -> None:
                     abort=True,
                 )
             destroyed = [_info(r) for r in store.destroy(tenant, subject)]
-        events = [_event(EventKind.KEY_SHREDDED, k, subject, "cli shred") for k in destroyed]
+        events = [
+            key_event(EventKind.KEY_SHREDDED, k, subject, principal="cli", reason="cli shred")
+            for k in destroyed
+        ]
         recorded = _record(cfg, events)
         _report_shred(destroyed, recorded, as_json=as_json, dry_run=False)
         if recorded is None:
@@ -166,32 +178,9 @@ def _info(row: Any) -> KeyInfo:
 
 
 def _as_dict(k: KeyInfo) -> dict[str, Any]:
-    return {
-        "key_id": k.key_id,
-        "version": k.version,
-        "tenant": k.tenant,
-        "user": k.user,
-        "state": str(k.state),
-        "usage_count": k.usage_count,
-        "kek_id": k.kek_id,
-        "created_at": k.created_at.isoformat(),
-        "destroyed_at": k.destroyed_at.isoformat() if k.destroyed_at else None,
-    }
+    from kvgov.proxy.keys_service import key_record
 
-
-def _event(kind: EventKind, key: Any, subject: str | None, reason: str) -> Any:
-    from kvgov.ledger.events import Event
-    from kvgov.types import Outcome
-
-    return Event(
-        kind=kind,
-        tenant=key.tenant,
-        actor=subject,
-        principal="cli",
-        outcome=Outcome.OK,
-        reason=reason,
-        attrs={"key_id": key.key_id, "version": key.version},
-    )
+    return key_record(k)
 
 
 def _record(cfg: Settings, events: Sequence[Any]) -> list[dict[str, Any]] | None:
@@ -211,6 +200,7 @@ async def _append(cfg: Settings, events: Sequence[Any]) -> list[dict[str, Any]]:
     from kvgov.ledger.chain import load_signing_key
     from kvgov.ledger.db import make_engine
     from kvgov.ledger.writer import LedgerWriter
+    from kvgov.proxy.keys_service import record
 
     engine = make_engine(cfg.database_url, pool_size=2)
     writer = LedgerWriter(
@@ -222,12 +212,11 @@ async def _append(cfg: Settings, events: Sequence[Any]) -> list[dict[str, Any]]:
     try:
         await writer.start()
         try:
-            done = await asyncio.gather(*(writer.submit(e) for e in events))
+            return await record(writer, events)
         finally:
             await writer.close()
     finally:
         engine.dispose()
-    return [{"chain_id": a.chain_id, "seq": a.seq} for a in done]
 
 
 def _echo_recorded(recorded: list[dict[str, Any]] | None) -> None:

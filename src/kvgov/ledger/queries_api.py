@@ -4,6 +4,7 @@ Each function takes a :class:`~sqlalchemy.orm.Session` and returns ORM rows or s
 records; none of them writes or commits. Lists use keyset pagination: the caller passes the
 sort key of the last row it has (``after``) and asks for ``limit + 1`` rows to learn whether a
 next page exists. Filters are explicit keyword arguments; a ``None`` filter is not applied.
+Purge jobs and data keys have their queries in :mod:`kvgov.ledger.queries_admin`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from kvgov.ledger.models import (
     Checkpoint,
     LedgerEvent,
     PolicyDecision,
-    PurgeJob,
-    PurgeReceipt,
     Request,
     Tenant,
 )
@@ -370,19 +369,3 @@ def tenant_stats(
             setattr(get(tenant), _COUNTED[kind], int(count))
 
     return [stats[t] for t in sorted(stats)]
-
-
-# -- purges -----------------------------------------------------------------------------------
-
-
-def recent_purges(
-    session: Session, *, tenant: str | None = None, limit: int = 20
-) -> list[tuple[PurgeJob, PurgeReceipt | None]]:
-    """The latest purge jobs with their receipts (None until the job has one)."""
-    query = select(PurgeJob, PurgeReceipt).outerjoin(
-        PurgeReceipt, PurgeReceipt.job_id == PurgeJob.id
-    )
-    if tenant is not None:
-        query = query.where(PurgeJob.tenant == tenant)
-    query = query.order_by(PurgeJob.created_at.desc(), PurgeJob.id.desc()).limit(limit)
-    return list(session.execute(query))
