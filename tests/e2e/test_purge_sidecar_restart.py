@@ -28,7 +28,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from kvgov.wire.client import WireClient
-from kvgov.wire.messages import RequestContext
+from kvgov.wire.messages import EvictRequest, RequestContext
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -248,7 +248,7 @@ def test_engine_that_does_not_acknowledge_makes_the_purge_incomplete(
     endpoint = f"unix://{env['KVGOV_DATAPLANE__UNIX_PATH']}"
     stuck = threading.Event()
 
-    def hang(keys: list[str]) -> list[str]:  # never answers within the sidecar's timeout
+    def hang(request: EvictRequest) -> list[str]:  # never answers within the sidecar's timeout
         stuck.wait(30)
         return []
 
@@ -256,7 +256,7 @@ def test_engine_that_does_not_acknowledge_makes_the_purge_incomplete(
     good = WireClient(endpoint, engine_id="engine-good")
     silent = WireClient(endpoint, engine_id="engine-silent")
     try:
-        good_ctl = good.control(lambda keys: keys)
+        good_ctl = good.control(lambda request: request.digests)
         silent_ctl = silent.control(hang)
         assert good_ctl.connected.wait(10) and silent_ctl.connected.wait(10)
         ctx = RequestContext(request_id="req-a", user="alice", tenant="acme")

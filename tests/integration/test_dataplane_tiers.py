@@ -30,7 +30,7 @@ from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.embedded import EmbeddedPolicyEngine
 from kvgov.proxy.app import Sidecar, build_sidecar
 from kvgov.types import EventKind
-from kvgov.wire import RequestContext, WireClient
+from kvgov.wire import EvictRequest, RequestContext, WireClient
 from kvgov.wire.codec import FrameType, decode_header, encode_frame
 
 pytestmark = pytest.mark.postgres
@@ -227,13 +227,14 @@ async def test_evict_reaches_a_registered_engine_and_its_ack_comes_back(
 ) -> None:
     sc = await start(_settings(tmp_path, pg_url, {"chain": ["memory"]}))
     client = _client(sc, engine="vllm-demo-7")
-    received: list[list[str]] = []
+    received: list[EvictRequest] = []
     lock = threading.Lock()
 
-    def on_evict(keys: list[str]) -> list[str]:
+    def on_evict(request: EvictRequest) -> list[str]:
         with lock:
-            received.append(keys)
-        return keys[:1]  # the engine held only the first one
+            received.append(request)
+        # the engine holds only the first key: it finds it by the digest the sidecar named
+        return [digest for _key_, digest in request.matching([_key("aa"), _key("zz")])]
 
     channel = client.control(on_evict, reconnect_delay=0.1)
     silent: socket.socket | None = None
@@ -249,8 +250,14 @@ async def test_evict_reaches_a_registered_engine_and_its_ack_comes_back(
         assert results[0].acked is True
         assert results[0].removed == 1
         assert results[0].error is None
-        assert sorted(received[0]) == sorted([_key("aa"), _key("bb")])  # raw keys, not digests
+        assert received[0].digests == set(digests)  # digests, never raw keys
         assert channel.evictions == 1
+
+        # digests of entries nobody holds: acknowledged, nothing removed
+        results = await sc.evict_on_engines(["0" * 64, "f" * 64], 5.0)
+        assert [(r.engine, r.acked, r.removed, r.error) for r in results] == [
+            ("vllm-demo-7", True, 0, None)
+        ]
 
         # a control connection that never answers: not acked, the others are still reported
         port = sc.server.tcp_port

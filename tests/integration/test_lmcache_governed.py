@@ -246,15 +246,15 @@ def test_evict_removes_the_keys_from_the_engine_local_cpu_tier(sidecar: h.Sideca
         _store(e, toks, ids)
         _store(e, other, ids, seed=3)
         assert e.local_cpu_hits(toks, ids) == 3 * G.chunk
-        keys = e.key_strings(toks, ids)
+        digests = [sidecar.key_digest(k) for k in e.key_strings(toks, ids)]
 
-        results = sidecar.evict(keys[1:])  # the 2nd and 3rd chunk
+        results = sidecar.evict(digests[1:])  # the 2nd and 3rd chunk, named by digest
         assert [(r.engine, r.acked, r.removed, r.error) for r in results] == [
             ("engine-test", True, 2, None)
         ]
         assert e.local_cpu_hits(toks, ids) == G.chunk  # the prefix up to the evicted chunk
         assert e.local_cpu_hits(other, ids) == G.chunk  # other keys untouched
 
-        # evicting keys the engine does not hold acknowledges nothing
-        again = sidecar.evict(keys[1:])
+        # evicting entries the engine does not hold acknowledges nothing
+        again = sidecar.evict(digests[1:])
         assert [(r.acked, r.removed) for r in again] == [(True, 0)]

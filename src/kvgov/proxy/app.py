@@ -144,8 +144,7 @@ class Sidecar:
 
     async def evict_on_engines(self, keys: list[str], timeout_s: float) -> list[Any]:
         """EVICT the entries (key digests) on every connected engine's control connection."""
-        raw = self.pipeline.index.raw_keys(keys)
-        return await self.server.evict_on_engines(list(raw.values()), timeout_s)
+        return await self.server.evict_on_engines(keys, timeout_s)
 
 
 def heartbeat_interval_s(settings: Settings) -> float:
@@ -253,6 +252,7 @@ async def build_sidecar(
             max_frame_bytes=dp.max_frame_bytes,
             engine_tokens=dp.engine_tokens,
             allow_anonymous=settings.environment is Environment.DEVELOPMENT,
+            digester=pseudonymizer.key_digester,
         ),
     )
     return Sidecar(

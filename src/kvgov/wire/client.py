@@ -31,6 +31,7 @@ from kvgov.wire.codec import (
 )
 from kvgov.wire.messages import (
     EMPTY_CONTEXT,
+    EvictRequest,
     GetResult,
     PutAck,
     PutItem,
@@ -45,8 +46,8 @@ log = logging.getLogger("kvgov.wire.client")
 
 #: ``alloc(result) -> writable buffer of at least result.length bytes`` (or None to skip it)
 Allocator = Callable[[GetResult], Any]
-#: ``on_evict(keys) -> keys actually removed``
-EvictCallback = Callable[[list[str]], Iterable[str]]
+#: ``on_evict(request) -> the digests of the entries actually removed`` (``docs/protocol.md``)
+EvictCallback = Callable[[EvictRequest], Iterable[str]]
 
 
 class WireClient:

@@ -1,8 +1,11 @@
 """The engine side of the control connection: EVICT (purge) messages in, EVICT_ACK out.
 
 ``ControlChannel`` (opened with :meth:`kvgov.wire.client.WireClient.control`) holds a
-``role=control`` connection in a background thread; a callback removes the evicted keys from
-the engine's local tiers and the channel answers EVICT_ACK. See ``docs/protocol.md``.
+``role=control`` connection in a background thread. An EVICT names entries by their keyed
+digests (never raw keys); the sidecar's HELLO reply on that connection carries the key-digest
+key, so the callback gets an :class:`~kvgov.wire.messages.EvictRequest` that recognises the
+named entries among the engine's own local keys, removes them, and returns the digests it
+removed; the channel answers EVICT_ACK with those. See ``docs/protocol.md``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvgov.wire._conn import Connection
 from kvgov.wire.codec import Flag, FrameType, WireError
+from kvgov.wire.messages import EvictRequest, parse_evict
 
 if TYPE_CHECKING:
     from kvgov.wire.client import EvictCallback, WireClient
@@ -81,12 +85,29 @@ class ControlChannel:
                 continue
             if header.type is not FrameType.EVICT or header.is_reply:
                 continue  # nothing else is expected; ignore rather than tear the channel down
-            keys = [k for k in meta.get("keys", []) if isinstance(k, str)]
-            try:
-                removed = list(self._on_evict(keys))
-                ack: dict[str, Any] = {"removed": removed}
-            except Exception as exc:  # the callback is the engine's code; report, keep serving
-                log.exception("wire.control.evict_failed")
-                ack = {"removed": [], "error": type(exc).__name__}
-            self.evictions += 1
-            conn.send(FrameType.EVICT_ACK, header.stream_id, ack)
+            conn.send(FrameType.EVICT_ACK, header.stream_id, self._evict(conn, meta))
+
+    def _evict(self, conn: Connection, meta: dict[str, Any]) -> dict[str, Any]:
+        """Run the callback for one EVICT; the EVICT_ACK's metadata."""
+        self.evictions += 1
+        digests = frozenset(parse_evict(meta))
+        digester = conn.info.digester if conn.info is not None else None
+        if digester is None:  # the sidecar did not give this connection its digest key
+            log.warning("wire.control.evict_without_digest_key")
+            return {"removed": [], "error": "no_digest_key"}
+        if not digests:
+            return {"removed": []}
+        job = meta.get("job")
+        request = EvictRequest(
+            digests,
+            digester,
+            reason=str(meta.get("reason") or "purge"),
+            job=job if isinstance(job, str) else None,
+        )
+        try:
+            # only digests it was asked for, each once, in a stable order
+            removed = sorted(set(self._on_evict(request)) & digests)
+        except Exception as exc:  # the callback is the engine's code; report, keep serving
+            log.exception("wire.control.evict_failed")
+            return {"removed": [], "error": type(exc).__name__}
+        return {"removed": removed}

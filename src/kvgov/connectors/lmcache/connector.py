@@ -9,8 +9,8 @@ and user scope are tags inside them) and the request context from ``request_conf
 It fails closed and never breaks inference: any error, timeout or unreachable sidecar is a miss
 (``exists`` False, ``get`` None) or a skipped put, and no exception reaches LMCache. After a
 connection failure a backoff skips the sidecar for a while, so a dead sidecar costs nothing.
-A control connection receives the sidecar's EVICT messages and removes those keys from the
-engine's local CPU and disk tiers.
+A control connection receives the sidecar's EVICT messages (key digests) and removes the
+entries they name from the engine's local CPU and disk tiers.
 """
 
 from __future__ import annotations
@@ -31,7 +31,14 @@ from kvgov.connectors.lmcache import local_tiers
 from kvgov.connectors.lmcache.backoff import Backoff
 from kvgov.connectors.lmcache.identity import key_string, request_context
 from kvgov.connectors.lmcache.settings import ConnectorSettings
-from kvgov.wire import ControlChannel, GetResult, RequestContext, WireClient, WireConnectionError
+from kvgov.wire import (
+    ControlChannel,
+    EvictRequest,
+    GetResult,
+    RequestContext,
+    WireClient,
+    WireConnectionError,
+)
 
 log = logging.getLogger("kvgov.connectors.lmcache")
 
@@ -310,11 +317,12 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
 
     # -- control: EVICT ------------------------------------------------------------------------
 
-    def evict_local(self, keys: list[str]) -> list[str]:
-        """Remove ``keys`` from this engine's local tiers (the sidecar's EVICT)."""
+    def evict_local(self, request: EvictRequest) -> list[str]:
+        """Remove the entries the sidecar's EVICT names (by key digest) from this engine's
+        local tiers; the digests of those removed."""
         if not self.worker:
             return []
-        return local_tiers.evict(self.local_cpu_backend, keys)
+        return local_tiers.evict(self.local_cpu_backend, request)
 
     def __repr__(self) -> str:
         return f"<KvgovConnector {self.settings.endpoint} engine={self.settings.engine_id}>"

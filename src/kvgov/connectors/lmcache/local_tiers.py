@@ -1,17 +1,22 @@
-"""Remove keys from an engine's own local tiers (CPU and disk): the EVICT side of a purge.
+"""Remove entries from an engine's own local tiers (CPU and disk): the EVICT side of a purge.
 
 A connector gets only LMCache's local CPU backend. The disk tier, when configured, belongs to
 the same ``StorageManager``, which is found through ``LMCacheEngineBuilder``'s registry: the
-engine whose storage manager holds this very CPU backend. Keys come from the sidecar as
-strings; ``CacheEngineKey.from_string`` rebuilds them with their tags, so they compare equal
-to the keys LMCache indexed.
+engine whose storage manager holds this very CPU backend.
+
+The sidecar names entries by the keyed digest of their key strings (the ledger holds nothing
+else), so eviction walks the keys each local tier holds, computes each key's digest with the
+sidecar's key-digest key (:class:`kvgov.wire.EvictRequest`) and removes the ones named. A key
+string is ``CacheEngineKey.to_string()``, the same string the connector sends the sidecar, so
+the digests agree.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any
+
+from kvgov.wire import EvictRequest
 
 log = logging.getLogger("kvgov.connectors.lmcache")
 
@@ -31,31 +36,35 @@ def local_backends(local_cpu_backend: Any) -> list[Any]:
     return [local_cpu_backend]
 
 
-def evict(local_cpu_backend: Any, keys: Iterable[str]) -> list[str]:
-    """Remove ``keys`` from every local tier; return the keys that were present and removed."""
-    from lmcache.utils import CacheEngineKey
+def backend_keys(backend: Any) -> list[Any]:
+    """A snapshot of the keys a local tier holds (taken under the tier's own lock)."""
+    get_keys = getattr(backend, "get_keys", None)
+    if callable(get_keys):  # LocalCPUBackend
+        return list(get_keys())
+    index = getattr(backend, "dict", None)  # LocalDiskBackend: its key -> file index
+    lock = getattr(backend, "disk_lock", None)
+    if index is None or lock is None:
+        log.warning("lmcache.evict.unknown_tier", extra={"tier": type(backend).__name__})
+        return []
+    with lock:
+        return list(index.keys())
 
-    wanted = list(keys)
+
+def evict(local_cpu_backend: Any, request: EvictRequest) -> list[str]:
+    """Remove the entries ``request`` names from every local tier; return the digests of the
+    entries that were present and removed."""
     backends = local_backends(local_cpu_backend)
-    removed: list[str] = []
-    for raw in wanted:
-        try:
-            key = CacheEngineKey.from_string(raw)
-        except (ValueError, IndexError, TypeError):
-            log.warning("lmcache.evict.bad_key")
-            continue
-        hit = False
-        for backend in backends:
-            if backend.contains(key):
-                hit = bool(backend.remove(key)) or hit
-        if hit:
-            removed.append(raw)
+    removed: set[str] = set()
+    for backend in backends:
+        for key, digest in request.matching(backend_keys(backend)):
+            if backend.remove(key):
+                removed.add(digest)
     log.info(
         "lmcache.evict.done",
         extra={
-            "requested": len(wanted),
+            "requested": len(request.digests),
             "removed": len(removed),
             "tiers": [type(b).__name__ for b in backends],
         },
     )
-    return removed
+    return sorted(removed)

@@ -42,9 +42,6 @@ class EntryMeta:
     key_version: int | None
     #: absolute expiry, ``time.time()`` seconds; None for none
     expires_at: float | None
-    #: the raw cache key string, known only for entries put since this process started (used
-    #: to name the key in EVICT messages; never persisted by the data plane)
-    raw_key: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def expired(self, now: float) -> bool:
@@ -72,14 +69,6 @@ class EntryIndex:
 
     def items(self) -> Iterable[tuple[str, EntryMeta]]:
         return list(self._entries.items())
-
-    def raw_keys(self, digests: Iterable[str]) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for d in digests:
-            entry = self._entries.get(d)
-            if entry is not None and entry.raw_key is not None:
-                out[d] = entry.raw_key
-        return out
 
 
 def envelope_head(meta: Mapping[str, Any]) -> bytes:

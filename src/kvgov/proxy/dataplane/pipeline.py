@@ -250,7 +250,6 @@ class Pipeline:
             key_id=key.key_id if key else None,
             key_version=key.version if key else None,
             expires_at=expires_at,
-            raw_key=who.key.raw,
         )
         self.index.set(who.digest, entry)
         stored = StoredPut(who.digest, entry)

@@ -27,6 +27,7 @@ from kvgov.proxy.dataplane.wireconn import (
     WireConnection,
 )
 from kvgov.wire.codec import ErrorCode, WireError
+from kvgov.wire.digest import KeyDigester
 
 __all__ = [
     "MAX_BATCH",
@@ -48,6 +49,9 @@ class ServerConfig:
     engine_tokens: Mapping[str, SecretStr] = field(default_factory=dict)
     #: accept any engine id without a token (development only)
     allow_anonymous: bool = True
+    #: the key-digest key's digester, given to engines on their control connection's HELLO
+    #: reply (after authentication) so they can match EVICT digests; None: EVICT cannot match
+    digester: KeyDigester | None = field(default=None, repr=False)
 
 
 class WireServer:
@@ -105,11 +109,12 @@ class WireServer:
             await srv.wait_closed()
 
     async def evict_on_engines(
-        self, keys: Sequence[str], timeout_s: float
+        self, digests: Sequence[str], timeout_s: float
     ) -> list[EngineEvictResult]:
-        """Send EVICT(keys) on every control connection and wait for the ACKs."""
+        """Send EVICT(digests) on every control connection and wait for the ACKs: each engine
+        removes the entries whose key digests are named (the ledger's ``key_digest``s)."""
         controls = list(self.controls)
-        results = await asyncio.gather(*(c.evict(keys, timeout_s) for c in controls))
+        results = await asyncio.gather(*(c.evict(digests, timeout_s) for c in controls))
         return list(results)
 
     def authenticate(self, meta: Mapping[str, Any], conn: WireConnection) -> Identity:

@@ -44,7 +44,7 @@ from kvgov.wire.codec import (
     error_meta,
     key_list,
 )
-from kvgov.wire.messages import RequestContext, parse_put_items
+from kvgov.wire.messages import MAX_EVICT_DIGESTS, RequestContext, evict_meta, parse_put_items
 
 if TYPE_CHECKING:
     from kvgov.proxy.dataplane.server import WireServer
@@ -222,20 +222,21 @@ class WireConnection(StreamProtocol):
             raise WireError(ErrorCode.VERSION_MISMATCH, f"protocol {version} not supported")
         self.identity = self.server.authenticate(meta, self)
         cfg = self.server.config
-        self.send(
-            FrameType.HELLO,
-            sid,
-            {
-                "server": "kvgov",
-                "version": cfg.version,
-                "protocol": PROTOCOL_VERSION,
-                "sidecar": cfg.sidecar_id,
-                "engine": self.identity.engine,
-                "max_frame_bytes": cfg.max_frame_bytes,
-                "max_batch": MAX_BATCH,
-            },
-        )
-        if meta.get("role") == "control":
+        control = meta.get("role") == "control"
+        reply: dict[str, Any] = {
+            "server": "kvgov",
+            "version": cfg.version,
+            "protocol": PROTOCOL_VERSION,
+            "sidecar": cfg.sidecar_id,
+            "engine": self.identity.engine,
+            "max_frame_bytes": cfg.max_frame_bytes,
+            "max_batch": MAX_BATCH,
+        }
+        if control and cfg.digester is not None:
+            # only now, after authentication, and only where EVICT is received (never logged)
+            reply["key_digest_key"] = cfg.digester.to_hex()
+        self.send(FrameType.HELLO, sid, reply)
+        if control:
             self.server.controls.add(self)
         log.info("dataplane.engine.connected", extra={"engine": self.identity.engine})
 
@@ -418,25 +419,35 @@ class WireConnection(StreamProtocol):
 
     # -- server -> engine ----------------------------------------------------------------------
 
-    async def evict(self, keys: Sequence[str], timeout_s: float) -> EngineEvictResult:
+    async def evict(self, digests: Sequence[str], timeout_s: float) -> EngineEvictResult:
+        """EVICT the entries with those key digests on this control connection, in frames of
+        at most ``MAX_EVICT_DIGESTS``; each frame waits up to ``timeout_s`` for its ACK."""
         engine = self.identity.engine if self.identity else "?"
+        step = MAX_EVICT_DIGESTS
+        frames = [digests[i : i + step] for i in range(0, len(digests), step)] or [[]]
+        removed = 0
+        errors: list[str] = []
+        for frame in frames:
+            try:
+                ack = await self._evict_frame(frame, timeout_s)
+            except (TimeoutError, ConnectionClosed) as exc:
+                return EngineEvictResult(engine, acked=False, error=type(exc).__name__)
+            names = ack.get("removed")
+            error = ack.get("error")
+            removed += len(names) if isinstance(names, list) else 0
+            if isinstance(error, str) and error not in errors:
+                errors.append(error)
+        return EngineEvictResult(
+            engine, acked=True, removed=removed, error=", ".join(errors) or None
+        )
+
+    async def _evict_frame(self, digests: Sequence[str], timeout_s: float) -> dict[str, Any]:
         self._next_id = self._next_id + 1 if self._next_id < 0x7FFF_FFFF else 1
         sid = 0x8000_0000 | self._next_id  # server-initiated ids have the top bit set
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._acks[sid] = fut
         try:
-            self.send(
-                FrameType.EVICT, sid, {"keys": list(keys), "reason": "purge"}, flags=Flag.NONE
-            )
-            ack = await asyncio.wait_for(fut, timeout_s)
-        except (TimeoutError, ConnectionClosed) as exc:
+            self.send(FrameType.EVICT, sid, evict_meta(digests), flags=Flag.NONE)
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
             self._acks.pop(sid, None)
-            return EngineEvictResult(engine, acked=False, error=type(exc).__name__)
-        removed = ack.get("removed")
-        error = ack.get("error")
-        return EngineEvictResult(
-            engine,
-            acked=True,
-            removed=len(removed) if isinstance(removed, list) else 0,
-            error=error if isinstance(error, str) else None,
-        )

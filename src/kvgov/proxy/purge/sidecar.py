@@ -7,11 +7,12 @@ sidecar's purge steps use:
 - its whole tier chain (memory included) and its :class:`Keyring` (so in-memory copies of
   shredded data keys are dropped too);
 - its in-memory entry index, from which purged entries are dropped *before* the tiers are
-  touched, remembering their raw cache keys for the EVICT that follows;
+  touched;
 - ``WireServer.evict_on_engines`` to send EVICT to every connected engine and wait for ACKs.
 
-Raw cache keys are known only for entries put since this sidecar process started (the ledger
-stores digests only); after a restart, EVICT names what the process has seen again.
+EVICT names entries by the ledger's key digests alone: each engine recognises them among its
+own local keys with the key-digest key it got on its control connection, so a purge reaches
+the engines' local tiers whatever this process has seen since it (re)started.
 """
 
 from __future__ import annotations
@@ -28,36 +29,26 @@ if TYPE_CHECKING:
 
 
 class _Index(Protocol):
-    def raw_keys(self, digests: Sequence[str]) -> dict[str, str]: ...
-
     def pop(self, digest: str) -> Any: ...
 
 
 class _Server(Protocol):
-    async def evict_on_engines(self, keys: Sequence[str], timeout_s: float) -> list[Any]: ...
+    async def evict_on_engines(self, digests: Sequence[str], timeout_s: float) -> list[Any]: ...
 
 
 class SidecarEngines:
-    """The sidecar's :class:`LocalIndex` and :class:`EngineEvictor` in one: dropping entries
-    from the index remembers their raw keys for the EVICT."""
+    """The sidecar's :class:`LocalIndex` and :class:`EngineEvictor` in one."""
 
     def __init__(self, index: _Index, server: _Server) -> None:
         self._index = index
         self._server = server
-        self._raw: dict[str, str] = {}
 
     def drop(self, key_digests: Sequence[str]) -> None:
-        self._raw.update(self._index.raw_keys(key_digests))
         for digest in key_digests:
             self._index.pop(digest)
 
     async def evict(self, key_digests: Sequence[str], timeout_s: float) -> list[EngineEviction]:
-        raw = self._index.raw_keys(key_digests)
-        for digest in key_digests:
-            known = self._raw.pop(digest, None)
-            if known is not None:
-                raw[digest] = known
-        results = await self._server.evict_on_engines(sorted(raw.values()), timeout_s)
+        results = await self._server.evict_on_engines(sorted(set(key_digests)), timeout_s)
         return [
             EngineEviction(
                 engine=str(r.engine), acked=bool(r.acked), removed=int(r.removed), error=r.error

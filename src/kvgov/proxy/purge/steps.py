@@ -165,20 +165,21 @@ async def _engines(ctx: StepContext, job: JobView, step: StepView) -> StepOutcom
     results = await ctx.evictor.evict(
         [e.key_digest for e in entries], ctx.settings.purge.engine_ack_timeout_s
     )
-    acked = [r.to_dict() for r in results if r.acked]
-    missing = [r.to_dict() for r in results if not r.acked]
+    # an ACK that reports an error (the engine could not look or could not match) did not evict
+    acked = [r.to_dict() for r in results if r.acked and r.error is None]
+    missing = [r.to_dict() for r in results if not r.acked or r.error is not None]
     removed: dict[str, int] = {}
     for r in acked:  # two connections of one engine id add up
         removed[r["engine"]] = removed.get(r["engine"], 0) + int(r["removed"])
     detail: dict[str, Any] = {
-        "keys_known": len(entries),
+        "digests_sent": len({e.key_digest for e in entries}),
         "acknowledged": sorted({r["engine"] for r in acked}),
         "removed": removed,
         "unreachable": missing,
     }
     if missing:
         names = ", ".join(f"{r['engine']} ({r['error']})" for r in missing)
-        detail["reason"] = "no EVICT acknowledgement from " + names
+        detail["reason"] = "no successful EVICT acknowledgement from " + names
         return PurgeState.INCOMPLETE, detail
     return PurgeState.COMPLETED, detail
 
