@@ -59,6 +59,9 @@ class LedgerSettings(_Section):
     batch_max_events: int = Field(default=2000, ge=1, le=100_000)
     batch_max_delay_ms: float = Field(default=5.0, ge=0.0, le=10_000.0)
     queue_max_events: int = Field(default=200_000, ge=1)
+    #: how long an event nothing waits on (get, miss, exists, evict) may wait to share a commit;
+    #: awaited events (puts, put denials) and ``flush()`` commit at once. 0: never wait
+    lazy_max_delay_ms: float = Field(default=25.0, ge=0.0, le=10_000.0)
     #: seconds between automatic checkpoints while serving; 0 disables them
     checkpoint_interval_s: float = Field(default=60.0, ge=0.0)
 

@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kvgov.types import EntryState, EventKind, Outcome, Scope, Sensitivity
 
@@ -100,6 +100,16 @@ class EventSink(Protocol):
         ...
 
 
+@runtime_checkable
+class LazyEventSink(EventSink, Protocol):
+    """An :class:`EventSink` that can hold back events nothing waits on, to commit them with
+    others (the ledger writer: up to ``ledger.lazy_max_delay_ms``)."""
+
+    def submit_lazy(self, event: Event) -> asyncio.Future[Appended]:
+        """Queue an event nobody awaits now; the future still resolves once it is durable."""
+        ...
+
+
 class InMemoryEventSink:
     """An :class:`EventSink` that keeps events in a list: for unit tests of other packages."""
 
@@ -115,6 +125,9 @@ class InMemoryEventSink:
 
     async def append(self, event: Event) -> Appended:
         return await self.submit(event)
+
+    def submit_lazy(self, event: Event) -> asyncio.Future[Appended]:
+        return self.submit(event)
 
     def kinds(self) -> list[EventKind]:
         return [e.kind for e in self.events]

@@ -8,6 +8,12 @@ writer is idle is committed at once, and whatever arrives during a commit forms 
 (``batch_max_delay_ms`` is accepted but adds no delay). Each event's future resolves with its
 position only after that transaction committed, so an acknowledged event survives a crash.
 
+Urgency: an event someone waits for (``submit``, ``append``; a put's acknowledgement) goes
+into the next batch at once. An event nothing waits on (``submit_lazy``: gets, misses,
+exists, evictions) may linger up to ``lazy_max_delay_ms`` so that many of them share one
+commit; it goes earlier with the next urgent event, on :meth:`LedgerWriter.flush`, when a batch
+is full, or on close. Lazy events are therefore durable within that window, not on return.
+
 Failures are never acknowledged and never silently dropped: a transient database error retries
 the batch with backoff (callers keep waiting); a batch the database refuses is split so that
 only the offending events fail (their futures raise :class:`~kvgov.errors.LedgerError`). A
@@ -107,6 +113,7 @@ class LedgerWriter:
         batch_max_delay_ms: float = 0.0,
         queue_max_events: int = 200_000,
         description: str | None = None,
+        lazy_max_delay_ms: float = 25.0,
     ) -> None:
         if not chain_id or any(c in chain_id for c in "\r\n") or len(chain_id) > 255:
             raise LedgerError("chain id must be 1..255 characters without line breaks")
@@ -120,6 +127,14 @@ class LedgerWriter:
         self._queue_max = queue_max_events
         self._description = description
         self._queue: deque[_Item] = deque()
+        #: how long an event nothing waits on may wait for company (0: never)
+        self._lazy_s = max(0.0, lazy_max_delay_ms) / 1000.0
+        #: events ever queued / ever taken into a batch; the first ``_due_upto`` must go now
+        self._enqueued = 0
+        self._taken = 0
+        self._due_upto = 0
+        #: loop time at which the oldest queued event was queued
+        self._oldest_at = 0.0
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
@@ -208,7 +223,9 @@ class LedgerWriter:
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    def submit(self, event: Event) -> asyncio.Future[Appended]:
+    def submit(self, event: Event, *, urgent: bool = True) -> asyncio.Future[Appended]:
+        """Queue ``event``; its future resolves once it is committed. ``urgent=False`` is
+        :meth:`submit_lazy`."""
         if self._closing:
             raise LedgerError("ledger writer is closed")
         if len(self._queue) >= self._queue_max:
@@ -216,13 +233,28 @@ class LedgerWriter:
             raise LedgerBackpressureError(
                 "ledger queue is full", hint="the database is slower than the event rate"
             )
-        fut: asyncio.Future[Appended] = asyncio.get_running_loop().create_future()
-        self._queue.append((event, fut))
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Appended] = loop.create_future()
+        queue = self._queue
+        if not queue:
+            self._oldest_at = loop.time()
+            self._wake.set()
+        queue.append((event, fut))
+        self._enqueued += 1
         self._idle.clear()
-        if len(self._queue) >= self._queue_max:
+        if len(queue) >= self._queue_max:
             self._room.clear()
-        self._wake.set()
+        if urgent or not self._lazy_s:
+            self._due_upto = self._enqueued
+            self._wake.set()
+        elif len(queue) >= self._batch_max:
+            self._wake.set()
         return fut
+
+    def submit_lazy(self, event: Event) -> asyncio.Future[Appended]:
+        """Queue an event nothing waits on: it may linger up to ``lazy_max_delay_ms`` to share
+        a commit (its future still resolves once it is committed)."""
+        return self.submit(event, urgent=False)
 
     async def append(self, event: Event) -> Appended:
         while len(self._queue) >= self._queue_max and not self._closing:
@@ -230,7 +262,11 @@ class LedgerWriter:
         return await self.submit(event)
 
     async def flush(self) -> None:
-        """Wait until every event submitted so far is written (or failed)."""
+        """Commit every event submitted so far now (lazy ones too) and wait until they are
+        written (or failed)."""
+        if self._queue:
+            self._due_upto = self._enqueued
+            self._wake.set()
         while self._queue or not self._idle.is_set():
             await self._idle.wait()
 
@@ -264,14 +300,27 @@ class LedgerWriter:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            # group commit: no artificial delay. What queued while the previous batch was
-            # committing is the next batch; the first event after an idle spell goes at once.
+            if not self._due():  # only lazy events: linger for company, or for urgency
+                delay = self._oldest_at + self._lazy_s - loop.time()
+                if delay > 0:
+                    self._wake.clear()
+                    timer = loop.call_later(delay, self._wake.set)
+                    try:
+                        await self._wake.wait()
+                    finally:
+                        timer.cancel()
+                    continue
+            # group commit: no artificial delay for what is due. What queued while the
+            # previous batch was committing is the next batch.
             await self._slots.acquire()
             n = min(len(self._queue), self._batch_max)
             if n == 0:  # pragma: no cover - only this task takes from the queue
                 self._slots.release()
                 continue
             items = [self._queue.popleft() for _ in range(n)]
+            self._taken += n
+            if self._queue:  # the rest waited at most since now (a batch was full)
+                self._oldest_at = loop.time()
             if len(self._queue) < self._queue_max:
                 self._room.set()
             self._inflight += 1
@@ -284,6 +333,10 @@ class LedgerWriter:
                 self._settle(items, [LedgerError(f"ledger batch failed: {type(err).__name__}")])
                 continue
             commit.add_done_callback(functools.partial(self._finish, items))
+
+    def _due(self) -> bool:
+        """Whether the queue must be written now rather than lingered on."""
+        return self._closing or self._due_upto > self._taken or len(self._queue) >= self._batch_max
 
     def _finish(self, items: list[_Item], done: asyncio.Future[list[_Result]]) -> None:
         err = done.exception()

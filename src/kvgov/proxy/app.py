@@ -202,6 +202,7 @@ async def build_sidecar(
                 batch_max_events=settings.ledger.batch_max_events,
                 batch_max_delay_ms=settings.ledger.batch_max_delay_ms,
                 queue_max_events=settings.ledger.queue_max_events,
+                lazy_max_delay_ms=settings.ledger.lazy_max_delay_ms,
             )
             await writer.start()
             sink = writer

@@ -30,7 +30,7 @@ from kvgov.connectors.tiers.chain import TierChain
 from kvgov.errors import KvgovError, LedgerBackpressureError, ProtocolError
 from kvgov.keys.keyring import Keyring
 from kvgov.keys.sealed import SealedHeader, SealWriter, sealed_size, segment_count
-from kvgov.ledger.events import Event, EventSink
+from kvgov.ledger.events import Event, EventSink, LazyEventSink
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.policy.interfaces import Decision, DecisionRecorder, PolicyEngine
 from kvgov.proxy.dataplane.buffers import BufferPool, size_class
@@ -118,9 +118,18 @@ class Pipeline:
             await self.sink.append(event)
             return
         try:
-            self.sink.submit(event)
+            self._submit_lazy(event)
         except KvgovError:  # queue full: wait for room rather than drop the record
             await self.sink.append(event)
+
+    def _submit_lazy(self, event: Event) -> None:
+        """Queue an event nothing waits on (a sink that can may hold it back briefly to commit
+        it with others; see ``ledger.lazy_max_delay_ms``)."""
+        sink = self.sink
+        if isinstance(sink, LazyEventSink):
+            sink.submit_lazy(event)
+        elif sink is not None:
+            sink.submit(event)
 
     async def deny(self, who: Who | None, denied: Denied, op: Operation) -> None:
         self.metrics.denials.labels(op.value, denied.metric_reason).inc()
@@ -311,7 +320,7 @@ class Pipeline:
             return
         event = evict_event(digest, entry, tier, remaining)
         try:
-            self.sink.submit(event)
+            self._submit_lazy(event)
         except LedgerBackpressureError:  # record it as soon as there is room
             task = asyncio.get_running_loop().create_task(self._record_later(event))
             self._background.add(task)
