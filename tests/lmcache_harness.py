@@ -99,12 +99,14 @@ def kvgov_config(
     geometry: Geometry | None = None,
     cpu_staging_gb: float = 0.05,
     local_cpu: bool = False,
+    local_disk: Path | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> LMCacheEngineConfig:
     """LMCache config with kvgov as its only remote tier.
 
     ``local_cpu=False`` (the governed default) keeps the CPU tier as a staging buffer only, so
     every hit goes through kvgov; ``True`` also caches in the engine's CPU tier (EVICT tests).
+    ``local_disk`` adds LMCache's local disk tier in that directory (0.1 GB).
     """
     g = geometry or Geometry()
     extra_config: dict[str, Any] = {
@@ -120,7 +122,8 @@ def kvgov_config(
         chunk_size=g.chunk,
         local_cpu=local_cpu,
         max_local_cpu_size=cpu_staging_gb,
-        local_disk=None,
+        local_disk=f"{local_disk}/" if local_disk is not None else None,
+        max_local_disk_size=0.1 if local_disk is not None else 0.0,
         remote_url=None,
         remote_storage_plugins=["kvgov"],
         extra_config=extra_config,
@@ -238,13 +241,24 @@ class Engine:
         self, tokens: list[int], request_configs: Mapping[str, str] | None = None
     ) -> int:
         """How many prefix tokens the engine's own CPU tier holds."""
+        return self.local_hits(tokens, request_configs, "LocalCPUBackend")
+
+    def local_hits(
+        self, tokens: list[int], request_configs: Mapping[str, str] | None, tier: str
+    ) -> int:
+        """How many prefix tokens one of the engine's own tiers holds (``LocalCPUBackend``,
+        ``LocalDiskBackend``)."""
         return int(
             self.engine.lookup(
                 torch.tensor(tokens, dtype=torch.long),
-                search_range=["LocalCPUBackend"],
+                search_range=[tier],
                 request_configs=dict(request_configs or {}),
             )
         )
+
+    def local_backend(self, tier: str) -> Any:
+        """One of the engine's own storage backends by LMCache's name, or None."""
+        return self.engine.storage_manager.storage_backends.get(tier)
 
     # --- introspection -------------------------------------------------------------------
     def remote_backends(self) -> list[Any]:

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,3 +158,74 @@ def test_purge_user_with_real_engines_and_sidecar(sidecar: h.SidecarThread, tmp_
 
     audit = kvgov(sidecar, "audit", "verify")
     assert audit.returncode == 0, audit.stdout + audit.stderr
+
+
+def _wait_control(sc: h.SidecarThread, engines: int, timeout_s: float = 20.0) -> None:
+    """Wait until ``engines`` control connections are registered with this sidecar."""
+    deadline = time.monotonic() + timeout_s
+    while len(sc.sidecar.server.controls) < engines:
+        assert time.monotonic() < deadline, "the engines' control channels did not reconnect"
+        time.sleep(0.05)
+
+
+def _wait_disk(engine: h.Engine, chunks: int, timeout_s: float = 20.0) -> None:
+    """Wait until the engine's disk tier has written ``chunks`` chunks (it writes behind)."""
+    backend = engine.local_backend("LocalDiskBackend")
+    assert backend is not None, "the engine has no disk tier"
+    deadline = time.monotonic() + timeout_s
+    while len(backend.dict) < chunks:
+        assert time.monotonic() < deadline, "the engine's disk tier did not fill"
+        time.sleep(0.05)
+
+
+def test_purge_after_a_sidecar_restart_evicts_from_the_engine_local_tiers(
+    data_dir: Path, pg_url: str
+) -> None:
+    """The sidecar that saw the keys is gone; the one that purges knows only the ledger's
+    digests. The engine still drops the user's chunks from its CPU and disk tiers (it matches
+    the digests with the key-digest key its control connection was given), and keeps
+    everyone else's."""
+    env = {**h.sidecar_env(data_dir, tenants=TENANTS, database_url=pg_url), **PURGE_ENV}
+    alice_toks = h.tokens(3 * G.chunk, seed=41)
+    bob_toks = h.tokens(2 * G.chunk, seed=42)
+    alice = h.identity("acme", user_scope="alice", user="alice", request_id="r-a")
+    bob = h.identity("acme", user_scope="bob", user="bob", request_id="r-b")
+    first = h.SidecarThread(env).start()
+    disk = data_dir / "engine-disk"
+    disk.mkdir()
+    cfg = h.kvgov_config(first.endpoint, local_cpu=True, local_disk=disk, engine_id="engine-a")
+    second: h.SidecarThread | None = None
+    try:
+        with h.engines(cfg) as (e,):
+            _wait_control(first, 1)
+            _store(e, alice_toks, alice, seed=1)
+            _store(e, bob_toks, bob, seed=2)
+            _wait_disk(e, (len(alice_toks) + len(bob_toks)) // G.chunk)
+            assert e.local_cpu_hits(alice_toks, alice) == len(alice_toks)
+            assert e.local_hits(alice_toks, alice, "LocalDiskBackend") == len(alice_toks)
+            alice_digests = {first.key_digest(k) for k in e.key_strings(alice_toks, alice)}
+
+            first.stop()  # a new process on the same data dir and ledger: it never saw a key
+            second = h.SidecarThread(env).start()
+            _wait_control(second, 1)
+
+            done = kvgov(second, "purge", "--user", "alice", "--tenant", "acme", "--yes", "--json")
+            assert done.returncode == 0, done.stdout + done.stderr
+            job = json.loads(done.stdout)
+            receipt = job["receipt"]["receipt"]
+            assert receipt["state"] == "completed", receipt["incomplete"]
+            assert receipt["entries_purged"] == len(alice_digests)
+            assert receipt["engines"]["acknowledged"] == ["engine-a"]
+            [engines_step] = [s for s in job["steps"] if s["name"] == "engines"]
+            assert engines_step["detail"]["removed"] == {"engine-a": len(alice_digests)}
+
+            # alice's chunks are gone from the engine's own tiers; bob's are all still there
+            for tier in ("LocalCPUBackend", "LocalDiskBackend"):
+                assert e.local_hits(alice_toks, alice, tier) == 0
+                assert e.local_hits(bob_toks, bob, tier) == len(bob_toks)
+            assert e.lookup(alice_toks, alice) == 0
+            assert e.retrieve(bob_toks, bob) == len(bob_toks)
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop()
