@@ -3,7 +3,8 @@
 Everything is real: a fresh Postgres database migrated with the ledger's Alembic migrations,
 the real :class:`LedgerWriter` (seeding the ledger with put/get/miss/deny/evict and policy
 decision events that carry :class:`EntryChange`), the real Pseudonymizer and token repository,
-and the API mounted with :func:`include_v1` on a bare FastAPI app.
+the real purge service (memory tier, key store, Ed25519 receipts signed with the ledger's key
+file), and the API mounted with :func:`include_v1` + :func:`include_purges` on a bare app.
 
 The writer runs on an event loop of its own thread (:class:`WriterThread`): the API under test
 is driven from several loops (httpx in the test's loop, Schemathesis' ASGI client, uvicorn in a
@@ -28,13 +29,22 @@ from fastapi import FastAPI
 from sqlalchemy import Engine
 
 from kvgov.config import Settings
+from kvgov.connectors.tiers.memory import MemoryTier
+from kvgov.keys.kek import generate_kek_file
+from kvgov.ledger.chain import generate_signing_key_file, load_signing_key
 from kvgov.ledger.db import make_engine, make_sessionmaker, upgrade
 from kvgov.ledger.events import Appended, EntryChange, Event
+from kvgov.ledger.keystore import SqlKeyStore
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.ledger.tokens import TokenRepository
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.proxy.api.auth import ApiContext
 from kvgov.proxy.api.v1 import include_v1
+from kvgov.proxy.api.v1.purges import include_purges
+from kvgov.proxy.purge.build import make_service, writer_checkpointer
+from kvgov.proxy.purge.model import JobView, PurgeRequest
+from kvgov.proxy.purge.ports import StoreShredder
+from kvgov.proxy.purge.service import PurgeService
 from kvgov.types import EntryState, EventKind, Outcome, Role, Scope, Sensitivity
 
 T = TypeVar("T")
@@ -46,20 +56,33 @@ POLICY_REV = "bundle-2026.11.20"
 class WriterThread:
     """A real LedgerWriter running on its own loop in a daemon thread."""
 
-    def __init__(self, engine: Engine, chain_id: str) -> None:
+    def __init__(
+        self, engine: Engine, chain_id: str, signing_key: Ed25519PrivateKey | None = None
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
+        self.chain_id = chain_id
         self.writer = LedgerWriter(
             engine,
             chain_id=chain_id,
-            signing_key=Ed25519PrivateKey.generate(),
+            signing_key=signing_key or Ed25519PrivateKey.generate(),
             batch_max_delay_ms=1.0,
         )
         self.run(self.writer.start())
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=60)
+
+    async def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the writer's loop and await it from another loop."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    async def flush(self) -> None:
+        await self.run_async(self.writer.flush())
+
+    async def write_checkpoint(self) -> object:
+        return await self.run_async(self.writer.write_checkpoint())
 
     def close(self) -> None:
         try:
@@ -308,11 +331,22 @@ class ApiWorld:
     tokens: Tokens
     seeded: Seeded
     pseudo: Pseudonymizer
+    #: the real purge service on the same database (the sidecar's executor is played by
+    #: :meth:`purge`), signing with the ledger's key file like a sidecar does
+    purges: PurgeService
+    settings: Settings
+
+    async def purge(self, tenant: str, user: str | None = None) -> JobView:
+        """Create a purge job and run it to the end, receipt included."""
+        job = await self.purges.create(PurgeRequest(tenant=tenant, user=user, requested_by="test"))
+        return await self.purges.wait(job.id)
 
 
-def build_app(ctx: ApiContext) -> FastAPI:
+def build_app(ctx: ApiContext, purges: PurgeService | None = None) -> FastAPI:
     app = FastAPI(title="kvgov control plane (test)", version="test")
     include_v1(app, ctx)
+    if purges is not None:
+        include_purges(app, purges)
     return app
 
 
@@ -323,13 +357,20 @@ def api_world(
     """A migrated, seeded Postgres ledger and the API over it."""
     upgrade(pg_url)
     engine = make_engine(pg_url)
+    # a configured node: the ledger's signing key and the KEK in their files, as `kvgov init`
+    # leaves them (receipts are verified against that key; key rotation wraps with that KEK)
+    settings = Settings(
+        data_dir=tmp_path / "kvgov", api={"auth": auth}, purge={"poll_interval_s": 0.05}
+    )
+    generate_signing_key_file(settings.signing_key_path)
+    generate_kek_file(settings.kek_path)
+    signing_key = load_signing_key(settings.signing_key_path)
     seeder = WriterThread(engine, "seed-node")
-    api_writer = WriterThread(engine, "api-node")
+    api_writer = WriterThread(engine, "api-node", signing_key)
     try:
         pseudo = Pseudonymizer(secrets.token_bytes(32))
         seeded = seed_ledger(seeder, pseudo) if seed else Seeded({}, {})
         tokens = make_tokens(engine)
-        settings = Settings(data_dir=tmp_path / "kvgov", api={"auth": auth})
         ctx = ApiContext(
             settings=settings,
             engine=engine,
@@ -337,14 +378,26 @@ def api_world(
             pseudonymizer=pseudo,
             session_secret=secrets.token_bytes(32),
         )
+        purges = make_service(
+            settings,
+            sessions=make_sessionmaker(engine),
+            sink=api_writer.sink,
+            tiers=[MemoryTier(16 << 20)],
+            shredder=StoreShredder(SqlKeyStore(engine)),
+            signing_key=signing_key,
+            pseudonymize=pseudo.user,
+            checkpoint=writer_checkpointer(api_writer, engine, api_writer.chain_id),
+        )
         yield ApiWorld(
-            app=build_app(ctx),
+            app=build_app(ctx, purges),
             engine=engine,
             ctx=ctx,
             writer=api_writer,
             tokens=tokens,
             seeded=seeded,
             pseudo=pseudo,
+            purges=purges,
+            settings=settings,
         )
     finally:
         api_writer.close()

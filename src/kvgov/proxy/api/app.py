@@ -51,6 +51,7 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         from kvgov.proxy.api.v1 import include_sidecar_api
 
         include_sidecar_api(app, sidecar.settings, sidecar.engine, sidecar.writer)
+        app.state.kvgov_keyring = sidecar.pipeline.keyring  # /v1/keys rotates this one
     if sidecar.purge is not None and getattr(app.state, "kvgov_api", None) is not None:
         from kvgov.proxy.api.v1.purges import include_purges
 

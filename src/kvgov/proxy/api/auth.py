@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Annotated, Protocol
+from typing import Annotated, Any, Protocol
 from urllib.parse import unquote
 
 from fastapi import Depends, Request
@@ -37,7 +37,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
-from kvgov.errors import AuthError, ForbiddenError
+from kvgov.errors import AuthError, ForbiddenError, KvgovError
 from kvgov.ledger.db import make_sessionmaker, utcnow
 from kvgov.ledger.events import Event, EventSink
 from kvgov.ledger.tokens import TokenRecord, TokenRepository
@@ -68,6 +68,12 @@ class ApiContext:
     pseudonymizer: UserPseudonymizer
     #: signs dashboard session cookies; random per process unless given
     session_secret: bytes
+    #: raw Ed25519 public keys purge receipts are checked against; None: the ledger's signing
+    #: key (``settings.signing_key_path``), read on first use
+    receipt_keys: tuple[bytes, ...] | None = None
+    #: the keyring ``/v1/keys/rotate`` rotates through; None: one is built on first use from the
+    #: settings (the sidecar passes its own, so a rotation takes effect in it at once)
+    keyring: Any = None
     _sessions: Callable[[], Session] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +81,19 @@ class ApiContext:
 
     def session(self) -> Session:
         return self._sessions()
+
+    def trusted_receipt_keys(self) -> tuple[bytes, ...]:
+        """The keys a receipt must be signed by to show as verified (none: nothing verifies)."""
+        if self.receipt_keys is None:
+            from kvgov.ledger.chain import load_public_key
+
+            path = self.settings.signing_key_path
+            try:
+                self.receipt_keys = (load_public_key(path),) if path.exists() else ()
+            except (KvgovError, OSError):
+                log.warning("api.receipt_key.unreadable")
+                self.receipt_keys = ()
+        return self.receipt_keys
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,9 @@
 """``/dashboard``: a small, read-only, server-rendered compliance page (Jinja2, no JS build).
 
 It shows what the ``/v1`` API shows, from the same queries: ledger integrity, per-tenant stats,
-recent denials, and purges with their receipts. A tenant-scoped token sees only its tenant.
+recent denials, and erasure requests built by the same function as ``GET /v1/purges`` (state,
+counts, and whether each receipt's signature verifies against the ledger's public key).
+A tenant-scoped token sees only its tenant.
 
 Sign-in: the page accepts the same bearer token as the API (``Authorization`` header, for
 scripts and reverse proxies), or a person pastes a token into the sign-in form, which is POSTed
@@ -28,6 +30,7 @@ from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from kvgov.errors import AuthError, KvgovError
+from kvgov.ledger import queries_admin as qa
 from kvgov.ledger import queries_api as q
 from kvgov.ledger.verify import verify
 from kvgov.proxy.api.auth import (
@@ -43,6 +46,7 @@ from kvgov.proxy.api.auth import (
     verify_token,
 )
 from kvgov.proxy.api.v1.audit import report_out, stats_out
+from kvgov.proxy.api.v1.purge_reads import purge_summary
 from kvgov.types import Role
 
 _HERE = Path(__file__).parent
@@ -100,7 +104,9 @@ def _load(ctx: ApiContext, principal: Principal) -> dict[str, Any]:
             session, tenants=None if principal.tenant is None else [principal.tenant]
         )
         denials = q.recent_denials(session, tenant=principal.tenant, limit=20)
-        purges = q.recent_purges(session, tenant=principal.tenant, limit=20)
+        purge_rows = qa.list_purges(session, tenant=principal.tenant, limit=20)
+    trusted = ctx.trusted_receipt_keys()
+    purges = [(purge_summary(r, trusted), r.receipt) for r in purge_rows]
     return {
         "verify": verify_report,
         "stats": [stats_out(s) for s in stats],

@@ -73,11 +73,19 @@ class InvalidInputError(KvgovError):
     code = "invalid_input"
 
 
+class UnavailableError(KvgovError):
+    """Something the operation needs is not configured or not reachable here (the KEK for a
+    key rotation); answered as 503 with the reason."""
+
+    code = "unavailable"
+
+
 _STATUS_BY_ERROR: tuple[tuple[type[KvgovError], int], ...] = (
     (AuthError, 401),
     (ForbiddenError, 403),
     (NotFoundError, 404),
     (InvalidInputError, 422),
+    (UnavailableError, 503),
     (LedgerBackpressureError, 503),
     (IntegrityError, 500),
     (LedgerError, 503),
@@ -187,6 +195,7 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         403: "The token's role or tenant does not allow this",
         404: "No such object",
         422: "Invalid parameters",
+        503: "The ledger (or another dependency) cannot serve this now",
     }
     out: dict[int | str, dict[str, Any]] = {}
     for status in statuses:

@@ -1,8 +1,9 @@
 """The ``/v1`` compliance API and the dashboard, mounted on the control-plane app.
 
 The application factory calls :func:`include_v1` once with an :class:`ApiContext`; nothing is
-built at import time. The purge routes (another module) use the same auth dependencies
-(:data:`kvgov.proxy.api.auth.Admin`) and problem responses.
+built at import time. It mounts every read route, purges and keys included; ``POST
+/v1/purges`` needs the purge service and is mounted by
+:func:`kvgov.proxy.api.v1.purges.include_purges`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from kvgov.proxy.api.problems import install_problem_handlers
 
 API_DESCRIPTION = """\
 Read the kvgov ledger: cache entries, request provenance, user footprints, policy decisions,
-ledger integrity, checkpoints and per-tenant stats.
+ledger integrity, checkpoints, per-tenant stats, erasure requests with their signed receipts,
+and data keys; admins also purge and rotate keys.
 
 **Auth**: `Authorization: Bearer <token>` (create one with `kvgov token create`). Roles:
 `auditor` reads, `admin` also purges and manages tokens and keys, `engine` tokens are refused
@@ -33,17 +35,21 @@ User ids are pseudonymised server-side exactly as in the ledger; raw ids are nev
 OPENAPI_TAGS = [
     {"name": "cache data", "description": "Entries, provenance and user footprints."},
     {"name": "audit", "description": "Decisions, ledger integrity, checkpoints, stats."},
+    {"name": "purges", "description": "Right to be forgotten: purge jobs and signed receipts."},
+    {"name": "keys", "description": "Data keys: list (auditors), rotate (admins)."},
     {"name": "tokens", "description": "Control-plane tokens (global admins only)."},
     {"name": "dashboard", "description": "The read-only compliance dashboard page."},
 ]
 
 
 def v1_router() -> APIRouter:
-    from kvgov.proxy.api.v1 import audit, entries, tokens
+    from kvgov.proxy.api.v1 import audit, entries, keys, purge_reads, tokens
 
     router = APIRouter(prefix="/v1")
     router.include_router(entries.router)
     router.include_router(audit.router)
+    router.include_router(purge_reads.router)
+    router.include_router(keys.router)
     router.include_router(tokens.router)
     return router
 

@@ -1,24 +1,26 @@
-"""``/v1/purges``: the right to be forgotten over REST (the same service as ``kvgov purge``).
+"""``POST /v1/purges``: the right to be forgotten over REST (the same service as ``kvgov purge``).
 
-``POST /v1/purges`` creates a durable purge job and answers 202 with it (the sidecars' purge
-executors run it; poll ``GET /v1/purges/{id}`` until ``state`` is ``completed`` or
-``incomplete`` and read the signed ``receipt``). With ``dry_run`` it answers 200 with what would
-be deleted and changes nothing. Admins only; a tenant-scoped admin may purge only its tenant.
-The user id in the body is pseudonymised at once and never stored or returned.
+It creates a durable purge job and answers 202 with it (the sidecars' purge executors run it;
+poll ``GET /v1/purges/{id}`` until ``state`` is ``completed`` or ``incomplete`` and fetch
+``/v1/purges/{id}/receipt``). With ``dry_run`` it answers 200 with what would be deleted and
+changes nothing. Admins only; a tenant-scoped admin may purge only its tenant. The user id in
+the body is pseudonymised at once and never stored or returned. The read routes (list, job,
+receipt; auditors too) are in :mod:`kvgov.proxy.api.v1.purge_reads` and need no purge service.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, FastAPI, Path, Request, status
+from fastapi import APIRouter, FastAPI, Request, status
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvgov.proxy.api.auth import Admin
 from kvgov.proxy.api.problems import problem_responses
+from kvgov.proxy.api.v1.params import SAFE_TEXT
 from kvgov.proxy.purge.model import JobView, PurgeRequest
 from kvgov.proxy.purge.service import PurgeService
 
@@ -33,11 +35,14 @@ class PurgeCreate(BaseModel):
         json_schema_extra={"examples": [{"tenant": "acme", "user": "u42", "dry_run": False}]},
     )
 
-    tenant: str = Field(min_length=1, max_length=128, description="tenant to purge in")
+    tenant: str = Field(
+        min_length=1, max_length=128, pattern=SAFE_TEXT, description="tenant to purge in"
+    )
     user: str | None = Field(
         default=None,
         min_length=1,
         max_length=256,
+        pattern=SAFE_TEXT,
         description="raw user id (pseudonymised on arrival); omit to purge the whole tenant",
     )
     dry_run: bool = Field(default=False, description="report what would be deleted, change nothing")
@@ -107,7 +112,8 @@ def _service(request: Request) -> PurgeService:
     "/purges",
     summary="Purge a user or a tenant",
     description="Create a purge job (202) that every sidecar executes; with `dry_run`, report "
-    "what would be deleted (200) and change nothing.",
+    "what would be deleted (200) and change nothing. Admins only; a tenant-scoped admin may "
+    "purge only its tenant. Keys are crypto-shredded only this way over REST.",
     status_code=status.HTTP_202_ACCEPTED,
     response_model=PurgeJobOut,
     responses={
@@ -130,25 +136,6 @@ async def create_purge(body: PurgeCreate, principal: Admin, request: Request) ->
     return job_out(job)
 
 
-@router.get(
-    "/purges/{purge_id}",
-    summary="A purge job",
-    description="The job, its steps and, once finished, its signed receipt.",
-    response_model=PurgeJobOut,
-    responses=problem_responses(401, 403, 404, 422),
-)
-async def get_purge(
-    purge_id: Annotated[
-        str, Path(min_length=1, max_length=36, pattern=r"^[0-9a-f-]+$", examples=[_JOB_ID])
-    ],
-    principal: Admin,
-    request: Request,
-) -> PurgeJobOut:
-    job = await _service(request).get(purge_id)
-    principal.check_tenant(job.tenant)
-    return job_out(job)
-
-
 def include_purges(
     app: FastAPI, service: PurgeService, *, wake: Callable[[], None] | None = None
 ) -> None:
@@ -156,8 +143,4 @@ def include_purges(
     app.state.kvgov_purge = service
     app.state.kvgov_purge_wake = wake
     app.include_router(router, prefix="/v1")
-    app.openapi_tags = [
-        *(app.openapi_tags or []),
-        {"name": "purges", "description": "Right to be forgotten: purge jobs and receipts."},
-    ]
     app.openapi_schema = None
