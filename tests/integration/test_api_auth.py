@@ -3,6 +3,7 @@ right role -> 200/201/204; tokens are stored hashed; auth off only in developmen
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -26,9 +27,22 @@ READS = [
     "/v1/audit/checkpoints",
     "/v1/stats",
     "/v1/tenants/acme/stats",
+    "/v1/purges",
+    "/v1/purges?tenant=acme&state=completed",
+    "/v1/purges/{acme_purge}",
+    "/v1/purges/{acme_purge}/receipt",
+    "/v1/keys",
+    "/v1/keys?tenant=acme",
 ]
 ADMIN_ONLY = [("GET", "/v1/tokens"), ("POST", "/v1/tokens")]
-ALL = [("GET", p) for p in READS] + ADMIN_ONLY
+#: admin routes a tenant-scoped admin may use for its own tenant (the bodies name acme)
+TENANT_ADMIN = [("POST", "/v1/keys/rotate"), ("POST", "/v1/purges")]
+ALL = [("GET", p) for p in READS] + ADMIN_ONLY + TENANT_ADMIN
+BODIES = {
+    "/v1/tokens": {"role": "auditor"},
+    "/v1/keys/rotate": {"tenant": "acme"},
+    "/v1/purges": {"tenant": "acme", "user": "bob@acme.example", "dry_run": True},
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +53,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiWorld]:
     name, url = create_pg_database()
     try:
         with api_world(url, tmp_path_factory.mktemp("auth")) as w:
+            # one finished purge (signed receipt) per tenant, for the purge routes
+            w.ids = {
+                "acme_purge": asyncio.run(w.purge("acme", "alice@acme.example")).id,
+                "globex_purge": asyncio.run(w.purge("globex", "carol@globex.example")).id,
+            }
             yield w
     finally:
         drop_pg_database(name)
@@ -48,13 +67,15 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiWorld]:
 async def client(world: ApiWorld) -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=world.app)
     async with httpx.AsyncClient(transport=transport, base_url="http://kvgov.test") as c:
+        c.ids = world.ids  # type: ignore[attr-defined]  # the seeded purge ids, for _call
         yield c
 
 
 async def _call(client: httpx.AsyncClient, method: str, path: str, token: str | None):
     headers = bearer(token) if token else {}
+    path = path.format(**getattr(client, "ids", {}))
     if method == "POST":
-        return await client.post(path, json={"role": "auditor"}, headers=headers)
+        return await client.post(path, json=BODIES[path], headers=headers)
     return await client.get(path, headers=headers)
 
 
@@ -80,7 +101,9 @@ async def test_unknown_revoked_or_malformed_credentials_are_401(
     if bad == "revoked":
         r = await _call(client, method, path, world.tokens.revoked)
     elif bad == "Basic":
-        r = await client.request(method, path, headers={"Authorization": "Basic YWxhZGRpbg=="})
+        r = await client.request(
+            method, path.format(**world.ids), headers={"Authorization": "Basic YWxhZGRpbg=="}
+        )
     else:
         r = await _call(client, method, path, bad)
     _problem(r, 401)
@@ -110,6 +133,31 @@ async def test_token_management_needs_a_global_admin(
     _problem(await _call(client, method, path, getattr(world.tokens, who)), 403)
 
 
+@pytest.mark.parametrize(("method", "path"), TENANT_ADMIN)
+@pytest.mark.parametrize("who", ["auditor", "auditor_acme"])
+async def test_purging_and_rotating_keys_need_an_admin(
+    world: ApiWorld, client: httpx.AsyncClient, method: str, path: str, who: str
+):
+    _problem(await _call(client, method, path, getattr(world.tokens, who)), 403)
+
+
+@pytest.mark.parametrize(("method", "path"), TENANT_ADMIN)
+@pytest.mark.parametrize("who", ["admin", "admin_acme"])
+async def test_admins_purge_and_rotate_their_tenants(
+    world: ApiWorld, client: httpx.AsyncClient, method: str, path: str, who: str
+):
+    r = await _call(client, method, path, getattr(world.tokens, who))
+    assert r.status_code == 200, r.text  # a dry-run purge and a rotation both answer 200
+
+
+@pytest.mark.parametrize(("method", "path"), TENANT_ADMIN)
+async def test_tenant_scoped_admins_cannot_act_on_other_tenants(
+    world: ApiWorld, client: httpx.AsyncClient, method: str, path: str
+):
+    other = {**BODIES[path], "tenant": "globex"}
+    _problem(await client.post(path, json=other, headers=bearer(world.tokens.admin_acme)), 403)
+
+
 @pytest.mark.parametrize(
     ("method", "path", "status"), [("GET", "/v1/tokens", 200), ("POST", "/v1/tokens", 201)]
 )
@@ -129,6 +177,10 @@ async def test_global_admin_manages_tokens(
         "/v1/tenants/globex/stats",
         "/v1/users/carol@globex.example/footprint?tenant=globex",
         "/v1/requests/req-g2/provenance",
+        "/v1/purges?tenant=globex",
+        "/v1/purges/{globex_purge}",
+        "/v1/purges/{globex_purge}/receipt",
+        "/v1/keys?tenant=globex",
     ],
 )
 @pytest.mark.parametrize("who", ["auditor_acme", "admin_acme"])
@@ -140,7 +192,12 @@ async def test_tenant_scoped_tokens_cannot_see_other_tenants(
 
 @pytest.mark.parametrize(
     ("path", "key"),
-    [("/v1/entries", "items"), ("/v1/decisions", "items"), ("/v1/stats", "tenants")],
+    [
+        ("/v1/entries", "items"),
+        ("/v1/decisions", "items"),
+        ("/v1/stats", "tenants"),
+        ("/v1/purges", "items"),
+    ],
 )
 async def test_tenant_scoped_lists_are_forced_to_their_tenant(
     world: ApiWorld, client: httpx.AsyncClient, path: str, key: str

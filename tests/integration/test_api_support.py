@@ -19,7 +19,7 @@ import secrets
 import threading
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -335,6 +335,8 @@ class ApiWorld:
     #: :meth:`purge`), signing with the ledger's key file like a sidecar does
     purges: PurgeService
     settings: Settings
+    #: ids a test module seeded (purge ids, ...), by name
+    ids: dict[str, str] = field(default_factory=dict)
 
     async def purge(self, tenant: str, user: str | None = None) -> JobView:
         """Create a purge job and run it to the end, receipt included."""
