@@ -1,5 +1,6 @@
 """Drive /dashboard in headless Chromium: sign in through the form, compare the numbers shown
-with the API's, and save a screenshot under ``test-artifacts/``.
+with the API's (tenant stats, integrity, and the erasure requests of real purges: id, state,
+counts, receipt verified), and save a screenshot under ``test-artifacts/``.
 
 The API runs under uvicorn on a loopback port over a real, seeded Postgres ledger; Chromium is
 driven over the DevTools protocol (aiohttp's websocket client), so the real sign-in form, the
@@ -25,6 +26,10 @@ import httpx
 import pytest
 import uvicorn
 
+from kvgov.keys.kek import FileKekProvider
+from kvgov.keys.keyring import Keyring
+from kvgov.ledger.keystore import SqlKeyStore
+from kvgov.proxy.purge.model import PurgeRequest
 from tests.integration.test_api_support import EXPECTED_STATS, ApiWorld, api_world, bearer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -48,6 +53,15 @@ def _free_port() -> int:
 @pytest.fixture
 def served(pg_url: str, tmp_path: Path) -> Iterator[tuple[ApiWorld, str]]:
     with api_world(pg_url, tmp_path) as world:
+        # real purges through the purge service on the same database: alice's, run to the end
+        # (signed receipt), and a whole-tenant purge of globex still waiting for its executor.
+        # Her chunks are first sealed (her own key for the one scoped to her) and put in the
+        # tier the purge deletes from, as a sidecar would have.
+        asyncio.run(_store_alices_chunks(world))
+        world.ids["done"] = asyncio.run(world.purge("acme", "alice@acme.example")).id
+        world.ids["pending"] = asyncio.run(
+            world.purges.create(PurgeRequest(tenant="globex", requested_by="test"))
+        ).id
         port = _free_port()
         config = uvicorn.Config(world.app, host="127.0.0.1", port=port, log_level="warning")
         server = uvicorn.Server(config)
@@ -63,6 +77,15 @@ def served(pg_url: str, tmp_path: Path) -> Iterator[tuple[ApiWorld, str]]:
         finally:
             server.should_exit = True
             thread.join(timeout=10)
+
+
+async def _store_alices_chunks(world: ApiWorld) -> None:
+    ring = Keyring(SqlKeyStore(world.engine), FileKekProvider(world.settings.kek_path))
+    alice = world.seeded.users["alice@acme.example"]
+    for name, user in (("a1", None), ("a2", None), ("a3", alice)):
+        digest = world.seeded.digests[name]
+        sealed = ring.seal("acme", digest.encode(), f"{name} ".encode() * 500, user=user)
+        await world.memory.put(digest, sealed)
 
 
 class Cdp:
@@ -165,6 +188,16 @@ async def _drive(devtools_port: int, base: str, token: str) -> tuple[dict[str, A
                     }
                     out.tenants[row.dataset.tenant] = t;
                   }
+                  out.purges = {};
+                  for (const row of document.querySelectorAll('tr.purge')) {
+                    const p = {state: row.dataset.state};
+                    for (const cell of row.querySelectorAll('[data-purge]')) {
+                      p[cell.dataset.purge] = cell.textContent.trim();
+                    }
+                    const receipt = row.querySelector('[data-receipt]');
+                    p.receipt = receipt ? receipt.dataset.receipt : null;
+                    out.purges[row.dataset.purgeId] = p;
+                  }
                   return out;
                 })()"""
             )
@@ -180,6 +213,7 @@ def test_dashboard_shows_the_same_numbers_as_the_api(
     world, base = served
     api = httpx.get(f"{base}/v1/stats", headers=bearer(world.tokens.auditor), timeout=30).json()
     verify = httpx.get(f"{base}/v1/audit/verify", headers=bearer(world.tokens.auditor)).json()
+    purges = httpx.get(f"{base}/v1/purges", headers=bearer(world.tokens.auditor)).json()["items"]
 
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "dashboard.png"
@@ -209,4 +243,30 @@ def test_dashboard_shows_the_same_numbers_as_the_api(
         assert page["hit_rate"] == f"{t['hit_rate'] * 100:.1f}%"
         for tier, nbytes in t["live_bytes_by_tier"].items():
             assert int(page[f"bytes-{tier}"]) == nbytes
+
+    # the erasure requests: the same jobs as /v1/purges, same state and counts, and the
+    # finished purge's receipt shown as verified (the API says its signature is valid)
+    assert [p["id"] for p in purges] == [world.ids["pending"], world.ids["done"]]
+    assert set(shown["purges"]) == {p["id"] for p in purges}
+    for p in purges:
+        row = shown["purges"][p["id"]]
+        assert row["state"] == p["state"]
+        assert row["receipt"] == (
+            "pending"
+            if not p["receipt"]["present"]
+            else "verified"
+            if p["receipt"]["signature_valid"]
+            else "invalid"
+        )
+        counts = p["counts"]
+        for name in ("entries_purged", "entries_in_scope", "keys_destroyed"):
+            expected = "-" if counts[name] is None else str(counts[name])
+            assert row.get(name, "-") == expected, (name, row)
+        for tier, n in counts["deleted_by_tier"].items():
+            assert int(row[f"deleted-{tier}"]) == n
+    done = shown["purges"][world.ids["done"]]
+    assert done["state"] == "completed" and done["receipt"] == "verified"
+    assert done["entries_purged"] == "3" and done["entries_in_scope"] == "3"
+    assert done["deleted-memory"] == "3" and done["keys_destroyed"] == "1"
+    assert shown["purges"][world.ids["pending"]]["receipt"] == "pending"
     assert shot.stat().st_size > 10_000

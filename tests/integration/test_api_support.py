@@ -335,6 +335,8 @@ class ApiWorld:
     #: :meth:`purge`), signing with the ledger's key file like a sidecar does
     purges: PurgeService
     settings: Settings
+    #: the tier the purge service deletes from (what a sidecar's memory tier would hold)
+    memory: MemoryTier
     #: ids a test module seeded (purge ids, ...), by name
     ids: dict[str, str] = field(default_factory=dict)
 
@@ -380,11 +382,12 @@ def api_world(
             pseudonymizer=pseudo,
             session_secret=secrets.token_bytes(32),
         )
+        memory = MemoryTier(16 << 20)
         purges = make_service(
             settings,
             sessions=make_sessionmaker(engine),
             sink=api_writer.sink,
-            tiers=[MemoryTier(16 << 20)],
+            tiers=[memory],
             shredder=StoreShredder(SqlKeyStore(engine)),
             signing_key=signing_key,
             pseudonymize=pseudo.user,
@@ -400,6 +403,7 @@ def api_world(
             pseudo=pseudo,
             purges=purges,
             settings=settings,
+            memory=memory,
         )
     finally:
         api_writer.close()
