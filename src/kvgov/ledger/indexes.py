@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
+from datetime import datetime
 from enum import Enum
 from typing import Any, Protocol
 
@@ -23,6 +24,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from kvgov.ledger.events import EntryChange, Event
 from kvgov.ledger.models import CacheEntry, PolicyDecision, Request, UserRef, table
+from kvgov.ledger.pgfast import executemany_pipelined
 from kvgov.types import EntryState, EventKind
 
 _ENTRY_OPTIONAL = [
@@ -76,6 +78,16 @@ class _Item(Protocol):
     def attrs(self) -> dict[str, Any]: ...
 
 
+@dataclass(slots=True)
+class IndexRows:
+    """What a batch writes to the index tables, folded per key."""
+
+    users: dict[str, dict[str, Any]]
+    requests: dict[str, dict[str, Any]]
+    decisions: dict[str, dict[str, Any]]
+    entries: dict[str, _Plan]
+
+
 def apply_indexes(
     conn: Connection,
     chain_id: str,
@@ -83,6 +95,36 @@ def apply_indexes(
     seqs: list[int],
     known_users: Set[str],
 ) -> set[str]:
+    """Write the index changes ``batch`` carries; returns the user pseudonyms it inserted."""
+    rows = plan_indexes(chain_id, batch, seqs, known_users)
+    if conn.dialect.name == "postgresql":
+        _write_pg(conn, rows)
+        return set(rows.users)
+    users, requests, decisions, entries = rows.users, rows.requests, rows.decisions, rows.entries
+    if users:
+        stmt = _insert(conn, table(UserRef)).on_conflict_do_nothing(index_elements=["pseudonym"])
+        conn.execute(stmt, list(users.values()))
+    if requests:
+        ins = _insert(conn, table(Request))
+        stmt = ins.on_conflict_do_update(
+            index_elements=["request_id"],
+            set_={"last_seen_at": ins.excluded.last_seen_at},
+        )
+        conn.execute(stmt, list(requests.values()))
+    if decisions:
+        stmt = _insert(conn, table(PolicyDecision)).on_conflict_do_nothing(
+            index_elements=["decision_id"]
+        )
+        conn.execute(stmt, list(decisions.values()))
+    if entries:
+        _write_entries(conn, entries)
+    return set(users)
+
+
+def plan_indexes(
+    chain_id: str, batch: Sequence[_Item], seqs: list[int], known_users: Set[str]
+) -> IndexRows:
+    """Fold the batch's index changes (pure computation)."""
     requests: dict[str, dict[str, Any]] = {}
     users: dict[str, dict[str, Any]] = {}
     entries: dict[str, _Plan] = {}
@@ -111,24 +153,7 @@ def apply_indexes(
             decision = _decision_row(item, chain_id, seq)
             if decision is not None:
                 decisions.setdefault(decision["decision_id"], decision)
-    if users:
-        stmt = _insert(conn, table(UserRef)).on_conflict_do_nothing(index_elements=["pseudonym"])
-        conn.execute(stmt, list(users.values()))
-    if requests:
-        ins = _insert(conn, table(Request))
-        stmt = ins.on_conflict_do_update(
-            index_elements=["request_id"],
-            set_={"last_seen_at": ins.excluded.last_seen_at},
-        )
-        conn.execute(stmt, list(requests.values()))
-    if decisions:
-        stmt = _insert(conn, table(PolicyDecision)).on_conflict_do_nothing(
-            index_elements=["decision_id"]
-        )
-        conn.execute(stmt, list(decisions.values()))
-    if entries:
-        _write_entries(conn, entries)
-    return set(users)
+    return IndexRows(users, requests, decisions, entries)
 
 
 def _merge_entry(
@@ -260,3 +285,104 @@ def _decision_row(item: _Item, chain_id: str, seq: int) -> dict[str, Any] | None
 def _insert(conn: Connection, target: Any) -> Any:
     dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
     return dialect.insert(target)
+
+
+# -- Postgres: every index statement in one pipeline (one round trip), no SQL construction ----
+
+_ENTRY_COLS = ("key_digest", *_ENTRY_OPTIONAL, "state", "created_at", "updated_at")
+_ENTRY_COLS += ("created_request_id", "chain_id")
+_JSON_COLS = frozenset({"tiers", "reasons"})
+_USERS_SQL = (
+    "INSERT INTO user_refs (pseudonym, tenant, created_at) VALUES (%s, %s, %s)"
+    " ON CONFLICT (pseudonym) DO NOTHING"
+)
+_REQUESTS_SQL = (
+    "INSERT INTO requests (request_id, first_seen_at, tenant, actor, last_seen_at, principal)"
+    " VALUES (%s, %s, %s, %s, %s, %s)"
+    " ON CONFLICT (request_id) DO UPDATE SET last_seen_at = excluded.last_seen_at"
+)
+_DECISION_COLS = (
+    "decision_id",
+    "policy_revision",
+    "data_revision",
+    "input_digest",
+    "allowed",
+    "reasons",
+    "tiers",
+    "ttl_s",
+    "scope",
+    "tenant",
+    "operation",
+    "first_seen_at",
+    "chain_id",
+    "seq",
+)
+_DECISION_VALUES = ", ".join(["%s"] * len(_DECISION_COLS))
+_DECISIONS_SQL = (
+    f"INSERT INTO policy_decisions ({', '.join(_DECISION_COLS)})"  # noqa: S608 - constants
+    f" VALUES ({_DECISION_VALUES}) ON CONFLICT (decision_id) DO NOTHING"
+)
+_LIVE = f"t.state = '{EntryState.LIVE.value}'"
+_MODE_SQL = {
+    _Mode.SET: "excluded.{c}",
+    _Mode.KEEP_IF_LIVE: "CASE WHEN " + _LIVE + " THEN t.{c} ELSE excluded.{c} END",
+    _Mode.FILL: "COALESCE(t.{c}, excluded.{c})",
+    _Mode.FILL_IF_LIVE: (
+        "CASE WHEN " + _LIVE + " THEN COALESCE(t.{c}, excluded.{c}) ELSE excluded.{c} END"
+    ),
+}
+_entry_sql_cache: dict[tuple[tuple[str, _Mode], ...], str] = {}
+
+
+def _entry_sql(cols: tuple[tuple[str, _Mode], ...]) -> str:
+    """An upsert of ``cache_entries``: a new key gets the full row; an existing one the
+    columns ``cols``, each as its mode says (the CASEs read the row as it was, like the UPDATE
+    of the portable path)."""
+    sql = _entry_sql_cache.get(cols)
+    if sql is None:
+        sets = ", ".join(f"{c} = " + _MODE_SQL[mode].format(c=c) for c, mode in cols)
+        sql = (
+            f"INSERT INTO cache_entries AS t ({', '.join(_ENTRY_COLS)})"  # noqa: S608 - constants
+            f" VALUES ({', '.join(['%s'] * len(_ENTRY_COLS))})"
+            f" ON CONFLICT (key_digest) DO UPDATE SET {sets}"
+        )
+        if len(_entry_sql_cache) < 256:
+            _entry_sql_cache[cols] = sql
+    return sql
+
+
+def _pg_value(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if name in _JSON_COLS:
+        from psycopg.types.json import Jsonb
+
+        return Jsonb(value)
+    if isinstance(value, datetime) and value.utcoffset() is None:
+        raise ValueError("naive datetime given to the ledger; use an aware UTC datetime")
+    return value
+
+
+def _write_pg(conn: Connection, rows: IndexRows) -> None:
+    statements: list[tuple[str, list[tuple[Any, ...]]]] = []
+    if rows.users:
+        names = ("pseudonym", "tenant", "created_at")
+        statements.append(
+            (_USERS_SQL, [tuple(_pg_value(c, u[c]) for c in names) for u in rows.users.values()])
+        )
+    if rows.requests:
+        req_cols = ("request_id", "first_seen_at", "tenant", "actor", "last_seen_at", "principal")
+        values = [tuple(_pg_value(c, r.get(c)) for c in req_cols) for r in rows.requests.values()]
+        statements.append((_REQUESTS_SQL, values))
+    if rows.decisions:
+        values = [
+            tuple(_pg_value(c, d.get(c)) for c in _DECISION_COLS) for d in rows.decisions.values()
+        ]
+        statements.append((_DECISIONS_SQL, values))
+    groups: dict[tuple[tuple[str, _Mode], ...], list[tuple[Any, ...]]] = {}
+    for key, plan in rows.entries.items():
+        cols = tuple(sorted((c, plan.modes.get(c, _Mode.SET)) for c in plan.values))
+        full = _full_entry(key, plan.values)
+        groups.setdefault(cols, []).append(tuple(_pg_value(c, full[c]) for c in _ENTRY_COLS))
+    statements.extend((_entry_sql(cols), values) for cols, values in groups.items())
+    executemany_pipelined(conn, statements)

@@ -110,3 +110,26 @@ def read_head_pipelined(conn: Connection, chain_id: str) -> tuple[bool, Any]:
         raise exc.OperationalError(_HEAD, None, err) from err
     except psycopg.Error as err:
         raise exc.DatabaseError(_HEAD, None, err) from err
+
+
+def executemany_pipelined(
+    conn: Connection, statements: Sequence[tuple[str, Sequence[Sequence[Any]]]]
+) -> None:
+    """Run each ``(sql, rows)`` as an executemany, all in one libpq pipeline: one round trip
+    for the lot, and each statement prepared once per connection."""
+    if not statements:
+        return
+    import psycopg
+
+    raw = _raw(conn)
+    sql = ""
+    try:
+        with raw.pipeline(), raw.cursor() as cur:
+            for sql, rows in statements:
+                cur.executemany(sql, rows)
+    except psycopg.OperationalError as err:
+        raise exc.OperationalError(sql, None, err) from err
+    except psycopg.IntegrityError as err:
+        raise exc.IntegrityError(sql, None, err) from err
+    except psycopg.Error as err:
+        raise exc.DatabaseError(sql, None, err) from err
