@@ -136,3 +136,33 @@ async def test_interval_zero_writes_no_checkpoints(tmp_path: Path, pg_url: str) 
     assert _head(sc) > 0
     assert _checkpoints(sc) == []
     sc.engine.dispose()
+
+
+async def test_start_and_stop_are_ledger_events_with_the_policy_revision(
+    tmp_path: Path, pg_url: str
+) -> None:
+    sc = await _start(_settings(tmp_path / "data", pg_url, interval_s=0))
+    revision = sc.pipeline.policy.revision if sc.pipeline.policy is not None else None
+    assert revision is not None
+    await sc.stop()
+    assert sc.engine is not None
+    with Session(sc.engine) as s:
+        rows = s.execute(
+            select(
+                LedgerEvent.kind,
+                LedgerEvent.principal,
+                LedgerEvent.policy_revision,
+                LedgerEvent.attrs,
+            )
+            .where(LedgerEvent.chain_id == sc.settings.chain_id)
+            .order_by(LedgerEvent.seq)
+        ).all()
+    sc.engine.dispose()
+    assert [r.kind for r in rows] == ["sidecar:started", "sidecar:stopped"]
+    for row in rows:
+        assert row.principal == sc.sidecar_id
+        assert row.policy_revision == revision.policy
+        assert row.attrs["data_revision"] == revision.data
+        assert row.attrs["governance"] is True
+        assert row.attrs["tiers"] == ["memory"]
+        assert any(a.startswith("tcp://127.0.0.1:") for a in row.attrs["listeners"])

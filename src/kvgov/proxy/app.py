@@ -23,9 +23,10 @@ from kvgov import __version__
 from kvgov.config import Settings
 from kvgov.connectors.tiers.chain import TierChain
 from kvgov.connectors.tiers.factory import build_tiers
+from kvgov.errors import KvgovError
 from kvgov.keys.keyring import Keyring
 from kvgov.keys.store import WrappedKeyStore
-from kvgov.ledger.events import EventSink
+from kvgov.ledger.events import Event, EventSink
 from kvgov.ledger.pseudonym import Pseudonymizer, generate_pseudonym_key_file
 from kvgov.policy.interfaces import DecisionRecorder, PolicyEngine
 from kvgov.proxy.dataplane.buffers import BufferPool
@@ -33,7 +34,7 @@ from kvgov.proxy.dataplane.index import EntryIndex
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
 from kvgov.proxy.dataplane.pipeline import Pipeline
 from kvgov.proxy.dataplane.server import ServerConfig, WireServer
-from kvgov.types import Environment
+from kvgov.types import Environment, EventKind, Outcome
 
 log = logging.getLogger("kvgov.sidecar")
 
@@ -83,7 +84,40 @@ class Sidecar:
                 )
             )
         self.ready = True
-        log.info("sidecar.started", extra={"addresses": self.server.addresses})
+        await self._record_lifecycle(EventKind.SIDECAR_STARTED)
+        log.info("sidecar.started", extra={"addresses": self.addresses})
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every listener, the ``lm://`` one included."""
+        out = list(self.server.addresses)
+        if self.lm_server is not None and self.lm_server.port is not None:
+            out.append(f"lm://{self.settings.dataplane.lm_host}:{self.lm_server.port}")
+        return out
+
+    async def _record_lifecycle(self, kind: EventKind) -> None:
+        """A ``sidecar:started``/``sidecar:stopped`` event: an auditor can tell which node ran,
+        when, with which policy revision, tiers and governance switch."""
+        if self.writer is None:
+            return
+        policy = self.pipeline.policy
+        revision = policy.revision if policy is not None else None
+        await self.writer.append(
+            Event(
+                kind=kind,
+                principal=self.sidecar_id,
+                outcome=Outcome.OK,
+                policy_revision=revision.policy if revision is not None else None,
+                attrs={
+                    "version": __version__,
+                    "data_revision": revision.data if revision is not None else None,
+                    "governance": self.pipeline.governance,
+                    "tiers": list(self.settings.tiers.chain),
+                    "listeners": self.addresses,
+                    "environment": str(self.settings.environment),
+                },
+            )
+        )
 
     async def _sweeper(self) -> None:
         interval = self.settings.tiers.sweep_interval_s
@@ -130,6 +164,8 @@ class Sidecar:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        with contextlib.suppress(KvgovError):  # a stop must finish even if the ledger cannot
+            await self._record_lifecycle(EventKind.SIDECAR_STOPPED)
         if self.pipeline.policy is not None:
             await self.pipeline.policy.aclose()
         if self.writer is not None:  # a final checkpoint signs everything it wrote

@@ -37,7 +37,7 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         return {
             "status": "ready" if ready else "not_ready",
             "sidecar": sidecar.sidecar_id,
-            "listeners": sidecar.server.addresses,
+            "listeners": sidecar.addresses,
             "connections": len(sidecar.server.connections),
             "governance": sidecar.pipeline.governance,
         }
