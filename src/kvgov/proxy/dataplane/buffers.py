@@ -12,7 +12,8 @@ steady-state traffic of one chunk size allocates nothing.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Sequence
 
 from kvgov.errors import ProtocolError
 
@@ -45,6 +46,14 @@ class Lease:
     def view(self) -> memoryview:
         return memoryview(self.buf)[: self.size]
 
+    def resize(self, n: int) -> Lease:
+        """This lease with a view of exactly ``n`` bytes (raises if its buffer is smaller)."""
+        if n > len(self.buf):
+            self.release()
+            raise ProtocolError(f"a {n}-byte item does not fit the {len(self.buf)}-byte buffer")
+        self.size = n
+        return self
+
     def release(self) -> None:
         pool = self._pool
         if pool is not None:
@@ -58,7 +67,7 @@ class BufferPool:
         self._idle: dict[int, deque[bytearray]] = {}
         self._idle_bytes = 0
         self._in_use = 0
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._waiters: deque[tuple[tuple[int, ...], asyncio.Future[None]]] = deque()
 
     @property
     def in_use_bytes(self) -> int:
@@ -70,35 +79,60 @@ class BufferPool:
 
     async def acquire(self, n: int) -> Lease:
         """A buffer of at least ``n`` bytes (its ``view`` is exactly ``n``); waits for room."""
-        cls = size_class(n)
-        if cls > self.max_bytes:
-            raise ProtocolError(f"a {n}-byte chunk does not fit the buffer pool")
-        while not self._fits(cls):
+        return (await self.acquire_many((n,)))[0]
+
+    async def acquire_many(self, sizes: Sequence[int]) -> list[Lease]:
+        """Buffers for every size at once, or none: waits until all of them fit together.
+
+        What one request (a PUT or GET frame of several items) holds together is taken in one
+        step, so no connection ever holds part of the pool while waiting for more (two
+        connections doing that could wait for each other for ever). Waiters are served in
+        order."""
+        classes = tuple(size_class(n) for n in sizes)
+        if sum(classes) > self.max_bytes:
+            raise ProtocolError(f"{sum(sizes)} bytes in one request do not fit the buffer pool")
+        if not classes:
+            return []
+        queued = False
+        # behind earlier waiters (in order), then until they fit: a woken waiter that finds
+        # its room taken by a newcomer waits again at the head of the line
+        while (self._waiters and not queued) or not self._fits(classes):
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append((cls, fut))
+            if queued:
+                self._waiters.appendleft((classes, fut))
+            else:
+                self._waiters.append((classes, fut))
+                queued = True
             try:
                 await fut
             except asyncio.CancelledError:
-                self._wake()
+                self._wake()  # if it had been woken, the next waiter's turn
                 raise
-        lease = self._take(cls, n)
+        leases = [self._take(cls, n) for cls, n in zip(classes, sizes, strict=True)]
         if self._waiters:
             self._wake()
-        return lease
+        return leases
 
-    def _fits(self, cls: int) -> bool:
-        if self._idle.get(cls):
+    def _fits(self, classes: Sequence[int]) -> bool:
+        """Whether buffers of these classes can be taken now (idle ones first; idle buffers
+        of other sizes are dropped to make room)."""
+        reuse: Counter[int] = Counter()
+        fresh = 0
+        for cls in classes:
+            if reuse[cls] < len(self._idle.get(cls, ())):
+                reuse[cls] += 1
+            else:
+                fresh += cls
+        if self._in_use + self._idle_bytes + fresh <= self.max_bytes:
             return True
-        if self._in_use + self._idle_bytes + cls <= self.max_bytes:
-            return True
-        # drop idle buffers of other sizes to make room
         for size, bufs in list(self._idle.items()):
-            while bufs and self._in_use + self._idle_bytes + cls > self.max_bytes:
+            keep = reuse.get(size, 0)
+            while len(bufs) > keep and self._in_use + self._idle_bytes + fresh > self.max_bytes:
                 bufs.pop()
                 self._idle_bytes -= size
             if not bufs:
                 del self._idle[size]
-        return self._in_use + self._idle_bytes + cls <= self.max_bytes
+        return self._in_use + self._idle_bytes + fresh <= self.max_bytes
 
     def _take(self, cls: int, n: int) -> Lease:
         bufs = self._idle.get(cls)
@@ -118,12 +152,13 @@ class BufferPool:
         self._wake()
 
     def _wake(self) -> None:
+        """Resolve the first waiter if its buffers fit now (the next ones wait their turn)."""
         while self._waiters:
-            cls, fut = self._waiters[0]
+            classes, fut = self._waiters[0]
             if fut.done():
                 self._waiters.popleft()
                 continue
-            if not self._fits(cls):
+            if not self._fits(classes):
                 return
             self._waiters.popleft()
             fut.set_result(None)

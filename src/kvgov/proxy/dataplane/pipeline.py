@@ -33,16 +33,16 @@ from kvgov.keys.sealed import SealedHeader, SealWriter, sealed_size, segment_cou
 from kvgov.ledger.events import Event, EventSink, LazyEventSink
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.policy.interfaces import Decision, DecisionRecorder, PolicyEngine
-from kvgov.proxy.dataplane.buffers import BufferPool, size_class
+from kvgov.proxy.dataplane.buffers import BufferPool, Lease, size_class
 from kvgov.proxy.dataplane.identity import Denied, Identity, Who, build_input, resolve
 from kvgov.proxy.dataplane.index import EntryIndex, EntryMeta, envelope_head, parse_envelope
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
-from kvgov.proxy.dataplane.plans import GetPlan, PutPlan, StoredPut, segments_per_job
+from kvgov.proxy.dataplane.plans import Found, GetPlan, PutPlan, StoredPut, segments_per_job
 from kvgov.proxy.dataplane.records import entry_gone, evict_event, put_event
 from kvgov.types import EntryState, EventKind, Operation, Outcome, Scope
 from kvgov.wire.messages import RequestContext
 
-__all__ = ["GetPlan", "Pipeline", "PutPlan", "StoredPut"]
+__all__ = ["Found", "GetPlan", "Pipeline", "PutPlan", "StoredPut"]
 
 log = logging.getLogger("kvgov.dataplane")
 
@@ -165,28 +165,50 @@ class Pipeline:
 
     # -- put -----------------------------------------------------------------------------------
 
-    def lease_bound(self, length: int) -> int:
-        """An upper bound on the pooled buffer a put of ``length`` bytes takes."""
+    def lease_bound(self, length: int, item_meta: Mapping[str, Any] | None = None) -> int:
+        """An upper bound on the pooled buffer a put of ``length`` bytes takes (exact for its
+        envelope head when ``item_meta`` is given)."""
         try:
             body = sealed_size(length, self.segment_size) if self.governance else length
         except ValueError:  # beyond what one sealed chunk can hold
             return 1 << 62
-        return size_class(body + ENVELOPE_SLACK)
+        if item_meta is None:
+            return size_class(body + ENVELOPE_SLACK)
+        return size_class(body + len(envelope_head({**item_meta, "_n": length, "_sealed": False})))
 
     async def plan_put(
-        self, who: Who, length: int, item_meta: Mapping[str, Any]
+        self, who: Who, length: int, item_meta: Mapping[str, Any], lease: Lease | None = None
+    ) -> PutPlan | Denied:
+        """Decide, then lay out where the put's bytes go. ``lease``: a buffer taken for it in
+        advance (at least :meth:`lease_bound`; the plan owns it from here, denied or not)."""
+        try:
+            return await self._plan_put(who, length, item_meta, lease)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+
+    async def _plan_put(
+        self, who: Who, length: int, item_meta: Mapping[str, Any], given: Lease | None
     ) -> PutPlan | Denied:
         decision = await self._decide(who, Operation.PUT, None)
         if decision is not None and not decision.allowed:
+            if given is not None:
+                given.release()
             return Denied(decision.reason or "denied", who.identity, who.ctx, decision)
         allowed = decision.tiers if decision is not None else self.tiers.names
         if not any(name in self.tiers.names for name in allowed):
+            if given is not None:
+                given.release()
             return Denied("no_allowed_tier", who.identity, who.ctx, decision)
         scope_user = who.key_user if decision is not None and decision.scope is Scope.USER else None
         governed = decision is not None and self.keyring is not None
         head = envelope_head({**item_meta, "_n": length, "_sealed": governed})
         body_len = sealed_size(length, self.segment_size) if governed else length
-        lease = await self.pool.acquire(len(head) + body_len)
+        if given is None:
+            lease = await self.pool.acquire(len(head) + body_len)
+        else:
+            lease = given.resize(len(head) + body_len)
         try:
             view = lease.view
             view[: len(head)] = head
@@ -322,9 +344,7 @@ class Pipeline:
         try:
             self._submit_lazy(event)
         except LedgerBackpressureError:  # record it as soon as there is room
-            task = asyncio.get_running_loop().create_task(self._record_later(event))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._record_soon(event)
         except KvgovError as exc:
             log.error("dataplane.evict.unrecorded", extra={"error": exc.code})
 
@@ -376,33 +396,54 @@ class Pipeline:
     async def get(self, who: Who, *, max_lease: int | None = None) -> GetPlan | None:
         """A hit ready to stream, or None. A value whose buffer would exceed ``max_lease``
         bytes (what the caller's frame may still hold of the pool) is a miss."""
+        found = await self.find(who)
+        if found is None:
+            return None
+        limit = self.pool.max_bytes if max_lease is None else min(max_lease, self.pool.max_bytes)
+        if size_class(found.size) > limit:
+            return await self.load(found, None)  # waiting for that much could wait for ever
+        return await self.load(found, await self.pool.acquire(found.size))
+
+    async def find(self, who: Who) -> Found | None:
+        """A get's first step: the readable entry and its stored size, or None (a miss, now
+        recorded). :meth:`load` with a buffer of ``size`` bytes finishes it."""
         entry, decision = await self._readable(who, Operation.GET)
-        plan = await self._load(who, entry, max_lease) if entry is not None else None
-        if self.governance:
-            kind = EventKind.KV_GET if plan is not None else EventKind.KV_MISS
-            await self._record(
-                self._event(
-                    kind,
-                    who,
-                    outcome=Outcome.HIT if plan is not None else Outcome.MISS,
-                    nbytes=plan.length if plan is not None else None,
-                    decision_id=decision.decision_id if decision else None,
-                    policy_revision=decision.policy_revision if decision else None,
-                ),
-                durable=False,
-            )
+        size = await self.tiers.size_of(who.digest) if entry is not None else None
+        if entry is None or size is None:
+            await self._record_get(who, None, decision)
+            return None
+        return Found(who, entry, decision, size)
+
+    async def load(self, found: Found, lease: Lease | None) -> GetPlan | None:
+        """A get's second step: read the value into ``lease`` (which the plan then owns; None:
+        a miss) and record the hit or miss."""
+        plan = await self._load(found.who, found.entry, lease) if lease is not None else None
+        await self._record_get(found.who, plan, found.decision)
         if plan is not None:
             self.metrics.op_bytes.labels("get").inc(plan.length)
         return plan
 
-    async def _load(self, who: Who, entry: EntryMeta, max_lease: int | None) -> GetPlan | None:
-        size = await self.tiers.size_of(who.digest)
-        if size is None:
-            return None
-        limit = self.pool.max_bytes if max_lease is None else min(max_lease, self.pool.max_bytes)
-        if size_class(size) > limit:
-            return None  # waiting for that much of the pool could wait for ever
-        lease = await self.pool.acquire(size)
+    async def _record_get(self, who: Who, plan: GetPlan | None, decision: Decision | None) -> None:
+        if not self.governance:
+            return
+        await self._record(
+            self._event(
+                EventKind.KV_GET if plan is not None else EventKind.KV_MISS,
+                who,
+                outcome=Outcome.HIT if plan is not None else Outcome.MISS,
+                nbytes=plan.length if plan is not None else None,
+                decision_id=decision.decision_id if decision else None,
+                policy_revision=decision.policy_revision if decision else None,
+            ),
+            durable=False,
+        )
+
+    def _record_soon(self, event: Event) -> None:
+        task = asyncio.get_running_loop().create_task(self._record_later(event))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _load(self, who: Who, entry: EntryMeta, lease: Lease) -> GetPlan | None:
         try:
             hit = await self.tiers.get_into(who.digest, lease.view, allowed=entry.tiers)
             if hit is None:

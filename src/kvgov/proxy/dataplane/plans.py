@@ -126,6 +126,16 @@ class StoredPut:
     recorded: Awaitable[Any] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Found:
+    """A get's first step: a readable entry and the size of its stored value."""
+
+    who: Who
+    entry: EntryMeta
+    decision: Decision | None
+    size: int
+
+
 @dataclass(slots=True)
 class GetPlan:
     """A hit ready to stream: open its windows in place (:func:`open_segments`), send them."""

@@ -27,9 +27,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvgov.proxy.dataplane.buffers import Lease, size_class
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol
 from kvgov.proxy.dataplane.identity import Identity
-from kvgov.proxy.dataplane.pipeline import GetPlan, PutPlan, StoredPut
+from kvgov.proxy.dataplane.pipeline import Found, GetPlan, PutPlan, StoredPut
 from kvgov.types import Operation
 from kvgov.wire.codec import (
     HEADER_SIZE,
@@ -253,7 +254,8 @@ class WireConnection(StreamProtocol):
             raise
         if self.identity is None:
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
-        if sum(pipeline.lease_bound(item.length) for item in items) > pipeline.pool.max_bytes:
+        bounds = [pipeline.lease_bound(item.length, item.meta) for item in items]
+        if sum(bounds) > pipeline.pool.max_bytes:
             # its items' buffers are held together: waiting for that much room never ends
             await self.discard(payload_len)
             raise WireError(
@@ -261,18 +263,23 @@ class WireConnection(StreamProtocol):
                 "the PUT needs more buffer than the sidecar's pool holds",
                 hint="send fewer or smaller items per frame",
             )
+        # every item's buffer at once: never hold part of the pool while waiting for the rest
+        leases: list[Lease | None] = list(await pipeline.pool.acquire_many(bounds))
         results: list[dict[str, Any] | None] = []
         plans: list[PutPlan] = []
         try:
-            for item in items:
+            for index, item in enumerate(items):
+                lease, leases[index] = leases[index], None  # the plan owns it from here
                 who, denied = pipeline.identify(self.identity, item.key, item.ctx or ctx)
                 plan = None
                 if denied is None and who is not None:
-                    got = await pipeline.plan_put(who, item.length, item.meta)
+                    got = await pipeline.plan_put(who, item.length, item.meta, lease)
                     if isinstance(got, PutPlan):
                         plan = got
                     else:
                         denied = got
+                elif lease is not None:
+                    lease.release()
                 if plan is None:
                     if denied is not None:
                         await pipeline.deny(who, denied, Operation.PUT)
@@ -286,6 +293,9 @@ class WireConnection(StreamProtocol):
                     plan.segment_done(i, pipeline.executor)
                 results.append(None)
         except BaseException:
+            for left in leases:
+                if left is not None:
+                    left.release()
             for plan in plans:  # the frame did not complete: store nothing from it
                 await plan.discard()
             raise
@@ -361,22 +371,39 @@ class WireConnection(StreamProtocol):
         ctx = RequestContext.from_meta(meta.get("ctx"))
         if self.identity is None:
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
-        plans: list[GetPlan | None] = []
+        # first every key's entry and size, then the hits' buffers all at once (never part of
+        # the pool held while waiting for the rest), then read them
+        finds: list[Found | None] = []
+        for key in keys:
+            who, denied = pipeline.identify(self.identity, key, ctx)
+            found = None
+            if denied is not None:
+                await pipeline.deny(who, denied, Operation.GET)
+            elif who is not None:
+                found = await pipeline.find(who)
+            finds.append(found)
         budget = self.server.config.max_frame_bytes
         room = pipeline.pool.max_bytes
+        taken: list[Found] = []
+        for found in finds:
+            # a hit beyond the frame limit or what the pool holds for one frame is a miss
+            if found is not None and budget > 0 and size_class(found.size) <= room:
+                taken.append(found)
+                budget -= found.size
+                room -= size_class(found.size)
+        leases = dict(
+            zip(
+                map(id, taken),
+                await pipeline.pool.acquire_many([f.size for f in taken]),
+                strict=True,
+            )
+        )
+        plans: list[GetPlan | None] = []
         try:
-            for key in keys:
-                who, denied = pipeline.identify(self.identity, key, ctx)
+            for found in finds:
                 plan = None
-                if denied is not None:
-                    await pipeline.deny(who, denied, Operation.GET)
-                elif who is not None and budget > 0:
-                    # a frame's hits hold their buffers together: never wait for more room
-                    # than the pool has left for this frame (a hit that does not fit is a miss)
-                    plan = await pipeline.get(who, max_lease=room)
-                    if plan is not None:
-                        budget -= plan.length
-                        room -= len(plan.lease.buf)
+                if found is not None:
+                    plan = await pipeline.load(found, leases.pop(id(found), None))
                 outcome = "hit" if plan is not None else "miss"
                 pipeline.metrics.ops.labels("get", self.listener, outcome).inc()
                 plans.append(plan)
@@ -392,6 +419,8 @@ class WireConnection(StreamProtocol):
                 if p is not None:
                     await self.send_plan(p, pipeline.executor)
         finally:
+            for lease in leases.values():
+                lease.release()
             for p in plans:
                 if p is not None:
                     p.lease.release()
