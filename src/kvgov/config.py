@@ -89,6 +89,9 @@ class KeysSettings(_Section):
     segment_size: int = Field(default=1 * _MIB, ge=4096, le=64 * _MIB)
     #: rotate a data key after this many sealed chunks (GCM's random-nonce bound is 2**32)
     rotate_after_chunks: int = Field(default=2**28, ge=1, le=2**31)
+    #: seconds between a sidecar's checks of its in-memory keys against the key store: about
+    #: the longest a shred or rotation done elsewhere (CLI, another sidecar) goes unseen
+    revalidate_interval_s: float = Field(default=5.0, gt=0, le=3600)
 
 
 class TierSettings(_Section):

@@ -10,6 +10,9 @@ Every sealed chunk counts against its key version (counted in memory, added to t
 batches); once a version reaches ``rotate_after_chunks`` the next :meth:`Keyring.current`
 rotates, well before AES-GCM's 2**32 random-nonce bound. :meth:`Keyring.shred` destroys the
 wrapped rows and every in-memory copy: data sealed under them can no longer be opened.
+:meth:`Keyring.revalidate` catches up with shreds and rotations done by other processes
+sharing the store (see :mod:`kvgov.keys.revalidate`); a sidecar runs it every
+``keys.revalidate_interval_s``.
 
 Thread-safe: one lock guards the cache and counters; sealing itself runs outside it.
 The keyring records no ledger events itself; ``on_change`` hears about created, rotated and
@@ -27,7 +30,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from kvgov.config import Settings
-from kvgov.errors import KeyDestroyedError, KeyManagementError, KeyNotFoundError, SealError
+from kvgov.errors import KeyDestroyedError, KeyManagementError, KeyNotFoundError
 from kvgov.keys.handle import DEK_BYTES, KeyHandle
 from kvgov.keys.ids import (
     MAX_TENANT_BYTES,
@@ -40,12 +43,8 @@ from kvgov.keys.ids import (
     wrap_aad,
 )
 from kvgov.keys.kek import KekProvider, load_kek_provider
-from kvgov.keys.sealed import (
-    SealReader,
-    SealWriter,
-    parse_header,
-    sealed_size,
-)
+from kvgov.keys.revalidate import Revalidation, batches, plan
+from kvgov.keys.sealing import Sealing
 from kvgov.keys.store import WrappedKeyStore
 from kvgov.types import EventKind, KeyState, WrappedKey
 
@@ -55,6 +54,7 @@ __all__ = [
     "KeyInfo",
     "KeyListener",
     "Keyring",
+    "Revalidation",
     "key_id_for",
     "tenant_key_id",
     "tenant_of",
@@ -76,7 +76,7 @@ class _Entry:
         self.pending = 0
 
 
-class Keyring:
+class Keyring(Sealing):
     """Data keys for every tenant and user scope (see the module docstring)."""
 
     def __init__(
@@ -195,6 +195,42 @@ class Keyring:
             self._notify(EventKind.KEY_SHREDDED, row)
         return [KeyInfo.of(row) for row in destroyed]
 
+    def revalidate(self) -> Revalidation:
+        """Catch up with changes made elsewhere (see :mod:`kvgov.keys.revalidate`): drop the
+        cached versions destroyed in the store, seal under a newer active version. One store
+        read per batch of key ids, outside the lock. Blocking: run it off the event loop."""
+        with self._lock:
+            cached = builtins.list(self._cache)
+            active = dict(self._active)
+        states = {}
+        for batch in batches({key_id for key_id, _ in cached} | active.keys()):
+            states.update(self._store.states(batch))
+        todo = plan(cached, active, states)
+        fresh = [self._store.get(key_id, version) for key_id, version in todo.renew.items()]
+        renewed: builtins.list[tuple[str, int]] = []
+        with self._lock:
+            for ident in todo.drop:
+                entry = self._cache.pop(ident, None)
+                if entry is not None:
+                    entry.handle.destroy()
+                    self._dirty.pop(ident, None)
+                    self._pending_total -= entry.pending
+            for key_id in todo.forget:
+                if self._active.get(key_id) == active[key_id]:  # not changed here meanwhile
+                    del self._active[key_id]
+            for row in fresh:
+                if row is None or row.state is not KeyState.ACTIVE:
+                    continue  # changed again since: the next seal reads the store
+                if self._active.get(row.key_id, 0) < row.version:
+                    ident = (row.key_id, row.version)
+                    entry = self._cache.get(ident) or self._load(row)
+                    self._set_active(row.key_id, entry.handle.version)
+                    renewed.append(ident)
+        done = Revalidation(len(cached), tuple(todo.drop), tuple(renewed), tuple(todo.forget))
+        if done.changed:
+            log.info("keys.revalidated", extra={"dropped": done.dropped, "renewed": done.renewed})
+        return done
+
     def list(self, tenant: str | None = None) -> builtins.list[KeyInfo]:
         """Every version (of one tenant, or all) with its state and usage; no material."""
         with self._lock:
@@ -212,79 +248,6 @@ class Keyring:
             self._flush_locked()
             self._cache.clear()
             self._active.clear()
-
-    # -- sealing -----------------------------------------------------------------------------
-
-    def sealer(
-        self,
-        tenant: str,
-        cache_key: bytes,
-        plain_len: int,
-        dst: bytearray | memoryview,
-        *,
-        user: str | None = None,
-        segment_size: int | None = None,
-    ) -> SealWriter:
-        """A :class:`SealWriter` under the scope's active key (``writer.key`` says which)."""
-        return SealWriter(
-            self.current(tenant, user),
-            cache_key,
-            plain_len,
-            dst,
-            segment_size=segment_size or self.segment_size,
-        )
-
-    def reader(
-        self, sealed: bytes | bytearray | memoryview, *, tenant: str, cache_key: bytes
-    ) -> SealReader:
-        """A :class:`SealReader` with the key named in the chunk's header, refusing a key of
-        another tenant before looking it up; :class:`KeyDestroyedError` if it was shredded."""
-        header = parse_header(sealed)
-        owner = tenant_of(header.key_id)
-        if owner != tenant:
-            raise SealError(
-                f"sealed under a key of another tenant: key {header.key_id!r} does not belong"
-                f" to tenant {tenant!r}"
-            )
-        key = self.get(header.key_id, header.key_version)
-        return SealReader(sealed, key, tenant=tenant, cache_key=cache_key)
-
-    def seal(
-        self,
-        tenant: str,
-        cache_key: bytes,
-        data: bytes | bytearray | memoryview,
-        *,
-        user: str | None = None,
-        segment_size: int | None = None,
-    ) -> bytearray:
-        """Seal into a new buffer (convenience; the data path uses :meth:`sealer`)."""
-        plain = memoryview(data).cast("B")
-        seg = segment_size or self.segment_size
-        out = bytearray(sealed_size(len(plain), seg))
-        self.sealer(tenant, cache_key, len(plain), out, user=user, segment_size=seg).seal_from(
-            plain
-        )
-        return out
-
-    def open_into(
-        self,
-        sealed: bytes | bytearray | memoryview,
-        dst: bytearray | memoryview,
-        *,
-        tenant: str,
-        cache_key: bytes,
-    ) -> int:
-        return self.reader(sealed, tenant=tenant, cache_key=cache_key).open_into(dst)
-
-    def open(
-        self, sealed: bytes | bytearray | memoryview, *, tenant: str, cache_key: bytes
-    ) -> bytearray:
-        """Open into a new buffer (convenience; the data path uses :meth:`open_into`)."""
-        reader = self.reader(sealed, tenant=tenant, cache_key=cache_key)
-        out = bytearray(reader.header.plain_len)
-        reader.open_into(out)
-        return out
 
     # -- internals (call with the lock held) -------------------------------------------------
 

@@ -7,6 +7,7 @@ it satisfies this protocol structurally, so ``kvgov.keys`` never imports the led
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Protocol
@@ -29,6 +30,11 @@ class WrappedKeyStore(Protocol):
 
     def versions(self, tenant: str | None = None) -> list[WrappedKey]:
         """Every version (of one tenant, or all), ordered by key id and version."""
+        ...
+
+    def states(self, key_ids: Collection[str]) -> dict[tuple[str, int], KeyState]:
+        """The state of every version of those key ids, in one read (what a keyring checks
+        its in-memory copies against: destroyed versions, newer active ones)."""
         ...
 
     def set_state(self, key_id: str, version: int, state: KeyState) -> None: ...
@@ -67,6 +73,11 @@ class InMemoryKeyStore:
     def versions(self, tenant: str | None = None) -> list[WrappedKey]:
         rows = [k for k in self._rows.values() if tenant is None or k.tenant == tenant]
         return sorted(rows, key=lambda k: (k.key_id, k.version))
+
+    def states(self, key_ids: Collection[str]) -> dict[tuple[str, int], KeyState]:
+        wanted = set(key_ids)
+        with self._lock:
+            return {ident: row.state for ident, row in self._rows.items() if ident[0] in wanted}
 
     def set_state(self, key_id: str, version: int, state: KeyState) -> None:
         with self._lock:

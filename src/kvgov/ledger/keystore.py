@@ -8,6 +8,7 @@ shredded whatever happens to the caller's transaction afterwards.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from sqlalchemy import Engine, Row, select, update
@@ -84,6 +85,15 @@ class SqlKeyStore:
             query = query.where(t.c.tenant == tenant)
         with self.engine.connect() as conn:
             return [_to_key(r) for r in conn.execute(query)]
+
+    def states(self, key_ids: Collection[str]) -> dict[tuple[str, int], KeyState]:
+        """One query (the primary key's ``key_id`` prefix); the caller bounds the batch."""
+        if not key_ids:
+            return {}
+        t = self._t
+        query = select(t.c.key_id, t.c.version, t.c.state).where(t.c.key_id.in_(list(key_ids)))
+        with self.engine.connect() as conn:
+            return {(r.key_id, r.version): KeyState(r.state) for r in conn.execute(query)}
 
     def set_state(self, key_id: str, version: int, state: KeyState) -> None:
         t = self._t

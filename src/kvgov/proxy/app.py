@@ -74,6 +74,10 @@ class Sidecar:
             self._tasks.append(self.purge.task)
         if self.engine is not None:  # after the purge executor has registered the row
             self._tasks.append(asyncio.create_task(self._heartbeat(), name="kvgov-heartbeat"))
+        if self.pipeline.keyring is not None:
+            self._tasks.append(
+                asyncio.create_task(self._revalidate_keys(), name="kvgov-key-revalidation")
+            )
         checkpoint_s = self.settings.ledger.checkpoint_interval_s
         if self.writer is not None and checkpoint_s > 0:
             from kvgov.ledger.checkpoint import periodic_checkpoints
@@ -150,6 +154,29 @@ class Sidecar:
             except (SQLAlchemyError, OSError) as exc:
                 log.warning("sidecar.heartbeat.failed", extra={"error": type(exc).__name__})
             await asyncio.sleep(interval)
+
+    async def _revalidate_keys(self) -> None:
+        """Every ``keys.revalidate_interval_s``, in a worker thread, catch the keyring up with
+        shreds and rotations done by other processes sharing the key store (``kvgov keys``, a
+        purge run elsewhere, another sidecar): a destroyed key stops opening data (a get is a
+        miss) and new data is sealed under the newest active version."""
+        keyring = self.pipeline.keyring
+        if keyring is None:
+            return
+        interval = self.settings.keys.revalidate_interval_s
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            check = loop.run_in_executor(None, keyring.revalidate)
+            try:
+                await asyncio.shield(check)
+            except asyncio.CancelledError:
+                # stop() disposes of the engine next: let the check in flight finish first
+                with contextlib.suppress(Exception):
+                    await check
+                raise
+            except Exception:  # keep checking: a dead task would leave the window unbounded
+                log.exception("sidecar.keys.revalidate_failed")
 
     async def stop(self, grace_s: float = 30.0) -> None:
         """Stop accepting, drain in-flight requests, flush the ledger, close everything."""
