@@ -1,10 +1,12 @@
 """Data-plane throughput on loopback, side by side in one run (quote the ratios, not absolutes).
 
 1. kvgov wire: governed (Rego policy + AES-GCM sealing + Postgres ledger) vs the same sidecar
-   with governance off; same client (``kvgov.wire.WireClient``), same workload: N puts
-   (``put_stream``: ``--inflight-mib`` of PUT frames, at least 4, in flight on one connection,
-   as an engine's async store keeps several chunks in flight) then N gets (one at a time) of 1,
-   4 and 32 MiB chunks.
+   with governance off; same client (``kvgov.wire.WireClient``), same workload: N puts then N
+   gets of 1, 4 and 32 MiB chunks, ``--inflight`` chunks (default 4) and at least
+   ``--inflight-mib`` (default 32) in flight on one connection both ways (puts:
+   ``put_stream`` with that many PUT frames outstanding, as LMCache's connector keeps several
+   chunks of a batched put in flight; gets: GET frames of that many keys, as ``batched_get``
+   asks), into preallocated client buffers.
 2. ``lm://``: kvgov's governed ``lm://`` listener vs LMCache's own ``lmcache_server``, both
    driven by one blocking client that speaks LMCache's protocol with LMCache's own
    ``ClientMetaMessage``/``ServerMetaMessage`` classes (what its ``lm://`` connector sends).
@@ -13,8 +15,8 @@ Every server runs in its own process (like ``lmcache_server``), so no side share
 GIL. Tier chain on both kvgov sidecars: ``memory`` only (1 GiB); ``lmcache_server`` keeps chunks
 in memory too. Each size runs ``--repeat`` times, sides interleaved; the median is printed.
 
-Usage: ``python bench/dataplane.py [--mib N] [--repeat R] [--inflight-mib M]`` (needs Postgres on
-127.0.0.1:5432).
+Usage: ``python bench/dataplane.py [--mib N] [--repeat R] [--inflight K] [--inflight-mib M]``
+(needs Postgres on 127.0.0.1:5432).
 """
 
 from __future__ import annotations
@@ -108,21 +110,22 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def depth_for(size: int, inflight_mib: int) -> int:
-    """PUT frames in flight: ``inflight_mib`` worth of chunks, at least 4."""
-    return max(4, inflight_mib * MIB // size)
+def depth_for(size: int, args: argparse.Namespace) -> int:
+    """Chunks in flight: ``--inflight`` chunks and at least ``--inflight-mib`` of them."""
+    return max(args.inflight, args.inflight_mib * MIB // size)
 
 
 def run_wire(port: int, size: int, n: int, depth: int) -> tuple[float, float]:
-    """(put GB/s, get GB/s) for ``n`` chunks of ``size`` bytes on the kvgov wire."""
-    from kvgov.wire import RequestContext, WireClient
+    """(put GB/s, get GB/s) for ``n`` chunks of ``size`` bytes on the kvgov wire, ``depth``
+    chunks in flight both ways."""
+    from kvgov.wire import GetResult, RequestContext, WireClient
 
     data = os.urandom(size)
-    buf = bytearray(size)
+    bufs = [memoryview(bytearray(size)) for _ in range(depth)]
     ctx = RequestContext(request_id="bench", user="u1")
     with WireClient(f"tcp://127.0.0.1:{port}", engine_id="bench", pool_size=1) as client:
         client.put(key(10**6, size), data, ctx)  # warm: keys, buffers, policy cache
-        client.get_into(key(10**6, size), buf, ctx)
+        client.get_into(key(10**6, size), bufs[0], ctx)
 
         def puts() -> None:
             acks = client.put_stream(((key(i, size), data) for i in range(n)), ctx, depth=depth)
@@ -130,13 +133,19 @@ def run_wire(port: int, size: int, n: int, depth: int) -> tuple[float, float]:
                 raise RuntimeError("put refused")
 
         def gets() -> None:
-            for i in range(n):
-                if client.get_into(key(i, size), buf, ctx) is None:
+            for start in range(0, n, depth):
+                keys = [key(i, size) for i in range(start, min(n, start + depth))]
+                slots = iter(bufs)
+
+                def alloc(result: GetResult, slots: Iterator[memoryview] = slots) -> memoryview:
+                    return next(slots)[: result.length]
+
+                if any(r is None for r, _ in client.get_many(keys, ctx, alloc)):
                     raise RuntimeError("get missed")
 
         tput = timed(puts)
         tget = timed(gets)
-    if bytes(buf) != data:
+    if bytes(bufs[(n - 1) % depth]) != data:
         raise RuntimeError("bytes differ")
     return size * n / tput / 1e9, size * n / tget / 1e9
 
@@ -229,7 +238,10 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=128, help="bytes moved per size, side, run")
     parser.add_argument("--repeat", type=int, default=3, help="runs per size and side")
     parser.add_argument(
-        "--inflight-mib", type=int, default=32, help="PUT bytes in flight (kvgov wire), >= 4 frames"
+        "--inflight", type=int, default=4, help="chunks in flight on the kvgov wire, both ways"
+    )
+    parser.add_argument(
+        "--inflight-mib", type=int, default=32, help="... and at least this many MiB of them"
     )
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--db", help=argparse.SUPPRESS)
@@ -247,8 +259,10 @@ def main() -> None:
         conn.execute(f'CREATE DATABASE "{name}"')
     db_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
     print(
-        f"tiers: memory only; {args.repeat} runs per size, medians;"
-        f" kvgov wire puts: {args.inflight_mib} MiB (at least 4 frames) in flight"
+        f"tiers: memory only; {args.repeat} runs per size, medians; kvgov wire, both sides:"
+        f" max({args.inflight} chunks, {args.inflight_mib} MiB) in flight both ways (put_stream"
+        f" depth, keys per GET frame): {', '.join(str(depth_for(s, args)) for s in SIZES)}"
+        " for 1/4/32 MiB; lm://: LMCache's protocol, one request at a time"
     )
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -268,7 +282,7 @@ def main() -> None:
                     n = rounds_for(size, args.mib)
                     gs, os_ = [], []
                     for _ in range(args.repeat):
-                        depth = depth_for(size, args.inflight_mib)
+                        depth = depth_for(size, args)
                         gs.append(run_wire(gov[0], size, n, depth))
                         os_.append(run_wire(off[0], size, n, depth))
                     g, o = median_pair(gs), median_pair(os_)
