@@ -16,7 +16,9 @@ sharing the store (see :mod:`kvgov.keys.revalidate`); a sidecar runs it every
 
 Thread-safe: one lock guards the cache and counters; sealing itself runs outside it.
 The keyring records no ledger events itself; ``on_change`` hears about created, rotated and
-shredded versions so the caller (proxy, CLI, purge) can.
+shredded versions so the caller (proxy, CLI, purge) can. It is called with the lock held, in
+the thread that sealed, rotated or shredded: a listener hands off and returns at once (it
+never blocks and never calls back into the keyring).
 """
 
 from __future__ import annotations

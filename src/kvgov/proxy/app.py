@@ -55,6 +55,8 @@ class Sidecar:
     ready: bool = False
     #: the purge executor (kvgov.proxy.purge.executor.PurgeExecutor), None without a ledger
     purge: Any = None
+    #: records the keys the keyring creates itself (kvgov.proxy.keys_service.KeyEventRecorder)
+    key_events: Any = None
 
     async def start(self) -> None:
         dp = self.settings.dataplane
@@ -191,6 +193,8 @@ class Sidecar:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.key_events is not None:  # key events handed over but not yet submitted
+            await self.key_events.drain()
         with contextlib.suppress(KvgovError):  # a stop must finish even if the ledger cannot
             await self._record_lifecycle(EventKind.SIDECAR_STOPPED)
         if self.pipeline.policy is not None:
@@ -245,7 +249,7 @@ async def build_sidecar(
     generate_pseudonym_key_file(settings.pseudonym_key_path)
     pseudonymizer = Pseudonymizer.from_file(settings.pseudonym_key_path)
     index = EntryIndex()
-    engine = writer = None
+    engine = writer = key_events = None
     keyring: Keyring | None = None
     if governance:
         from kvgov.keys.kek import FileKekProvider, generate_kek_file
@@ -272,10 +276,15 @@ async def build_sidecar(
         if settings.environment is Environment.DEVELOPMENT and not settings.kek_path.exists():
             generate_kek_file(settings.kek_path)
         from kvgov.ledger.keystore import SqlKeyStore
+        from kvgov.proxy.keys_service import KeyEventRecorder
 
         store: WrappedKeyStore = SqlKeyStore(engine)
+        key_events = KeyEventRecorder(sink, asyncio.get_running_loop(), principal=settings.chain_id)
         keyring = Keyring.from_settings(
-            settings, store, FileKekProvider(settings.kek_path, environment=settings.environment)
+            settings,
+            store,
+            FileKekProvider(settings.kek_path, environment=settings.environment),
+            on_change=key_events,
         )
         if policy is None:
             from kvgov.policy.factory import build_policy_engine
@@ -329,6 +338,7 @@ async def build_sidecar(
         writer=writer,
         engine=engine,
         sidecar_id=sidecar_id,
+        key_events=key_events,
     )
 
 

@@ -6,6 +6,11 @@ the keyring retires the active version and creates the next one, and one ``key:r
 principal who asked and the user's pseudonym (never the raw id). The caller owns the sink: the
 CLI writes on a chain of its own, the API on the sidecar's writer.
 
+A sidecar's keyring also creates and rotates keys on its own (a scope's first sealed chunk, the
+usage bound, new data after a shred elsewhere): :class:`KeyEventRecorder` is its ``on_change``
+listener and records those with the same :func:`key_event`, handing each to the event loop
+without blocking the seal path.
+
 Shredding is deliberately not offered here. Destroying the wrapped data keys alone is half an
 erasure: the ciphertext stays in every tier (unreadable, but still counted, listed and
 indexed as live), the engines still hold the plaintext KV in their own CPU and GPU caches, and
@@ -17,13 +22,24 @@ ledger payloads and signs a receipt. ``kvgov keys shred`` stays an operator's to
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvgov.errors import KvgovError, LedgerBackpressureError
 from kvgov.keys.ids import KeyInfo, key_id_for
-from kvgov.ledger.events import Event, EventSink
-from kvgov.types import EventKind, Outcome
+from kvgov.ledger.events import Appended, Event, EventSink
+from kvgov.types import EventKind, Outcome, WrappedKey
+
+log = logging.getLogger(__name__)
+
+#: set while :func:`rotate_key` rotates: the keyring tells its listener in the same thread, and
+#: :class:`KeyEventRecorder` leaves that change to the events :func:`rotate_key` returns
+_RECORDED_BY_CALLER: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "kvgov_key_change_recorded_by_caller", default=False
+)
 
 
 class KeyRotator(Protocol):
@@ -85,7 +101,11 @@ def rotate_key(
     (retired). Blocking (database and KEK calls): run it off the event loop.
     """
     check_scope(tenant, subject)
-    info = rotator.rotate(tenant, subject)
+    token = _RECORDED_BY_CALLER.set(True)  # the returned events record it, not a listener
+    try:
+        info = rotator.rotate(tenant, subject)
+    finally:
+        _RECORDED_BY_CALLER.reset(token)
     kind = EventKind.KEY_CREATED if info.version == 1 else EventKind.KEY_ROTATED
     return Rotation(info, [key_event(kind, info, subject, principal=principal, reason=reason)])
 
@@ -94,3 +114,58 @@ async def record(sink: EventSink, events: Sequence[Event]) -> list[dict[str, Any
     """Append ``events`` and wait until all are durable; where each landed."""
     done = await asyncio.gather(*(sink.submit(e) for e in events))
     return [{"chain_id": a.chain_id, "seq": a.seq} for a in done]
+
+
+class KeyEventRecorder:
+    """A keyring's ``on_change`` listener on a sidecar: records the versions the keyring created
+    by itself (``key:created`` for a scope's first, ``key:rotated`` for an automatic next one)
+    on the sidecar's ledger writer, with the key id and version (never material).
+
+    The keyring calls it with its lock held, from whichever thread sealed: it only hands the
+    event to the event loop (``call_soon_threadsafe``), which submits it without waiting.
+    ``key:shredded`` is not recorded here: a sidecar's keyring shreds only in a purge's key
+    step, which records it with the purge job; a rotation asked through :func:`rotate_key`
+    (CLI, ``POST /v1/keys/rotate``) is recorded by its caller with the principal who asked.
+    """
+
+    REASONS = {EventKind.KEY_CREATED: "first use", EventKind.KEY_ROTATED: "automatic"}
+
+    def __init__(self, sink: EventSink, loop: asyncio.AbstractEventLoop, *, principal: str):
+        self._sink = sink
+        self._loop = loop
+        self._principal = principal
+        self._pending: set[asyncio.Future[Appended]] = set()
+
+    def __call__(self, kind: EventKind, row: WrappedKey) -> None:
+        reason = self.REASONS.get(kind)
+        if reason is None or _RECORDED_BY_CALLER.get():
+            return
+        event = key_event(
+            kind, KeyInfo.of(row), row.user, principal=self._principal, reason=f"sidecar {reason}"
+        )
+        try:
+            self._loop.call_soon_threadsafe(self._submit, event)
+        except RuntimeError:  # the loop is closed: the sidecar is gone
+            log.error("keys.event.unrecorded", extra={"key_id": row.key_id, "reason": "closed"})
+
+    def _submit(self, event: Event) -> None:
+        try:
+            fut: asyncio.Future[Appended] = self._sink.submit(event)
+        except LedgerBackpressureError:  # wait for room in the background, never drop it
+            fut = asyncio.ensure_future(self._sink.append(event))
+        except KvgovError as exc:
+            log.error("keys.event.unrecorded", extra={"error": exc.code})
+            return
+        self._pending.add(fut)
+        fut.add_done_callback(self._done)
+
+    def _done(self, fut: asyncio.Future[Appended]) -> None:
+        self._pending.discard(fut)
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("keys.event.unrecorded", extra={"error": type(fut.exception()).__name__})
+
+    async def drain(self) -> None:
+        """Wait until every event handed over so far is durable (before closing the writer)."""
+        await asyncio.sleep(0)  # the hand-offs queued before this call run first
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
