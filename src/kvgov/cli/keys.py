@@ -7,8 +7,9 @@
 User ids are pseudonymised (the ledger's keyed HMAC) before they name a key; nothing prints key
 material. Rotation and shredding are recorded in the ledger (``key:rotated`` / ``key:created``,
 ``key:shredded``) on a chain of the CLI's own. Shredding here destroys the wrapped rows; a
-running sidecar drops its in-memory copies when it runs the purge's key step or restarts, so
-the right-to-be-forgotten path is ``kvgov purge``, which calls the same shred. Rotation, the
+running sidecar drops its in-memory copies within ``keys.revalidate_interval_s``. The
+right-to-be-forgotten path is still ``kvgov purge``, which calls the same shred and also deletes
+the ciphertext and the engines' copies. Rotation, the
 ledger events and what a key listing shows come from :mod:`kvgov.proxy.keys_service`, which
 ``POST /v1/keys/rotate`` and ``GET /v1/keys`` use too.
 Exit 0 done, 1 done but not recorded in the ledger, 2 bad usage or configuration.
