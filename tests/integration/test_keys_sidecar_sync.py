@@ -151,11 +151,6 @@ async def test_a_cli_shred_reaches_the_running_sidecar(sidecar: Sidecar) -> None
     assert verify(sidecar.engine).ok
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the data plane records a kv:miss for an unreadable entry without its reason: "
-    "Pipeline._load catches KeyDestroyedError and _record_get has no reason to pass",
-)
 async def test_the_miss_after_a_shred_records_why(sidecar: Sidecar) -> None:
     demo = Engine(sidecar, "vllm-demo-0", "demo")
     try:

@@ -417,13 +417,21 @@ class Pipeline:
     async def load(self, found: Found, lease: Lease | None) -> GetPlan | None:
         """A get's second step: read the value into ``lease`` (which the plan then owns; None:
         a miss) and record the hit or miss."""
-        plan = await self._load(found.who, found.entry, lease) if lease is not None else None
-        await self._record_get(found.who, plan, found.decision)
+        plan, reason = (
+            await self._load(found.who, found.entry, lease) if lease is not None else (None, None)
+        )
+        await self._record_get(found.who, plan, found.decision, reason)
         if plan is not None:
             self.metrics.op_bytes.labels("get").inc(plan.length)
         return plan
 
-    async def _record_get(self, who: Who, plan: GetPlan | None, decision: Decision | None) -> None:
+    async def _record_get(
+        self,
+        who: Who,
+        plan: GetPlan | None,
+        decision: Decision | None,
+        reason: str | None = None,
+    ) -> None:
         if not self.governance:
             return
         await self._record(
@@ -434,6 +442,7 @@ class Pipeline:
                 nbytes=plan.length if plan is not None else None,
                 decision_id=decision.decision_id if decision else None,
                 policy_revision=decision.policy_revision if decision else None,
+                reason=reason if plan is None else None,
             ),
             durable=False,
         )
@@ -443,12 +452,15 @@ class Pipeline:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _load(self, who: Who, entry: EntryMeta, lease: Lease) -> GetPlan | None:
+    async def _load(
+        self, who: Who, entry: EntryMeta, lease: Lease
+    ) -> tuple[GetPlan | None, str | None]:
+        """The plan, or None and why the stored value could not be read (None: not there)."""
         try:
             hit = await self.tiers.get_into(who.digest, lease.view, allowed=entry.tiers)
             if hit is None:
                 lease.release()
-                return None
+                return None, None
             value = lease.view[: hit.nbytes]
             meta, offset = parse_envelope(value)
             length = int(meta.pop("_n"))
@@ -458,7 +470,7 @@ class Pipeline:
                 if self.governance:
                     raise ProtocolError("a governed sidecar found a plaintext value")
                 windows = [body[:length]]
-                return GetPlan(who, lease, length, meta, None, windows)
+                return GetPlan(who, lease, length, meta, None, windows), None
             if self.keyring is None:
                 raise ProtocolError("a sealed value needs the keyring to open")
             reader = self.keyring.reader(body, tenant=who.tenant, cache_key=who.digest.encode())
@@ -468,11 +480,11 @@ class Pipeline:
                 off, _ = header.sealed_span(i)
                 _, plen = header.plain_span(i)
                 windows.append(body[off : off + plen])
-            return GetPlan(who, lease, length, meta, reader, windows)
+            return GetPlan(who, lease, length, meta, reader, windows), None
         except KvgovError as exc:
             lease.release()
             log.warning("dataplane.get.unreadable", extra={"error": exc.code})
-            return None
+            return None, exc.code
         except BaseException:
             lease.release()
             raise
