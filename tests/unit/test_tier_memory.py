@@ -135,3 +135,39 @@ async def test_steady_state_puts_allocate_no_chunk_sized_memory() -> None:
     finally:
         tracemalloc.stop()
     assert peak < size // 4  # no chunk-sized allocation (nor a temporary copy) per put or get
+
+
+async def test_a_borrowed_value_survives_delete_overwrite_and_eviction() -> None:
+    """A borrow is a read-only view of the stored bytes; while it is held, no delete,
+    overwrite or eviction recycles its buffer for another put."""
+    tier = MemoryTier(2 * CHUNK)
+    assert tier.borrow("nope") is None
+    for op in ("delete", "overwrite", "evict"):
+        await tier.put("k", _chunk(1))
+        lent = tier.borrow("k")
+        assert lent is not None
+        assert lent.view.readonly
+        assert bytes(lent.view) == _chunk(1)
+        if op == "delete":
+            await tier.delete("k")
+        elif op == "overwrite":
+            await tier.put("k", _chunk(2))
+        else:
+            await tier.put("a", _chunk(3))
+            await tier.put("b", _chunk(4))  # evicts k (least recently used)
+            assert not await tier.contains("k")
+        await tier.put("c", _chunk(5))  # a put of the same size reuses no borrowed buffer
+        assert bytes(lent.view) == _chunk(1)
+        lent.release()
+        lent.release()  # idempotent
+        for key in ("k", "a", "b", "c"):
+            await tier.delete(key)
+
+
+async def test_a_released_borrow_lets_the_buffer_be_recycled() -> None:
+    tier = MemoryTier(4 * CHUNK)
+    await tier.put("k", _chunk(1))
+    with tier.borrow("k") as lent:  # type: ignore[union-attr]
+        assert bytes(lent.view[:4]) == _chunk(1)[:4]
+    await tier.delete("k")
+    assert tier.pooled_bytes == CHUNK

@@ -120,6 +120,25 @@ class Tier(Protocol):
         ...
 
 
+class BorrowedValue(Protocol):
+    """A read-only view of a stored value under a read guard (see :class:`Borrowing`)."""
+
+    view: memoryview
+
+    def release(self) -> None:
+        """End the guard (idempotent); the view must not be used afterwards."""
+        ...
+
+
+class Borrowing(Protocol):
+    """An optional tier capability: read a value in place, without copying it."""
+
+    def borrow(self, key: str) -> BorrowedValue | None:
+        """The live value under a read guard (a delete, overwrite or eviction meanwhile
+        leaves the borrowed bytes unchanged), or None on a miss."""
+        ...
+
+
 def check_key(tier: str, key: str) -> None:
     """Refuse keys no backend can store faithfully (empty, over 1024 bytes, control chars)."""
     if not key or len(key) > 1024 or not key.isprintable():

@@ -6,6 +6,7 @@
   a half-written entry is never left for a later read.
 - **get_into** looks the key up in order; a hit in a slower tier is copied ("promoted") into
   the faster tiers named in ``allowed``, with the same expiry.
+- **borrow** lends the value in place from the fastest tier when it can (no copy).
 - **delete** removes the key from every tier and says which held it; **where** says which
   tiers hold it now (used to verify a purge); **sweep** removes expired entries everywhere.
 """
@@ -16,8 +17,16 @@ import asyncio
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import cast
 
-from kvgov.connectors.tiers.base import BytesLike, EntryInfo, Tier, TierStats
+from kvgov.connectors.tiers.base import (
+    BorrowedValue,
+    Borrowing,
+    BytesLike,
+    EntryInfo,
+    Tier,
+    TierStats,
+)
 from kvgov.errors import TierError
 
 log = logging.getLogger(__name__)
@@ -114,6 +123,14 @@ class TierChain:
             promoted = await self._promote(key, dst[:nbytes], t, self._tiers[:i], allowed)
             return ChainHit(t.name, nbytes, promoted)
         return None
+
+    def borrow(self, key: str) -> BorrowedValue | None:
+        """The value in place from the fastest tier, if that tier can lend it and holds it
+        (nothing to promote); None otherwise: then ``get_into`` reads it."""
+        first = self._tiers[0] if self._tiers else None
+        if first is None or not hasattr(first, "borrow"):
+            return None
+        return cast("Borrowing", first).borrow(key)
 
     async def get(self, key: str, *, allowed: Collection[str]) -> bytes | None:
         """The value as ``bytes`` (a convenience: the data path uses ``get_into``)."""

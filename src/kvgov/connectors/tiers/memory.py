@@ -8,6 +8,11 @@ page-faulting) a fresh 32 MiB one. Live entries plus pooled buffers never exceed
 
 Every operation runs synchronously on the event loop (a copy at memory speed, no awaits in the
 middle), so operations on one key never interleave.
+
+:meth:`MemoryTier.borrow` hands out a read-only view of a stored buffer (no copy) under a read
+guard: until the guard is released, that buffer is never recycled, so a delete, overwrite or
+eviction meanwhile drops the entry but leaves the borrowed bytes as they were (a buffer dropped
+while borrowed is not counted in ``max_bytes`` any more; it is freed, not pooled).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvgov.connectors.tiers.base import (
     BytesLike,
@@ -39,6 +45,33 @@ POOL_MIN_BYTES = 64 * 1024
 class _Entry:
     buf: bytes | bytearray
     expires_at: float | None
+
+
+class Borrowed:
+    """A read-only view of a stored value; :meth:`release` (once) ends the read guard."""
+
+    __slots__ = ("_ident", "_pins", "view")
+
+    def __init__(self, view: memoryview, pins: dict[int, int], ident: int) -> None:
+        self.view = view
+        self._pins: dict[int, int] | None = pins
+        self._ident = ident
+
+    def release(self) -> None:
+        pins, self._pins = self._pins, None
+        if pins is None:
+            return
+        left = pins[self._ident] - 1
+        if left:
+            pins[self._ident] = left
+        else:
+            del pins[self._ident]
+
+    def __enter__(self) -> Borrowed:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
 
 
 class MemoryTier:
@@ -64,6 +97,7 @@ class MemoryTier:
         self._pooled_bytes = 0
         self._hits = self._misses = self._evictions = self._expirations = 0
         self._closed = False
+        self._pins: dict[int, int] = {}  # id(buffer) -> borrows not yet released
 
     @property
     def name(self) -> str:
@@ -109,6 +143,17 @@ class MemoryTier:
             raise DestinationTooSmallError(self._name, size, dst.nbytes)
         dst[:size] = entry.buf
         return size
+
+    def borrow(self, key: str) -> Borrowed | None:
+        """The stored value as a read-only view under a read guard (release it when done),
+        or None; counts a hit (a miss is left to the ``get_into`` that usually follows)."""
+        entry = self._lookup(key, count=False)
+        if entry is None:
+            return None
+        self._hits += 1
+        ident = id(entry.buf)
+        self._pins[ident] = self._pins.get(ident, 0) + 1
+        return Borrowed(memoryview(entry.buf).toreadonly(), self._pins, ident)
 
     async def get(self, key: str) -> bytes | None:
         entry = self._lookup(key, count=True)
@@ -200,7 +245,7 @@ class MemoryTier:
 
     def _recycle(self, buf: bytes | bytearray) -> None:
         size = len(buf)
-        if not isinstance(buf, bytearray) or size < POOL_MIN_BYTES:
+        if not isinstance(buf, bytearray) or size < POOL_MIN_BYTES or id(buf) in self._pins:
             return
         if self._live_bytes + self._pooled_bytes + size > self._max:
             return  # no room to keep it: let it go
@@ -239,7 +284,11 @@ class MemoryTier:
             self._live_bytes -= len(entry.buf)
             self._evictions += 1
             self._notify_evict(victim, len(entry.buf))
-            if len(entry.buf) == size and isinstance(entry.buf, bytearray):
+            if (
+                len(entry.buf) == size
+                and isinstance(entry.buf, bytearray)
+                and id(entry.buf) not in self._pins
+            ):
                 self._pool.setdefault(size, []).append(entry.buf)
                 self._pooled_bytes += size
                 return

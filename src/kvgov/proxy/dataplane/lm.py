@@ -231,7 +231,7 @@ class LmConnection(StreamProtocol):
             )
             await self.send_plan(plan, pipeline.executor)
         finally:
-            plan.lease.release()
+            plan.release()
 
     async def _exist(self, key: str) -> None:
         pipeline = self.server.pipeline

@@ -456,12 +456,16 @@ class Pipeline:
         self, who: Who, entry: EntryMeta, lease: Lease
     ) -> tuple[GetPlan | None, str | None]:
         """The plan, or None and why the stored value could not be read (None: not there)."""
+        src = self.tiers.borrow(who.digest)  # read in place: no copy into the lease
         try:
-            hit = await self.tiers.get_into(who.digest, lease.view, allowed=entry.tiers)
-            if hit is None:
-                lease.release()
-                return None, None
-            value = lease.view[: hit.nbytes]
+            if src is not None:
+                value = src.view
+            else:
+                hit = await self.tiers.get_into(who.digest, lease.view, allowed=entry.tiers)
+                if hit is None:
+                    lease.release()
+                    return None, None
+                value = lease.view[: hit.nbytes]
             meta, offset = parse_envelope(value)
             length = int(meta.pop("_n"))
             sealed = bool(meta.pop("_sealed"))
@@ -470,22 +474,30 @@ class Pipeline:
                 if self.governance:
                     raise ProtocolError("a governed sidecar found a plaintext value")
                 windows = [body[:length]]
-                return GetPlan(who, lease, length, meta, None, windows), None
+                return GetPlan(who, lease, length, meta, None, windows, src), None
             if self.keyring is None:
                 raise ProtocolError("a sealed value needs the keyring to open")
             reader = self.keyring.reader(body, tenant=who.tenant, cache_key=who.digest.encode())
             header = reader.header
             windows = []
             for i in range(header.segments):
-                off, _ = header.sealed_span(i)
-                _, plen = header.plain_span(i)
-                windows.append(body[off : off + plen])
-            return GetPlan(who, lease, length, meta, reader, windows), None
+                if src is not None:  # opened from the tier's buffer into the lease
+                    start, plen = header.plain_span(i)
+                    windows.append(lease.view[start : start + plen])
+                else:  # opened in place in the lease
+                    off, _ = header.sealed_span(i)
+                    _, plen = header.plain_span(i)
+                    windows.append(body[off : off + plen])
+            return GetPlan(who, lease, length, meta, reader, windows, src), None
         except KvgovError as exc:
+            if src is not None:
+                src.release()
             lease.release()
             log.warning("dataplane.get.unreadable", extra={"error": exc.code})
             return None, exc.code
         except BaseException:
+            if src is not None:
+                src.release()
             lease.release()
             raise
 

@@ -12,6 +12,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgov.connectors.tiers.base import BorrowedValue
 from kvgov.keys.sealed import SealReader, SealWriter
 from kvgov.policy.interfaces import Decision
 from kvgov.proxy.dataplane.buffers import Lease
@@ -138,7 +139,11 @@ class Found:
 
 @dataclass(slots=True)
 class GetPlan:
-    """A hit ready to stream: open its windows in place (:func:`open_segments`), send them."""
+    """A hit ready to stream: open its windows (:func:`open_segments`), send them.
+
+    The reader opens each segment from where the sealed value lies (the pooled buffer, or a
+    memory tier's own buffer lent under a read guard, ``source``) into its window in the
+    lease. :meth:`release` when done with it."""
 
     who: Who
     lease: Lease
@@ -146,3 +151,10 @@ class GetPlan:
     item_meta: Mapping[str, Any]
     reader: SealReader | None
     windows: list[memoryview]
+    source: BorrowedValue | None = None
+
+    def release(self) -> None:
+        if self.source is not None:
+            self.source.release()
+            self.source = None
+        self.lease.release()

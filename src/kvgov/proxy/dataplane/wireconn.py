@@ -423,7 +423,7 @@ class WireConnection(StreamProtocol):
                 lease.release()
             for p in plans:
                 if p is not None:
-                    p.lease.release()
+                    p.release()
 
     async def _keys_op(self, ftype: FrameType, sid: int, meta: dict[str, Any]) -> None:
         pipeline = self.server.pipeline
