@@ -243,6 +243,10 @@ def main() -> None:
     parser.add_argument(
         "--inflight-mib", type=int, default=32, help="... and at least this many MiB of them"
     )
+    parser.add_argument("--only", choices=("wire", "lm"), help="run only one comparison")
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=[s // MIB for s in SIZES], help="chunk MiB"
+    )
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--db", help=argparse.SUPPRESS)
     parser.add_argument("--governed", action="store_true", help=argparse.SUPPRESS)
@@ -273,41 +277,44 @@ def main() -> None:
                 lmcache_server(free_port()) as lm_url,
             ):
                 lm_port = int(lm_url.rsplit(":", 1)[1])
-                print("\nkvgov wire, same client: governed vs governance off (GB/s)")
-                print(
-                    f"{'chunk':>7} {'put gov':>8} {'put off':>8} {'ratio':>6}"
-                    f" {'get gov':>8} {'get off':>8} {'ratio':>6}"
-                )
-                for size in SIZES:
-                    n = rounds_for(size, args.mib)
-                    gs, os_ = [], []
-                    for _ in range(args.repeat):
-                        depth = depth_for(size, args)
-                        gs.append(run_wire(gov[0], size, n, depth))
-                        os_.append(run_wire(off[0], size, n, depth))
-                    g, o = median_pair(gs), median_pair(os_)
+                sizes = [m * MIB for m in args.sizes]
+                if args.only != "lm":
+                    print("\nkvgov wire, same client: governed vs governance off (GB/s)")
                     print(
-                        f"{size // MIB:>5}MiB {g[0]:8.2f} {o[0]:8.2f} {o[0] / g[0]:5.2f}x"
-                        f" {g[1]:8.2f} {o[1]:8.2f} {o[1] / g[1]:5.2f}x",
-                        flush=True,
+                        f"{'chunk':>7} {'put gov':>8} {'put off':>8} {'ratio':>6}"
+                        f" {'get gov':>8} {'get off':>8} {'ratio':>6}"
                     )
-                print("\nlm:// protocol: kvgov governed listener vs lmcache_server (GB/s)")
-                print(
-                    f"{'chunk':>7} {'put kvgov':>9} {'put lmc':>8} {'speedup':>7}"
-                    f" {'get kvgov':>9} {'get lmc':>8} {'speedup':>7}"
-                )
-                for size in SIZES:
-                    n = rounds_for(size, args.mib)
-                    ks, ms = [], []
-                    for _ in range(args.repeat):
-                        ks.append(run_lm(gov[1], size, n))
-                        ms.append(run_lm(lm_port, size, n))
-                    k, m = median_pair(ks), median_pair(ms)
+                    for size in sizes:
+                        n = rounds_for(size, args.mib)
+                        gs, os_ = [], []
+                        for _ in range(args.repeat):
+                            depth = depth_for(size, args)
+                            gs.append(run_wire(gov[0], size, n, depth))
+                            os_.append(run_wire(off[0], size, n, depth))
+                        g, o = median_pair(gs), median_pair(os_)
+                        print(
+                            f"{size // MIB:>5}MiB {g[0]:8.2f} {o[0]:8.2f} {o[0] / g[0]:5.2f}x"
+                            f" {g[1]:8.2f} {o[1]:8.2f} {o[1] / g[1]:5.2f}x",
+                            flush=True,
+                        )
+                if args.only != "wire":
+                    print("\nlm:// protocol: kvgov governed listener vs lmcache_server (GB/s)")
                     print(
-                        f"{size // MIB:>5}MiB {k[0]:9.2f} {m[0]:8.2f} {k[0] / m[0]:6.2f}x"
-                        f" {k[1]:9.2f} {m[1]:8.2f} {k[1] / m[1]:6.2f}x",
-                        flush=True,
+                        f"{'chunk':>7} {'put kvgov':>9} {'put lmc':>8} {'speedup':>7}"
+                        f" {'get kvgov':>9} {'get lmc':>8} {'speedup':>7}"
                     )
+                    for size in sizes:
+                        n = rounds_for(size, args.mib)
+                        ks, ms = [], []
+                        for _ in range(args.repeat):
+                            ks.append(run_lm(gov[1], size, n))
+                            ms.append(run_lm(lm_port, size, n))
+                        k, m = median_pair(ks), median_pair(ms)
+                        print(
+                            f"{size // MIB:>5}MiB {k[0]:9.2f} {m[0]:8.2f} {k[0] / m[0]:6.2f}x"
+                            f" {k[1]:9.2f} {m[1]:8.2f} {k[1] / m[1]:6.2f}x",
+                            flush=True,
+                        )
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 from collections.abc import Coroutine
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from kvgov.proxy.dataplane.plans import open_segments, segments_per_job
 
 if TYPE_CHECKING:
+    from kvgov.keys.sealed import SealReader
     from kvgov.proxy.dataplane.plans import GetPlan
 
 log = logging.getLogger("kvgov.dataplane.conn")
@@ -67,6 +69,10 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._fd = -1
         self._flushed: asyncio.Event = asyncio.Event()
         self._flushed.set()
+        #: a duplicate of the socket's fd for :meth:`send_plan_in_thread` (closed when the
+        #: connection is lost and no thread job uses it any more)
+        self._wfd = -1
+        self._wjob: asyncio.Future[None] | None = None
 
     # -- protocol callbacks --------------------------------------------------------------------
 
@@ -120,6 +126,15 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._write_ready.set()
         self._flushed.set()
         self._fail()
+        if self._wjob is None or self._wjob.done():
+            self._close_wfd()
+        else:
+            self._wjob.add_done_callback(lambda _: self._close_wfd())
+
+    def _close_wfd(self) -> None:
+        if self._wfd >= 0:
+            os.close(self._wfd)
+            self._wfd = -1
 
     def pause_writing(self) -> None:
         self._write_ready.clear()
@@ -243,6 +258,26 @@ class StreamProtocol(asyncio.BufferedProtocol):
         finally:
             await asyncio.gather(*futs, return_exceptions=True)
 
+    async def send_plan_in_thread(self, plan: GetPlan, executor: Executor) -> None:
+        """Open and send a whole hit in one thread-pool job, writing with blocking waits on
+        the socket (what ``lmcache_server`` does): one hand-off per reply instead of one per
+        job plus an event-loop round per socketful. Only for a handler that is the sole writer
+        of its connection while this runs (``lm://``: one request at a time)."""
+        t = self.transport
+        if t is None or self._fd < 0 or self._closed or plan.length <= INLINE_OPEN_BYTES:
+            await self.send_plan(plan, executor)  # small: opened and sent on the event loop
+            return
+        await self._until_flushed(t)  # what is queued (the reply head) goes first
+        if t.get_write_buffer_size():
+            await self.drain()
+        if self._wfd < 0:
+            self._wfd = os.dup(self._fd)
+        job = asyncio.get_running_loop().run_in_executor(
+            executor, _open_and_write, self, plan.reader, plan.windows
+        )
+        self._wjob = job
+        await job
+
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
@@ -292,3 +327,31 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._target = None
         if fut is not None and not fut.done():
             fut.set_exception(ConnectionClosed())
+
+
+def _open_and_write(
+    conn: StreamProtocol, reader: SealReader | None, windows: list[memoryview]
+) -> None:
+    """A pool job: open each window (when sealed) and write it to the connection's socket,
+    waiting on the socket (GIL released) while it is full."""
+    fd = conn._wfd
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    for index, window in enumerate(windows):
+        if reader is not None:
+            reader.open_segment(index, window)
+        view = window.cast("B") if window.format != "B" or window.ndim != 1 else window
+        while view.nbytes:
+            if conn._closed:
+                raise ConnectionClosed
+            try:
+                n = os.write(fd, view)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError:
+                raise ConnectionClosed from None
+            view = view[n:]
+            if view.nbytes and not n:
+                for _, ev in poller.poll(100):
+                    if ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                        raise ConnectionClosed

@@ -229,7 +229,7 @@ class LmConnection(StreamProtocol):
                 shape=m.get("shape", (0, 0, 0, 0)),
                 location=int(m.get("location", 0)),
             )
-            await self.send_plan(plan, pipeline.executor)
+            await self.send_plan_in_thread(plan, pipeline.executor)
         finally:
             plan.release()
 
