@@ -181,61 +181,34 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
         return sum(self.fanout.map(send, groups))
 
     def _get_many(self, keys: Sequence[Any]) -> list[MemoryObj | None]:
-        """Read hits straight into buffers allocated from LMCache's CPU backend, in frames of
-        at most ``get_frame_bytes`` fetched in parallel on the client's connections (the sidecar
-        opens one frame's items in turn, so separate frames are opened at the same time)."""
+        """Read hits straight into buffers allocated from LMCache's CPU backend."""
         out: list[MemoryObj | None] = [None] * len(keys)
         if not self.worker:
             return out
         full = int(self.full_chunk_size_bytes)
-        limit = self.settings.get_frame_bytes
-        groups = list(self._frames(keys, [full] * len(keys), max_bytes=limit))
-        if len(groups) == 1:
-            results = [self._get_frame(keys, groups[0])]
-        else:
-            futures = [self.fanout.submit(self._get_frame, keys, group) for group in groups]
-            results, failure = [], None
-            for future in futures:
-                try:
-                    results.append(future.result())
-                except BaseException as exc:  # noqa: BLE001 - re-raised once all are collected
-                    failure = failure or exc
-                    results.append([])
-            if failure is not None:
-                for objs in results:
-                    for _i, obj in objs:
-                        obj.ref_count_down()
-                raise failure
-        for objs in results:
-            for i, obj in objs:
-                out[i] = obj
+        for group in self._frames(keys, [full] * len(keys)):
+            allocated: list[MemoryObj] = []
+
+            def alloc(result: GetResult, allocated: list[MemoryObj] = allocated) -> Any:
+                obj = self._allocate(result)
+                if obj is None:
+                    return None
+                allocated.append(obj)
+                return obj.byte_array
+
+            try:
+                replies = self.client.get_many(
+                    [key_string(keys[i]) for i in group], request_context(keys[group[0]]), alloc
+                )
+            except BaseException:
+                for obj in allocated:
+                    obj.ref_count_down()
+                raise
+            by_buffer = iter(allocated)
+            for i, (result, _buf) in zip(group, replies, strict=True):
+                if result is not None:
+                    out[i] = next(by_buffer)
         return out
-
-    def _get_frame(self, keys: Sequence[Any], group: list[int]) -> list[tuple[int, MemoryObj]]:
-        """One GET frame: ``(index, MemoryObj)`` for each hit of ``group``."""
-        allocated: list[MemoryObj] = []
-
-        def alloc(result: GetResult) -> Any:
-            obj = self._allocate(result)
-            if obj is None:
-                return None
-            allocated.append(obj)
-            return obj.byte_array
-
-        try:
-            replies = self.client.get_many(
-                [key_string(keys[i]) for i in group], request_context(keys[group[0]]), alloc
-            )
-        except BaseException:
-            for obj in allocated:
-                obj.ref_count_down()
-            raise
-        by_buffer = iter(allocated)
-        return [
-            (i, next(by_buffer))
-            for i, (result, _buf) in zip(group, replies, strict=True)
-            if result is not None
-        ]
 
     def _allocate(self, result: GetResult) -> MemoryObj | None:
         """A MemoryObj of the stored shape/dtype/format, or None to skip the item."""

@@ -41,9 +41,6 @@ class ConnectorSettings:
     max_frame_bytes: int = 128 * 1024 * 1024
     #: a batched put is split into frames of about this size, sent in parallel
     put_frame_bytes: int = 32 * 1024 * 1024
-    #: a batched get is split into frames of about this size, fetched in parallel (the sidecar
-    #: opens the items of one frame one after the other; separate frames in parallel)
-    get_frame_bytes: int = 32 * 1024 * 1024
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -69,7 +66,6 @@ class ConnectorSettings:
             control_reconnect_s=_number(extra, "control_reconnect_s", cls.control_reconnect_s),
             max_frame_bytes=int(_number(extra, "max_frame_bytes", cls.max_frame_bytes)),
             put_frame_bytes=int(_number(extra, "put_frame_bytes", cls.put_frame_bytes)),
-            get_frame_bytes=int(_number(extra, "get_frame_bytes", cls.get_frame_bytes)),
         )
 
 
