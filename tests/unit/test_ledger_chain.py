@@ -19,9 +19,10 @@ from kvgov.ledger.chain import (
     checkpoint_signature_ok,
     encode,
     event_prefix,
+    format_time,
     generate_signing_key_file,
     link,
-    link_values,
+    link_encoded,
     load_public_key,
     load_signing_key,
     payload_digest,
@@ -97,11 +98,11 @@ def test_every_chained_field_changes_the_hash(change: dict[str, object]) -> None
 )
 def test_the_writers_fast_link_equals_link(change: dict[str, object]) -> None:
     f = fields(**change)
-    fast = link_values(
+    fast = link_encoded(
         event_prefix(f.chain_id),
         f.seq,
         f.prev_hash,
-        f.occurred_at,
+        format_time(f.occurred_at),
         f.kind,
         f.tenant,
         f.actor,

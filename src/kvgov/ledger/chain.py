@@ -179,52 +179,8 @@ def encode(fields: ChainedFields) -> bytes:
 
 
 def event_prefix(chain_id: str) -> str:
-    """The constant start of every encoding in one chain (for :func:`link_values`)."""
+    """The constant start of every encoding in one chain (for :func:`link_encoded`)."""
     return f"[{ENCODING_VERSION},{_scalar(chain_id)},"
-
-
-def link_values(  # noqa: PLR0917 - one per chained field, in encoding order (hot path)
-    prefix: str,
-    seq: int,
-    prev_hash: str,
-    occurred_at: datetime,
-    kind: str,
-    tenant: str | None,
-    actor: str | None,
-    request_id: str | None,
-    key_digest: str | None,
-    tier: str | None,
-    nbytes: int | None,
-    outcome: str | None,
-    reason: str | None,
-    decision_id: str | None,
-    policy_revision: str | None,
-    principal: str | None,
-    attrs_json: str,
-    payload_digest: str | None,
-) -> str:
-    """:func:`link` for the writer's sequencer: the same hash, computed from plain values
-    (``prev_hash`` must be hex) without building a :class:`ChainedFields`."""
-    return link_encoded(
-        prefix,
-        seq,
-        prev_hash,
-        format_time(occurred_at),
-        kind,
-        tenant,
-        actor,
-        request_id,
-        key_digest,
-        tier,
-        nbytes,
-        outcome,
-        reason,
-        decision_id,
-        policy_revision,
-        principal,
-        attrs_json,
-        payload_digest,
-    )
 
 
 def link_encoded(  # noqa: PLR0917 - one per chained field, in encoding order (hot path)
@@ -247,7 +203,9 @@ def link_encoded(  # noqa: PLR0917 - one per chained field, in encoding order (h
     attrs_json: str,
     payload_digest: str | None,
 ) -> str:
-    """:func:`link_values` with ``occurred_at`` already formatted (:func:`format_time`)."""
+    """:func:`link` for the writer's sequencer: the same hash, computed from plain values
+    (``prev_hash`` hex, ``occurred_at`` already formatted by :func:`format_time`) without
+    building a :class:`ChainedFields`."""
     if _FAST_ENCODE is None:  # pragma: no cover - no C accelerator
         s = _scalar
         middle = (
