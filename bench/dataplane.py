@@ -51,7 +51,6 @@ def settings_for(tmp: Path, db_url: str, *, governance: bool) -> Any:
     return Settings(
         data_dir=tmp,
         database={"url": db_url},
-        ledger={"batch_max_delay_ms": 0.0},
         dataplane={
             "port": 0,
             "lm_port": 0,

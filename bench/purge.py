@@ -99,7 +99,7 @@ async def run(entries: int, chunk: int, url: str, work: Path) -> int:
     engine = make_engine(url)
     settings = Settings(data_dir=work, database={"url": url}, purge={"poll_interval_s": 0.01})
     key = Ed25519PrivateKey.generate()
-    writer = LedgerWriter(engine, chain_id=CHAIN, signing_key=key, batch_max_delay_ms=2.0)
+    writer = LedgerWriter(engine, chain_id=CHAIN, signing_key=key)
     await writer.start()
     keyring = Keyring(SqlKeyStore(engine), FileKekProvider(generate_kek_file(work / "kek.key")))
     memory = MemoryTier(1 << 30)

@@ -57,7 +57,6 @@ class LedgerSettings(_Section):
     #: HMAC key used to pseudonymise user ids (never store raw ids)
     pseudonym_key_path: Path | None = None
     batch_max_events: int = Field(default=2000, ge=1, le=100_000)
-    batch_max_delay_ms: float = Field(default=5.0, ge=0.0, le=10_000.0)
     queue_max_events: int = Field(default=200_000, ge=1)
     #: how long an event nothing waits on (get, miss, exists, evict) may wait to share a commit;
     #: awaited events (puts, put denials) and ``flush()`` commit at once. 0: never wait
@@ -129,7 +128,6 @@ class DataPlaneSettings(_Section):
     crypto_threads: int = Field(default=2, ge=1, le=64)
     #: ``False`` switches policy, encryption and the ledger off: for benchmarks only
     governance: bool = True
-    evict_ack_timeout_s: float = Field(default=10.0, gt=0.0)
 
 
 class ApiSettings(_Section):

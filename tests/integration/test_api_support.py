@@ -67,7 +67,6 @@ class WriterThread:
             engine,
             chain_id=chain_id,
             signing_key=signing_key or Ed25519PrivateKey.generate(),
-            batch_max_delay_ms=1.0,
         )
         self.run(self.writer.start())
 

@@ -152,7 +152,6 @@ def _live(data_dir: Path, *, max_frame: int, pool: int, rego: bool = True) -> It
         Settings(
             data_dir=data_dir,
             database={"url": url},
-            ledger={"batch_max_delay_ms": 0.0},
             dataplane={
                 "host": "127.0.0.1",
                 "port": 0,

@@ -38,7 +38,6 @@ async def _start(tmp: Path, pg_url: str, *, memory_mib: int = 64) -> Sidecar:
     settings = Settings(
         data_dir=tmp / "data",
         database={"url": pg_url},
-        ledger={"batch_max_delay_ms": 0.0},
         dataplane={"host": "127.0.0.1", "port": 0, "lm_port": 0, "buffer_pool_bytes": 64 * MIB},
         tiers={"chain": ["memory"], "memory_max_bytes": memory_mib * MIB},
     )

@@ -35,7 +35,6 @@ async def sidecar(tmp_path: Path, pg_url: str) -> AsyncIterator[Sidecar]:
     settings = Settings(
         data_dir=tmp_path / "data",
         database={"url": pg_url},
-        ledger={"batch_max_delay_ms": 0.0},
         dataplane={"host": "127.0.0.1", "port": 0, "lm_port": 0, "buffer_pool_bytes": 128 * MIB},
         tiers={"chain": ["memory"], "memory_max_bytes": 256 * MIB},
     )

@@ -36,7 +36,6 @@ def _settings(tmp: Path, pg_url: str) -> Settings:
     return Settings(
         data_dir=tmp / "data",
         database={"url": pg_url},
-        ledger={"batch_max_delay_ms": 0.0},
         dataplane={"host": "127.0.0.1", "port": 0, "lm_port": 0, "buffer_pool_bytes": 64 << 20},
         tiers={"chain": ["memory", "filesystem"], "filesystem_fsync": False},
     )

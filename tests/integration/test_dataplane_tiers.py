@@ -62,7 +62,6 @@ def _settings(tmp: Path, pg_url: str, tiers: dict[str, Any], **extra: Any) -> Se
     return Settings(
         data_dir=tmp / "data",
         database={"url": pg_url},
-        ledger={"batch_max_delay_ms": 0.0},
         dataplane={"host": "127.0.0.1", "port": 0, "lm_port": -1, "buffer_pool_bytes": 64 * MIB},
         tiers={"filesystem_fsync": False, **tiers},
         **extra,

@@ -43,7 +43,6 @@ async def sidecar(tmp_path: Path, sqlite_url: str) -> AsyncIterator[Sidecar]:
     settings = Settings(
         data_dir=tmp_path / "data",
         database={"url": sqlite_url},
-        ledger={"batch_max_delay_ms": 0.0},
         dataplane={
             "host": "127.0.0.1",
             "port": 0,

@@ -39,7 +39,6 @@ async def sidecar(tmp_path: Path, pg_url: str) -> AsyncIterator[Sidecar]:
     settings = Settings(
         data_dir=tmp_path / "data",
         database={"url": pg_url},
-        ledger={"batch_max_delay_ms": 0.0},
         dataplane={"host": "127.0.0.1", "port": 0, "lm_port": -1, "buffer_pool_bytes": 64 << 20},
         tiers={"chain": ["memory"]},
         keys={"rotate_after_chunks": 3},

@@ -41,7 +41,6 @@ def cfg(tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch) -> Setting
     monkeypatch.setenv("KVGOV_DATA_DIR", str(tmp_path / "kvgov"))
     monkeypatch.setenv("KVGOV_DATABASE_URL", pg_url)
     return Settings(
-        ledger={"batch_max_delay_ms": 0.0},
         dataplane={"host": "127.0.0.1", "port": 0, "lm_port": -1, "buffer_pool_bytes": 64 << 20},
         tiers={"chain": ["memory"]},
         keys={"revalidate_interval_s": INTERVAL_S},

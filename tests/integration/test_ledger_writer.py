@@ -209,7 +209,7 @@ async def test_backpressure_raises_on_submit_and_waits_in_append(engine: sa.Engi
 async def test_refused_events_fail_alone_and_are_never_acknowledged(
     engine: sa.Engine, db_url: str
 ) -> None:
-    writer = await started(engine, batch_max_delay_ms=20.0)
+    writer = await started(engine)
     good = [writer.submit(Event(kind=EventKind.KV_MISS, nbytes=i)) for i in range(3)]
     bad = [writer.submit(Event(kind=EventKind.KV_MISS, reason="nul\x00byte"))]
     bad.append(writer.submit(Event(kind=EventKind.KV_MISS, attrs={"x": float("inf")})))

@@ -61,7 +61,7 @@ async def api(pg_url: str, tmp_path: Path) -> AsyncIterator[Api]:
         data_dir=tmp_path, database={"url": pg_url}, purge={"poll_interval_s": 0.05}
     )
     key = Ed25519PrivateKey.generate()
-    writer = LedgerWriter(engine, chain_id="api-test", signing_key=key, batch_max_delay_ms=1.0)
+    writer = LedgerWriter(engine, chain_id="api-test", signing_key=key)
     await writer.start()
     pseudo = Pseudonymizer(os.urandom(32))
     keyring = Keyring(SqlKeyStore(engine), FileKekProvider(generate_kek_file(tmp_path / "kek")))

@@ -139,7 +139,7 @@ async def env(pg_url: str, tmp_path: Path) -> AsyncIterator[Env]:
         purge={"poll_interval_s": 0.05, "job_timeout_s": 30.0, "http_timeout_s": 2.0},
     )
     key = Ed25519PrivateKey.generate()
-    writer = LedgerWriter(engine, chain_id=CHAIN, signing_key=key, batch_max_delay_ms=1.0)
+    writer = LedgerWriter(engine, chain_id=CHAIN, signing_key=key)
     await writer.start()
     kek = FileKekProvider(generate_kek_file(tmp_path / "kek.key"))
     store = SqlKeyStore(engine)

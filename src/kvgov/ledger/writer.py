@@ -5,7 +5,7 @@ into a bounded in-memory queue; one background task takes what has accumulated (
 ``batch_max_events``), and a single worker thread, the chain's only sequencer, writes it as one
 transaction (see :mod:`kvgov.ledger.batch`). This is group commit: an event arriving while the
 writer is idle is committed at once, and whatever arrives during a commit forms the next batch
-(``batch_max_delay_ms`` is accepted but adds no delay). Each event's future resolves with its
+(no artificial delay). Each event's future resolves with its
 position only after that transaction committed, so an acknowledged event survives a crash.
 
 Urgency: an event someone waits for (``submit``, ``append``; a put's acknowledgement) goes
@@ -110,7 +110,6 @@ class LedgerWriter:
         chain_id: str,
         signing_key: Ed25519PrivateKey,
         batch_max_events: int = 2000,
-        batch_max_delay_ms: float = 0.0,
         queue_max_events: int = 200_000,
         description: str | None = None,
         lazy_max_delay_ms: float = 25.0,
@@ -122,8 +121,6 @@ class LedgerWriter:
         self._key = signing_key
         self._public_key = public_key_bytes(signing_key)
         self._batch_max = batch_max_events
-        #: accepted for compatibility; the writer no longer lingers (see ``_run``)
-        self._linger_s = batch_max_delay_ms / 1000.0
         self._queue_max = queue_max_events
         self._description = description
         self._queue: deque[_Item] = deque()

@@ -267,7 +267,6 @@ async def build_sidecar(
                 chain_id=settings.chain_id,
                 signing_key=load_signing_key(settings.signing_key_path),
                 batch_max_events=settings.ledger.batch_max_events,
-                batch_max_delay_ms=settings.ledger.batch_max_delay_ms,
                 queue_max_events=settings.ledger.queue_max_events,
                 lazy_max_delay_ms=settings.ledger.lazy_max_delay_ms,
             )

@@ -138,7 +138,6 @@ async def cli_service(settings: Settings, *, writer: bool = True) -> AsyncIterat
         chain_id=chain_id,
         signing_key=key,
         batch_max_events=settings.ledger.batch_max_events,
-        batch_max_delay_ms=settings.ledger.batch_max_delay_ms,
         description="kvgov purge (CLI)",
     )
     tiers = await shared_tiers(settings) if writer else []
