@@ -10,7 +10,6 @@ files and a real Redis.
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import socket
 import threading
@@ -73,8 +72,7 @@ Starter = Callable[[Settings], Awaitable[Sidecar]]
 
 @pytest.fixture
 async def start() -> AsyncIterator[Starter]:
-    """Start sidecars; stop what is still running afterwards, then collect garbage here, on
-    the thread that built the policy engine (regorus' VM must not be dropped on another)."""
+    """Start sidecars; stop what is still running afterwards."""
     running: list[Sidecar] = []
 
     async def _start(settings: Settings) -> Sidecar:
@@ -89,7 +87,6 @@ async def start() -> AsyncIterator[Starter]:
         if sidecar.ready:
             await sidecar.stop()
     running.clear()
-    gc.collect()
 
 
 async def _run(fn: Callable[..., T], *args: Any) -> T:
