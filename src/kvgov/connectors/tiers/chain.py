@@ -79,11 +79,25 @@ class TierChain:
         """
         targets = [t for t in self._tiers if t.name in allowed]
         others = [t for t in self._tiers if t.name not in allowed]
-        results = await asyncio.gather(
-            *(t.put(key, data, expires_at=expires_at) for t in targets),
-            *(t.delete(key) for t in others),
-            return_exceptions=True,
-        )
+        results: list[object]
+        if len(self._tiers) == 1:
+            # one tier: await it in place (a gather makes a task, so at least one more pass of
+            # the event loop before the put is done; a memory tier never suspends at all)
+            op = (
+                targets[0].put(key, data, expires_at=expires_at)
+                if targets
+                else others[0].delete(key)
+            )
+            try:
+                results = [await op]
+            except BaseException as exc:  # noqa: BLE001 - handled below, as gather would return it
+                results = [exc]
+        else:
+            results = await asyncio.gather(
+                *(t.put(key, data, expires_at=expires_at) for t in targets),
+                *(t.delete(key) for t in others),
+                return_exceptions=True,
+            )
         failures = [
             (t.name, r)
             for t, r in zip([*targets, *others], results, strict=True)
