@@ -14,9 +14,11 @@ Destroying it unlinks every pseudonym from the person behind it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 from kvgov.errors import StartupError
@@ -29,24 +31,35 @@ USER_PSEUDONYM_CHARS = 32
 _USER_DOMAIN = b"kvgov/user/v1\x00"
 _DIGEST_KEY_LABEL = b"kvgov/key-digest/v1"
 _FILE_HEADER = "kvgov-pseudonym-key-v1"
+#: pseudonyms and key digests remembered per process (the data path asks for the same few
+#: thousand keys and users again and again; an HMAC costs more than the lookup)
+CACHE_ENTRIES = 1 << 16
 
 
 class Pseudonymizer:
-    """Keyed pseudonyms for user ids and cache keys. Thread-safe (holds only the key)."""
+    """Keyed pseudonyms for user ids and cache keys. Thread-safe (holds the key and bounded
+    caches of results: ``functools.lru_cache``)."""
 
-    __slots__ = ("_digester", "_key")
+    __slots__ = ("_digester", "_key", "_key_digest", "_user")
 
     def __init__(self, key: bytes) -> None:
         if len(key) < 16:
             raise ValueError("pseudonym key must be at least 16 bytes")
         self._key = bytes(key)
         self._digester = KeyDigester(derive_key_digest_key(self._key))
+        self._user: Callable[[str, str], str] = functools.lru_cache(CACHE_ENTRIES)(self._compute)
+        self._key_digest: Callable[[str], str] = functools.lru_cache(CACHE_ENTRIES)(
+            self._digester.digest
+        )
 
     def __repr__(self) -> str:
         return "Pseudonymizer(<key hidden>)"
 
     def user(self, tenant: str, user_id: str) -> str:
         """The pseudonym of ``user_id`` in ``tenant`` (32 hex characters)."""
+        return self._user(tenant, user_id)
+
+    def _compute(self, tenant: str, user_id: str) -> str:
         message = (
             _USER_DOMAIN
             + _length_prefixed(tenant.encode("utf-8"))
@@ -57,7 +70,7 @@ class Pseudonymizer:
 
     def key_digest(self, cache_key: str) -> str:
         """Keyed digest of a cache key string (64 hex characters), with the key-digest key."""
-        return self._digester.digest(cache_key)
+        return self._key_digest(cache_key)
 
     @property
     def key_digester(self) -> KeyDigester:

@@ -6,6 +6,7 @@ and read the same JSON shapes documented in ``docs/protocol.md``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -232,10 +233,12 @@ class CacheKey:
         return self.tag("user")
 
 
+@functools.lru_cache(1 << 16)
 def parse_cache_key(raw: str) -> CacheKey:
     """Parse a key string; raises :class:`WireError` (BAD_REQUEST) if it is not one.
 
     A tag name may appear only once: two ``tenant`` tags would let a key claim two identities.
+    Parsed keys are remembered (a bounded cache: the data path sees the same keys again).
     """
     parts = raw.split("@")
     if len(parts) < 5:
