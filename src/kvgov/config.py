@@ -126,6 +126,9 @@ class DataPlaneSettings(_Section):
     #: bytes of chunk buffers the pool may hold at once (backpressure beyond this)
     buffer_pool_bytes: int = Field(default=1024 * _MIB, ge=8 * _MIB)
     crypto_threads: int = Field(default=2, ge=1, le=64)
+    #: threads that write large replies to their sockets (each serves one reply at a time;
+    #: replies beyond this many wait for a free one)
+    send_threads: int = Field(default=4, ge=1, le=256)
     #: ``False`` switches policy, encryption and the ledger off: for benchmarks only
     governance: bool = True
 

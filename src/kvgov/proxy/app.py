@@ -47,6 +47,8 @@ class Sidecar:
     tiers: TierChain
     metrics: DataPlaneMetrics
     executor: ThreadPoolExecutor
+    #: writes large replies to sockets (kvgov.proxy.dataplane.conn.StreamProtocol.send_plan)
+    sender: ThreadPoolExecutor
     writer: Any = None
     engine: Any = None
     lm_server: Any = None
@@ -204,6 +206,7 @@ class Sidecar:
         await self.tiers.close()
         if self.pipeline.keyring is not None:
             self.pipeline.keyring.flush_usage()
+        self.sender.shutdown(wait=True)
         self.executor.shutdown(wait=True)
         if self.engine is not None:
             self.engine.dispose()
@@ -245,6 +248,7 @@ async def build_sidecar(
     governance = dp.governance
     metrics = DataPlaneMetrics()
     executor = ThreadPoolExecutor(max_workers=dp.crypto_threads, thread_name_prefix="kvgov-crypto")
+    sender = ThreadPoolExecutor(max_workers=dp.send_threads, thread_name_prefix="kvgov-send")
     settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     generate_pseudonym_key_file(settings.pseudonym_key_path)
     pseudonymizer = Pseudonymizer.from_file(settings.pseudonym_key_path)
@@ -301,6 +305,7 @@ async def build_sidecar(
         pseudonymizer=pseudonymizer,
         pool=BufferPool(dp.buffer_pool_bytes),
         executor=executor,
+        sender=sender,
         metrics=metrics,
         index=index,
         governance=governance,
@@ -334,6 +339,7 @@ async def build_sidecar(
         tiers=tiers,
         metrics=metrics,
         executor=executor,
+        sender=sender,
         writer=writer,
         engine=engine,
         sidecar_id=sidecar_id,

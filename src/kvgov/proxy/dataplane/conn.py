@@ -7,11 +7,12 @@ Small reads (headers, metadata) go through a 64 KiB scratch buffer. When no read
 the scratch buffer is full, the protocol pauses reading: TCP flow control pushes back on the
 sender and memory stays bounded. Writes respect the transport's high-water mark (``drain``).
 
-Large replies go out with :meth:`StreamProtocol.send_view`: while the transport holds nothing, the
-socket takes straight from the caller's view (Python 3.11's transport would copy whatever the
-kernel does not take at once into a growing ``bytearray``); when the socket is full, only a
+Small replies go out with :meth:`StreamProtocol.send_view`: while the transport holds nothing,
+the socket takes straight from the caller's view (Python 3.11's transport would copy whatever
+the kernel does not take at once into a growing ``bytearray``); when the socket is full, only a
 small piece goes through the transport, which waits for the socket, and the send resumes once
-it is flushed.
+it is flushed. Large hits go out from a sender thread (:meth:`StreamProtocol.send_plan`) that
+writes each group of segments as soon as the crypto pool has opened it.
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ import logging
 import os
 import select
 from collections.abc import Coroutine
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any
 
 from kvgov.proxy.dataplane.plans import open_segments, segments_per_job
 
 if TYPE_CHECKING:
-    from kvgov.keys.sealed import SealReader
     from kvgov.proxy.dataplane.plans import GetPlan
 
 log = logging.getLogger("kvgov.dataplane.conn")
@@ -72,7 +72,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
         #: a duplicate of the socket's fd for :meth:`send_plan_in_thread` (closed when the
         #: connection is lost and no thread job uses it any more)
         self._wfd = -1
+        #: the sender-thread job writing a hit to ``_wfd`` now; ``write`` holds data meanwhile
         self._wjob: asyncio.Future[None] | None = None
+        self._held: list[bytes] = []
 
     # -- protocol callbacks --------------------------------------------------------------------
 
@@ -126,6 +128,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._write_ready.set()
         self._flushed.set()
         self._fail()
+        self._held.clear()
         if self._wjob is None or self._wjob.done():
             self._close_wfd()
         else:
@@ -182,6 +185,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self.transport is not None and not self._closed:
+            if self._wjob is not None:  # a sender thread is writing a hit: follow it
+                self._held.append(bytes(data))
+                return
             self.transport.write(data)
 
     async def send_view(self, data: memoryview) -> None:
@@ -231,52 +237,54 @@ class StreamProtocol(asyncio.BufferedProtocol):
         if self._closed:
             raise ConnectionClosed
 
-    async def send_plan(self, plan: GetPlan, executor: Executor) -> None:
-        """Stream a hit: open its segments in the thread pool, a few per job (the next ones
-        while these are sent), and write them; the transport's buffer stays under its
-        high-water mark."""
-        if plan.reader is None:
-            for window in plan.windows:
-                await self.send_view(window)
-            return
-        reader = plan.reader
-        if plan.length <= INLINE_OPEN_BYTES:  # cheaper than a hand-off to the pool
-            open_segments(reader, list(enumerate(plan.windows)))
-            for window in plan.windows:
-                await self.send_view(window)
-            return
-        loop = asyncio.get_running_loop()
-        step = segments_per_job(reader.header.segment_size)
-        indexed = list(enumerate(plan.windows))
-        groups = [indexed[i : i + step] for i in range(0, len(indexed), step)]
-        futs = [loop.run_in_executor(executor, open_segments, reader, g) for g in groups]
-        try:
-            for fut, group in zip(futs, groups, strict=True):
-                await fut
-                for _, window in group:
-                    await self.send_view(window)
-        finally:
-            await asyncio.gather(*futs, return_exceptions=True)
-
-    async def send_plan_in_thread(self, plan: GetPlan, executor: Executor) -> None:
-        """Open and send a whole hit in one thread-pool job, writing with blocking waits on
-        the socket (what ``lmcache_server`` does): one hand-off per reply instead of one per
-        job plus an event-loop round per socketful. Only for a handler that is the sole writer
-        of its connection while this runs (``lm://``: one request at a time)."""
+    async def send_plan(self, plan: GetPlan, executor: Executor, sender: Executor) -> None:
+        """Stream a hit. A small one is opened and written on the event loop. A large one is
+        opened in the crypto pool (``executor``), a few segments per job, all jobs queued at
+        once (so the pool's threads open them side by side), while a ``sender`` thread writes
+        each group to the socket as soon as it is open, waiting on the socket with the GIL
+        released (what ``lmcache_server``'s blocking ``sendall`` does): no event-loop round per
+        socketful, and opening overlaps sending. Writes the loop makes meanwhile (other
+        replies) are held back and follow the hit (:meth:`write`)."""
         t = self.transport
         if t is None or self._fd < 0 or self._closed or plan.length <= INLINE_OPEN_BYTES:
-            await self.send_plan(plan, executor)  # small: opened and sent on the event loop
+            if plan.reader is not None:
+                open_segments(plan.reader, list(enumerate(plan.windows)))
+            for window in plan.windows:
+                await self.send_view(window)
             return
         await self._until_flushed(t)  # what is queued (the reply head) goes first
         if t.get_write_buffer_size():
             await self.drain()
         if self._wfd < 0:
             self._wfd = os.dup(self._fd)
-        job = asyncio.get_running_loop().run_in_executor(
-            executor, _open_and_write, self, plan.reader, plan.windows
-        )
+        indexed = list(enumerate(plan.windows))
+        groups: list[list[tuple[int, memoryview]]] = []
+        opened: list[Future[None] | None] = []
+        reader = plan.reader
+        step = segments_per_job(reader.header.segment_size) if reader is not None else len(indexed)
+        for i in range(0, len(indexed), step):
+            group = indexed[i : i + step]
+            groups.append(group)
+            opened.append(
+                executor.submit(open_segments, reader, group) if reader is not None else None
+            )
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(sender, _write_groups, self, groups, opened)
         self._wjob = job
-        await job
+        try:
+            await job
+        finally:
+            self._wjob = None
+            # the buffer is released after this returns: let every open job finish with it
+            running = [asyncio.wrap_future(f) for f in opened if f is not None and not f.done()]
+            if running:
+                await asyncio.wait(running)
+            for f in opened:
+                if f is not None and not f.cancelled():
+                    f.exception()  # retrieved: the writer raised the first one already
+            held, self._held = self._held, []
+            for data in held:
+                self.write(data)
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -329,29 +337,33 @@ class StreamProtocol(asyncio.BufferedProtocol):
             fut.set_exception(ConnectionClosed())
 
 
-def _open_and_write(
-    conn: StreamProtocol, reader: SealReader | None, windows: list[memoryview]
+def _write_groups(
+    conn: StreamProtocol,
+    groups: list[list[tuple[int, memoryview]]],
+    opened: list[Future[None] | None],
 ) -> None:
-    """A pool job: open each window (when sealed) and write it to the connection's socket,
-    waiting on the socket (GIL released) while it is full."""
+    """A sender-thread job: wait until each group is open (None: plaintext), then write its
+    windows to the connection's socket, waiting on the socket (GIL released) while it is full.
+    Raises the first open failure, or ConnectionClosed."""
     fd = conn._wfd
     poller = select.poll()
     poller.register(fd, select.POLLOUT)
-    for index, window in enumerate(windows):
-        if reader is not None:
-            reader.open_segment(index, window)
-        view = window.cast("B") if window.format != "B" or window.ndim != 1 else window
-        while view.nbytes:
-            if conn._closed:
-                raise ConnectionClosed
-            try:
-                n = os.write(fd, view)
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError:
-                raise ConnectionClosed from None
-            view = view[n:]
-            if view.nbytes and not n:
-                for _, ev in poller.poll(100):
-                    if ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
-                        raise ConnectionClosed
+    for group, job in zip(groups, opened, strict=True):
+        if job is not None:
+            job.result()
+        for _, window in group:
+            view = window.cast("B") if window.format != "B" or window.ndim != 1 else window
+            while view.nbytes:
+                if conn._closed:
+                    raise ConnectionClosed
+                try:
+                    n = os.write(fd, view)
+                except (BlockingIOError, InterruptedError):
+                    n = 0
+                except OSError:
+                    raise ConnectionClosed from None
+                view = view[n:]
+                if view.nbytes and not n:
+                    for _, ev in poller.poll(100):
+                        if ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                            raise ConnectionClosed

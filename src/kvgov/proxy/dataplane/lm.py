@@ -7,10 +7,11 @@ byte order. PUT has no reply; GET, EXIST and HEALTH do. There is no handshake an
 context: operations are attributed to ``settings.dataplane.lm_engine_id`` only. The fmt, dtype,
 shape and location a PUT carried are stored with the entry and returned by GET.
 
-A PUT is sealed and stored in a task while the next request is read (PUTs of a connection are
-stored in request order, and any other request first waits until they are stored, so it sees
-them); its ledger event is group-committed in the background (at most ``MAX_UNSETTLED_PUTS``
-per connection in flight), and a put that cannot be recorded is removed again.
+A PUT is sealed and stored by the connection's storer task while the next request is read
+(PUTs of a connection are stored in request order, a run of ready ones in one pass of the event
+loop, and any other request first waits until they are stored, so it sees them); its ledger
+event is group-committed in the background (at most ``MAX_UNSETTLED_PUTS`` per connection in
+flight), and a put that cannot be recorded is removed again.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import asyncio
 import contextlib
 import logging
 import struct
+from collections import deque
 from typing import Any
 
+from kvgov.errors import KvgovError
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.pipeline import Pipeline, PutPlan, StoredPut
@@ -73,13 +76,15 @@ class LmConnection(StreamProtocol):
         self.server = server
         self._handling = False
         self._unsettled: set[asyncio.Task[None]] = set()
-        #: set once the connection's latest PUT is in the tiers (requests see earlier puts)
-        self._last_stored: asyncio.Event | None = None
+        #: received PUTs waiting to be stored, oldest first, and the task storing them (started
+        #: when one arrives, gone when none is left)
+        self._to_store: deque[PutPlan] = deque()
+        self._storer: asyncio.Task[None] | None = None
 
     @property
     def busy(self) -> bool:
         """In the middle of a request, or stored PUTs still wait for the ledger."""
-        return self._handling or bool(self._unsettled)
+        return self._handling or bool(self._to_store) or bool(self._unsettled)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.server.connections.add(self)
@@ -120,8 +125,8 @@ class LmConnection(StreamProtocol):
             if command not in (PUT, GET, EXIST, LIST, HEALTH) or length < 0:
                 metrics.protocol_errors.labels(self.listener, "BAD_FRAME").inc()
                 return  # not LMCache's protocol: close this connection only
-            if command != PUT and self._last_stored is not None:
-                await self._last_stored.wait()
+            if command != PUT and self._storer is not None and not self._storer.done():
+                await asyncio.wait([self._storer])  # it sees every earlier PUT
             self._handling = True
             started = asyncio.get_running_loop().time()
             op = {PUT: "put", GET: "get", EXIST: "exists"}.get(command, "health")
@@ -173,32 +178,43 @@ class LmConnection(StreamProtocol):
         except BaseException:
             await plan.discard()
             raise
-        prev, done = self._last_stored, asyncio.Event()
-        self._last_stored = done
-        task = asyncio.get_running_loop().create_task(self._finish_put(plan, prev, done))
-        self._unsettled.add(task)
-        task.add_done_callback(self._unsettled.discard)
-        if len(self._unsettled) >= MAX_UNSETTLED_PUTS:
-            await asyncio.wait(list(self._unsettled), return_when=asyncio.FIRST_COMPLETED)
+        self._to_store.append(plan)
+        if self._storer is None or self._storer.done():
+            self._storer = asyncio.get_running_loop().create_task(self._store_puts())
+        if len(self._unsettled) + len(self._to_store) >= MAX_UNSETTLED_PUTS:
+            if self._to_store and self._storer is not None:
+                await asyncio.wait([self._storer])
+            if len(self._unsettled) >= MAX_UNSETTLED_PUTS:
+                await asyncio.wait(list(self._unsettled), return_when=asyncio.FIRST_COMPLETED)
 
-    async def _finish_put(
-        self, plan: PutPlan, prev: asyncio.Event | None, done: asyncio.Event
-    ) -> None:
-        """Seal, store after the previous PUT (request order), then wait for the record."""
+    async def _store_puts(self) -> None:
+        """Seal-wait and store the queued PUTs in order; each then settles in its own task."""
         pipeline = self.server.pipeline
-        try:
-            with contextlib.suppress(Exception):  # store_put raises it again
-                await plan.sealed()
-            if prev is not None:
-                await prev.wait()
-            stored: StoredPut = await pipeline.store_put(plan)
-        except Exception as exc:  # noqa: BLE001 - PUT has no reply: count it and go on
-            log.warning("dataplane.put.failed", extra={"error": type(exc).__name__})
-            pipeline.metrics.ops.labels("put", self.listener, "error").inc()
-            return
-        finally:
-            done.set()
-            plan.abort()  # idempotent; releases the buffer if the put never got stored
+        while self._to_store:
+            plan = self._to_store[0]
+            try:
+                with contextlib.suppress(Exception):  # store_put raises it again
+                    await plan.sealed()
+                stored: StoredPut = await pipeline.store_put(plan)
+            except asyncio.CancelledError:
+                for left in self._to_store:
+                    await left.discard()
+                self._to_store.clear()
+                raise
+            except Exception as exc:  # noqa: BLE001 - PUT has no reply: count it and go on
+                log.warning("dataplane.put.failed", extra={"error": type(exc).__name__})
+                pipeline.metrics.ops.labels("put", self.listener, "error").inc()
+                continue
+            finally:
+                if self._to_store and self._to_store[0] is plan:
+                    self._to_store.popleft()
+                plan.abort()  # idempotent; releases the buffer if the put never got stored
+            task = asyncio.get_running_loop().create_task(self._settle(stored))
+            self._unsettled.add(task)
+            task.add_done_callback(self._unsettled.discard)
+
+    async def _settle(self, stored: StoredPut) -> None:
+        pipeline = self.server.pipeline
         try:
             await pipeline.settle_put(stored)
         except Exception as exc:  # noqa: BLE001 - already removed from the tiers
@@ -229,7 +245,12 @@ class LmConnection(StreamProtocol):
                 shape=m.get("shape", (0, 0, 0, 0)),
                 location=int(m.get("location", 0)),
             )
-            await self.send_plan_in_thread(plan, pipeline.executor)
+            try:
+                await self.send_plan(plan, pipeline.executor, pipeline.sender)
+            except KvgovError as exc:  # corrupt at rest: the promised bytes cannot come
+                pipeline.metrics.ops.labels("get", self.listener, "error").inc()
+                await pipeline.drop_unreadable(plan.who, exc)
+                raise ConnectionClosed from exc
         finally:
             plan.release()
 

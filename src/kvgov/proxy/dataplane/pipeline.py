@@ -59,6 +59,7 @@ class Pipeline:
         pool: BufferPool,
         executor: Executor,
         metrics: DataPlaneMetrics,
+        sender: Executor | None = None,
         index: EntryIndex | None = None,
         governance: bool = True,
         policy: PolicyEngine | None = None,
@@ -75,6 +76,8 @@ class Pipeline:
         self.pseudonymizer = pseudonymizer
         self.pool = pool
         self.executor = executor
+        #: threads that write large replies (None: the crypto ``executor`` does)
+        self.sender = sender if sender is not None else executor
         self.metrics = metrics
         self.index = index if index is not None else EntryIndex()
         self.governance = governance
@@ -500,6 +503,28 @@ class Pipeline:
                 src.release()
             lease.release()
             raise
+
+    async def drop_unreadable(self, who: Who, error: KvgovError) -> None:
+        """A hit failed to open while it was being sent (its ciphertext was corrupted or
+        tampered with at rest, or its key was shredded meanwhile): it can never be served, so
+        remove it from the index and every tier and record why. The caller closes the
+        connection (the reply had promised its bytes; each segment is authenticated before any
+        of its bytes go out, so nothing unauthenticated was sent). A put of the same key racing
+        this is removed too: KV cache is recomputable."""
+        log.warning(
+            "dataplane.get.unreadable", extra={"key_digest": who.digest, "error": error.code}
+        )
+        self.metrics.denials.labels(Operation.GET.value, "unreadable").inc()
+        self.index.pop(who.digest)
+        await self.tiers.delete(who.digest)
+        if self.governance:
+            event = self._event(
+                EventKind.KV_DELETE, who, outcome=Outcome.ERROR, reason=f"unreadable:{error.code}"
+            )
+            try:
+                await self._record(entry_gone(event, EntryState.DELETED), durable=True)
+            except KvgovError as exc:
+                log.error("dataplane.event.unrecorded", extra={"error": exc.code})
 
     async def remove(self, who: Who) -> bool:
         entry, _ = await self._readable(who, Operation.REMOVE)

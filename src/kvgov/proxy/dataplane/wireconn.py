@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvgov.errors import KvgovError
 from kvgov.proxy.dataplane.buffers import Lease, size_class
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol
 from kvgov.proxy.dataplane.identity import Identity
@@ -67,20 +68,18 @@ class EngineEvictResult:
 
 @dataclass(slots=True)
 class _PutJob:
-    """One PUT frame after its bytes arrived: ``stored`` once its items are in the tiers."""
+    """One PUT frame after its bytes arrived, on its way through the connection's storer
+    (seal, then store, in frame order) and replier (ledger commit, then reply, in order)."""
 
     sid: int
     #: per item: its denial reply, or None where a plan was received
     results: list[dict[str, Any] | None]
     plans: list[PutPlan]
     started: float
-    stored: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
-
-    async def done(self) -> None:
-        """Wait until its reply was sent (never raises)."""
-        if self.task is not None:
-            await asyncio.wait([self.task])
+    #: per plan: what storing it gave (filled by the storer)
+    stored: list[StoredPut | BaseException] = field(default_factory=list)
+    #: set once its reply was sent (or the connection gave up on it)
+    replied: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class WireConnection(StreamProtocol):
@@ -93,8 +92,17 @@ class WireConnection(StreamProtocol):
         self.peer_uid: int | None = None
         self.identity: Identity | None = None
         self._handling = False
-        #: PUT replies waiting for their ledger commit, oldest first (they finish in order)
+        #: PUT frames received and not yet replied to, oldest first (they finish in order)
         self._pending: deque[_PutJob] = deque()
+        #: ... of which these still wait to be stored, and these for their commit and reply;
+        #: one task drains each queue (started when work arrives, gone when it is empty), so
+        #: a run of ready frames is stored or replied to in one pass of the event loop
+        self._to_store: deque[_PutJob] = deque()
+        self._to_reply: deque[_PutJob] = deque()
+        self._storer: asyncio.Task[None] | None = None
+        self._replier: asyncio.Task[None] | None = None
+        #: settles of stored puts left behind when the connection gave up on their replies
+        self._settling: set[asyncio.Future[None]] = set()
         self._next_id = 0
         self._acks: dict[int, asyncio.Future[dict[str, Any]]] = {}
 
@@ -185,7 +193,7 @@ class WireConnection(StreamProtocol):
     async def _replies_sent(self) -> None:
         """Wait until every pipelined PUT reply has been sent (they finish in order)."""
         if self._pending:
-            await self._pending[-1].done()
+            await self._pending[-1].replied.wait()
 
     async def _dispatch(
         self, ftype: FrameType, sid: int, is_reply: bool, meta: dict[str, Any], payload_len: int
@@ -299,44 +307,89 @@ class WireConnection(StreamProtocol):
             for plan in plans:  # the frame did not complete: store nothing from it
                 await plan.discard()
             raise
-        # seal, store (in request order) and record in a task: the next frame is read meanwhile
-        prev = self._pending[-1] if self._pending else None
+        # seal, store (in request order) and record in the background: the next frame is read
+        # meanwhile
         job = _PutJob(sid, results, plans, started)
-        job.task = asyncio.get_running_loop().create_task(self._finish_put(prev, job))
         self._pending.append(job)
-        job.task.add_done_callback(lambda t: self._put_replied(job, t))
+        self._to_store.append(job)
+        if self._storer is None or self._storer.done():
+            self._storer = asyncio.get_running_loop().create_task(self._store_jobs())
         if len(self._pending) > MAX_PIPELINED_PUTS:
-            await self._pending[0].done()
+            await self._pending[0].replied.wait()
 
-    def _put_replied(self, job: _PutJob, task: asyncio.Task[None]) -> None:
-        self._pending.remove(job)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("dataplane.put.reply_failed", exc_info=task.exception())
-            self.close()  # the reply order is lost: the client must reconnect
-
-    async def _finish_put(self, prev: _PutJob | None, job: _PutJob) -> None:
-        """Store the items after the previous PUT's, wait for their ledger commit and the
-        previous PUT's reply, then reply."""
-        pipeline = self.server.pipeline
-        plans = job.plans
-        stored: list[StoredPut | BaseException] = []
+    async def _store_jobs(self) -> None:
+        """Store the queued PUT frames, oldest first, then hand each to the replier."""
         try:
-            for plan in plans:  # seal while the previous frame may still be storing
+            while self._to_store:
+                job = self._to_store[0]
+                await self._store(job)
+                self._to_store.popleft()
+                self._to_reply.append(job)
+                if self._replier is None or self._replier.done():
+                    self._replier = asyncio.get_running_loop().create_task(self._reply_jobs())
+        except BaseException as exc:
+            await self._abandon(exc)
+            raise
+
+    async def _store(self, job: _PutJob) -> None:
+        """Wait until the frame's items are sealed, then store each (failures per item)."""
+        pipeline = self.server.pipeline
+        stored = job.stored
+        try:
+            for plan in job.plans:
                 with contextlib.suppress(Exception):  # store_put raises it again
                     await plan.sealed()
-            if prev is not None:
-                await prev.stored.wait()
-            for plan in plans:
+            for plan in job.plans:
                 try:
                     stored.append(await pipeline.store_put(plan))
                 except Exception as exc:  # noqa: BLE001 - reported per item in the reply
                     stored.append(exc)
         finally:
-            job.stored.set()
-            for plan in plans[len(stored) :]:  # cancelled before storing these
+            for plan in job.plans[len(stored) :]:  # cancelled before storing these
                 await plan.discard()
+
+    async def _reply_jobs(self) -> None:
+        """Reply to the stored PUT frames, oldest first, once their ledger events commit."""
+        try:
+            while self._to_reply:
+                job = self._to_reply[0]
+                await self._reply(job)
+                self._to_reply.popleft()
+                self._pending.popleft()
+                job.replied.set()
+        except BaseException as exc:
+            await self._abandon(exc)
+            raise
+
+    async def _abandon(self, exc: BaseException) -> None:
+        """The storer or replier failed: the reply order is lost, so close the connection (the
+        client must reconnect); frames not yet stored store nothing."""
+        if not isinstance(exc, asyncio.CancelledError):
+            log.error("dataplane.put.reply_failed", exc_info=exc)
+        self.close()
+        for job in list(self._to_store):
+            for plan in job.plans[len(job.stored) :]:
+                await plan.discard()
+        for job in self._pending:
+            for item in job.stored:  # stored: still settle (an unrecorded put is removed)
+                if not isinstance(item, BaseException):
+                    settle = asyncio.ensure_future(self.server.pipeline.settle_put(item))
+                    self._settling.add(settle)
+                    settle.add_done_callback(self._settled)
+            job.replied.set()
+        self._pending.clear()
+        self._to_store.clear()
+        self._to_reply.clear()
+
+    def _settled(self, task: asyncio.Future[None]) -> None:
+        self._settling.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: settle_put logs what it could not record
+
+    async def _reply(self, job: _PutJob) -> None:
+        pipeline = self.server.pipeline
         outcomes: list[BaseException | None] = []
-        for item in stored:
+        for item in job.stored:
             if isinstance(item, BaseException):
                 outcomes.append(item)
                 continue
@@ -345,8 +398,6 @@ class WireConnection(StreamProtocol):
                 outcomes.append(None)
             except Exception as exc:  # noqa: BLE001 - reported per item in the reply
                 outcomes.append(exc)
-        if prev is not None:
-            await prev.done()
         it = iter(outcomes)
         replies = []
         for r in job.results:
@@ -417,7 +468,12 @@ class WireConnection(StreamProtocol):
             self.send(FrameType.GET, sid, {"items": items}, total)
             for p in plans:
                 if p is not None:
-                    await self.send_plan(p, pipeline.executor)
+                    try:
+                        await self.send_plan(p, pipeline.executor, pipeline.sender)
+                    except KvgovError as exc:  # corrupt at rest: the promised bytes cannot come
+                        pipeline.metrics.ops.labels("get", self.listener, "error").inc()
+                        await pipeline.drop_unreadable(p.who, exc)
+                        raise ConnectionClosed from exc
         finally:
             for lease in leases.values():
                 lease.release()

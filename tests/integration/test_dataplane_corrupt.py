@@ -1,0 +1,248 @@
+"""Ciphertext corrupted at rest, found while a hit is being sent, over real sockets against a
+real sidecar (Postgres ledger, Rego policy, keyring, filesystem tier on real files).
+
+A governed hit is streamed: the reply head (and the segments before the bad one) may already
+be on the wire when a segment fails to authenticate. The sidecar then never sends a byte of the
+bad segment, closes that connection (the reply promised bytes it cannot deliver), removes the
+entry from the index and every tier, and records a ``kv:delete`` with the reason. Other
+connections and keys are unaffected. Both sides of the send path are covered: a small hit
+(opened on the event loop) and a multi-segment one (opened in the crypto pool and written by a
+sender thread), on the kvgov wire and on ``lm://``.
+
+Also the sender thread's contract: while it writes a hit, whatever the event loop writes on the
+same connection waits and follows the hit, so frames never interleave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from kvgov.config import Settings
+from kvgov.ledger.models import LedgerEvent
+from kvgov.policy.cache import CachingPolicyEngine
+from kvgov.policy.embedded import EmbeddedPolicyEngine
+from kvgov.proxy.app import Sidecar, build_sidecar
+from kvgov.proxy.dataplane.conn import StreamProtocol
+from kvgov.proxy.dataplane.plans import GetPlan
+from kvgov.types import EventKind, Outcome
+from kvgov.wire import RequestContext, WireClient
+from kvgov.wire.codec import WireError
+
+T = TypeVar("T")
+MIB = 1 << 20
+CTX = RequestContext(request_id="req-corrupt", user="u9")
+LM_REQUEST = struct.Struct("=iiiiiiiii150s")
+LM_REPLY = struct.Struct("=iiiiiiiii")
+
+
+def _key(h: str) -> str:
+    return f"meta-llama/Llama-3.1-8B@1@0@{h}@bfloat16@tenant%demo@user%u9"
+
+
+@pytest.fixture
+async def sidecar(tmp_path: Path, pg_url: str) -> AsyncIterator[Sidecar]:
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        database={"url": pg_url},
+        dataplane={"host": "127.0.0.1", "port": 0, "lm_port": 0, "buffer_pool_bytes": 64 * MIB},
+        tiers={"chain": ["filesystem"], "filesystem_fsync": False},
+    )
+    sc = await build_sidecar(
+        settings, policy=CachingPolicyEngine(EmbeddedPolicyEngine.from_paths())
+    )
+    await sc.start()
+    try:
+        yield sc
+    finally:
+        await sc.stop()
+
+
+async def _run(fn: Callable[..., T], *args: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+def _client(sc: Sidecar) -> WireClient:
+    return WireClient(f"tcp://127.0.0.1:{sc.server.tcp_port}", engine_id="vllm-c", timeout=10)
+
+
+def _stored_file(sc: Sidecar, key: str) -> Path:
+    """The one file the filesystem tier holds for ``key``."""
+    root = sc.settings.filesystem_tier_path
+    digest = sc.pipeline.pseudonymizer.key_digest(key)
+    found = [p for p in root.rglob("*") if p.is_file() and digest.encode() in p.read_bytes()[:256]]
+    assert len(found) == 1, f"expected one file for the key, found {found}"
+    return found[0]
+
+
+def _flip_last_byte(path: Path) -> None:
+    """Corrupt the value's last byte: the last segment's GCM tag (the header stays valid)."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def _unreadable_deletes(sc: Sidecar) -> list[LedgerEvent]:
+    with Session(sc.engine) as s:
+        rows = s.scalars(
+            select(LedgerEvent).where(
+                LedgerEvent.kind == EventKind.KV_DELETE, LedgerEvent.outcome == Outcome.ERROR
+            )
+        ).all()
+        return list(rows)
+
+
+async def _settled(sc: Sidecar) -> None:
+    assert sc.writer is not None
+    await sc.writer.flush()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("size", [200_000, 3 * MIB + 11], ids=["inline", "sender-thread"])
+async def test_wire_hit_corrupt_at_rest_closes_the_reply_and_drops_the_entry(
+    sidecar: Sidecar, size: int
+) -> None:
+    bad, good = _key(f"bad{size:x}"), _key(f"good{size:x}")
+    value, other = os.urandom(size), os.urandom(size)
+    client = _client(sidecar)
+    try:
+        await _run(client.put, bad, value, CTX)
+        await _run(client.put, good, other, CTX)
+        _flip_last_byte(_stored_file(sidecar, bad))
+
+        # the reply breaks off: an error, never the stored bytes nor anything else
+        with pytest.raises((WireError, ConnectionError, OSError)):
+            await _run(client.get, bad, CTX)
+
+        # gone for good: index, tier file and every later get
+        assert await _run(client.get, bad, CTX) is None
+        assert sidecar.pipeline.index.get(sidecar.pipeline.pseudonymizer.key_digest(bad)) is None
+        root = sidecar.settings.filesystem_tier_path
+        digest = sidecar.pipeline.pseudonymizer.key_digest(bad).encode()
+        assert not [p for p in root.rglob("*") if p.is_file() and digest in p.read_bytes()[:256]]
+
+        # the rest of the sidecar serves on: the other key, byte for byte
+        got = await _run(client.get, good, CTX)
+        assert got is not None
+        assert got[0] == other
+    finally:
+        client.close()
+    await _settled(sidecar)
+    deletes = _unreadable_deletes(sidecar)
+    assert [e.reason for e in deletes] == ["unreadable:seal_error"]
+    assert deletes[0].key_digest == sidecar.pipeline.pseudonymizer.key_digest(bad)
+
+
+def _lm_key(h: int) -> bytes:
+    return f"bench@1@0@{h:x}@bfloat16@tenant%demo".encode().ljust(150)
+
+
+def _recv(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def _lm_put_get(port: int, key: bytes, value: bytes) -> bytes:
+    """PUT then GET on one connection (the GET waits until the PUT is stored)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(LM_REQUEST.pack(1, len(value), 1, 3, 0, 1, 1, 1, len(value), key) + value)
+        s.sendall(LM_REQUEST.pack(2, 0, 0, 0, 0, 0, 0, 0, 0, key))
+        head = LM_REPLY.unpack(_recv(s, LM_REPLY.size))
+        assert head[0] == 200
+        return _recv(s, head[1])
+
+
+def _lm_get(port: int, key: bytes) -> bytes | None:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(LM_REQUEST.pack(2, 0, 0, 0, 0, 0, 0, 0, 0, key))
+        head = LM_REPLY.unpack(_recv(s, LM_REPLY.size))
+        if head[0] != 200:
+            return None
+        return _recv(s, head[1])
+
+
+@pytest.mark.postgres
+async def test_lm_hit_corrupt_at_rest_closes_the_reply_and_drops_the_entry(
+    sidecar: Sidecar,
+) -> None:
+    assert sidecar.lm_server is not None
+    port = sidecar.lm_server.port
+    value = os.urandom(3 * MIB + 11)
+    key = _lm_key(0xC0)
+    assert await _run(_lm_put_get, port, key, value) == value
+    raw = key.decode().strip()
+    _flip_last_byte(_stored_file(sidecar, raw))
+
+    with pytest.raises(ConnectionError):
+        await _run(_lm_get, port, key)
+    assert await _run(_lm_get, port, key) is None  # a clean miss now
+    await _settled(sidecar)
+    assert [e.reason for e in _unreadable_deletes(sidecar)] == ["unreadable:seal_error"]
+
+
+class _Holder(StreamProtocol):
+    """Sends one large plaintext hit from a sender thread, and meanwhile writes a marker from
+    the event loop; the peer must read the whole hit, then the marker."""
+
+    def __init__(self, value: bytes, sent: asyncio.Future[None]) -> None:
+        super().__init__()
+        self.value = value
+        self.sent = sent
+        self.pool = ThreadPoolExecutor(2)
+
+    async def handle(self) -> None:
+        windows = [memoryview(self.value)[i : i + MIB] for i in range(0, len(self.value), MIB)]
+        plan = cast(
+            "GetPlan",
+            type("P", (), {"length": len(self.value), "reader": None, "windows": windows})(),
+        )
+        send = asyncio.ensure_future(self.send_plan(plan, self.pool, self.pool))
+        await asyncio.sleep(0.2)  # the peer is not reading: the thread waits on a full socket
+        assert not send.done()
+        self.write(b"MARKER")  # held back until the hit is out
+        await send
+        self.sent.set_result(None)
+        await asyncio.sleep(3600)
+
+
+async def test_loop_writes_wait_for_a_sender_thread_hit() -> None:
+    loop = asyncio.get_running_loop()
+    value = os.urandom(24 * MIB)
+    sent: asyncio.Future[None] = loop.create_future()
+    protocols: list[_Holder] = []
+
+    def factory() -> _Holder:
+        protocols.append(_Holder(value, sent))
+        return protocols[-1]
+
+    server = await loop.create_server(factory, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.sleep(0.4)
+        got = await asyncio.wait_for(reader.readexactly(len(value) + 6), 30)
+        assert got[: len(value)] == value
+        assert got[len(value) :] == b"MARKER"
+        await asyncio.wait_for(sent, 10)
+        writer.close()
+    finally:
+        for p in protocols:
+            p.close()
+            p.pool.shutdown(wait=True)
+        server.close()
+        await server.wait_closed()
