@@ -11,6 +11,9 @@
    driven by one blocking client that speaks LMCache's protocol with LMCache's own
    ``ClientMetaMessage``/``ServerMetaMessage`` classes (what its ``lm://`` connector sends).
 
+3. The floor (``bench/floor.py``): the same transport with no kvgov code, plain vs with AES-GCM
+   beside the copies: the least any governed path can add here, to read the ratios of 1. against.
+
 Every server runs in its own process (like ``lmcache_server``), so no side shares the client's
 GIL. Tier chain on both kvgov sidecars: ``memory`` only (1 GiB); ``lmcache_server`` keeps chunks
 in memory too. Each size runs ``--repeat`` times, sides interleaved; the median is printed.
@@ -40,6 +43,9 @@ from typing import Any
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from floor import print_floor  # noqa: E402 - after the path set-up above
 
 MIB = 1 << 20
 SIZES = (1 * MIB, 4 * MIB, 32 * MIB)
@@ -242,7 +248,7 @@ def main() -> None:
     parser.add_argument(
         "--inflight-mib", type=int, default=32, help="... and at least this many MiB of them"
     )
-    parser.add_argument("--only", choices=("wire", "lm"), help="run only one comparison")
+    parser.add_argument("--only", choices=("wire", "lm", "floor"), help="run only one part")
     parser.add_argument(
         "--sizes", type=int, nargs="+", default=[s // MIB for s in SIZES], help="chunk MiB"
     )
@@ -252,6 +258,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.serve is not None:
         serve(args.serve, args.db, args.governed)
+        return
+    sizes = [m * MIB for m in args.sizes]
+    if args.only == "floor":
+        print_floor(sizes, args.mib, args.repeat)
         return
     import psycopg
     from tests.lmcache_harness import free_port, lmcache_server
@@ -276,7 +286,6 @@ def main() -> None:
                 lmcache_server(free_port()) as lm_url,
             ):
                 lm_port = int(lm_url.rsplit(":", 1)[1])
-                sizes = [m * MIB for m in args.sizes]
                 if args.only != "lm":
                     print("\nkvgov wire, same client: governed vs governance off (GB/s)")
                     print(
@@ -317,6 +326,8 @@ def main() -> None:
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    if args.only is None:
+        print_floor(sizes, args.mib, args.repeat)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A real LMCache engine's store and retrieve throughput: kvgov (governed) vs LMCache's ``lm://``.
 
-Both sides run in one process tree, one after the other, with the same geometry and tokens:
+Both sides run in one process tree, their rounds interleaved (the order alternating), with the
+same geometry and tokens:
 
 * **ungoverned**: LMCache's built-in ``remote_url: lm://`` connector to LMCache's own
   ``lmcache_server`` (subprocess);
@@ -24,7 +25,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -42,40 +42,41 @@ def geometry_for(chunk_mib: float, chunks: int) -> h.Geometry:
     return h.Geometry(layers=layers, heads=8, head_dim=128, slots=chunks * 256)
 
 
-def run_side(
-    name: str,
-    make_config: Callable[[], object],
-    g: h.Geometry,
-    chunks: int,
-    rounds: int,
-    ids: dict[str, str],
-) -> tuple[float, float]:
-    """Median (store GB/s, retrieve GB/s) over ``rounds`` fresh token sequences."""
-    nbytes = chunks * g.chunk_bytes
-    stores: list[float] = []
-    loads: list[float] = []
-    with h.engines(make_config(), make_config(), geometry=g) as (a, b):  # type: ignore[arg-type]
-        for r in range(rounds + 1):  # round 0 warms connections and allocators
-            toks = h.tokens(chunks * g.chunk, seed=1000 + r)
-            a.fill(len(toks), seed=r)
-            b.zero()
-            t0 = time.perf_counter()
-            a.store(toks, ids)
-            a.wait_remote_puts(timeout_s=300)
-            t1 = time.perf_counter()
-            # lm:// PUT has no reply: the server may still be storing the last chunk
-            deadline = time.monotonic() + 60
-            while b.lookup(toks, ids) < len(toks) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            t1b = time.perf_counter()
-            got = b.retrieve(toks, ids)
-            t2 = time.perf_counter()
-            if got != len(toks) or b.kv_bytes(len(toks)) != a.kv_bytes(len(toks)):
-                raise SystemExit(f"{name}: retrieve returned {got}/{len(toks)} tokens or bad bytes")
-            if r:
-                stores.append(nbytes / (t1 - t0) / 1e9)
-                loads.append(nbytes / (t2 - t1b) / 1e9)
-    return statistics.median(stores), statistics.median(loads)
+class Side:
+    """One side's two engines (A stores, B retrieves) and its measurements."""
+
+    def __init__(self, name: str, a: h.Engine, b: h.Engine, g: h.Geometry, chunks: int) -> None:
+        self.name, self.a, self.b, self.g, self.chunks = name, a, b, g, chunks
+        self.stores: list[float] = []
+        self.loads: list[float] = []
+
+    def round(self, r: int, ids: dict[str, str], *, record: bool) -> None:
+        """Store ``chunks`` fresh chunks from A (timed until every async remote put is
+        acknowledged), then retrieve them from B (timed) and compare the KV bytes."""
+        g, a, b = self.g, self.a, self.b
+        nbytes = self.chunks * g.chunk_bytes
+        toks = h.tokens(self.chunks * g.chunk, seed=1000 + r)
+        a.fill(len(toks), seed=r)
+        b.zero()
+        t0 = time.perf_counter()
+        a.store(toks, ids)
+        a.wait_remote_puts(timeout_s=300)
+        t1 = time.perf_counter()
+        # lm:// PUT has no reply: the server may still be storing the last chunk
+        deadline = time.monotonic() + 60
+        while b.lookup(toks, ids) < len(toks) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t1b = time.perf_counter()
+        got = b.retrieve(toks, ids)
+        t2 = time.perf_counter()
+        if got != len(toks) or b.kv_bytes(len(toks)) != a.kv_bytes(len(toks)):
+            raise SystemExit(f"{self.name}: got {got}/{len(toks)} tokens back, or other bytes")
+        if record:
+            self.stores.append(nbytes / (t1 - t0) / 1e9)
+            self.loads.append(nbytes / (t2 - t1b) / 1e9)
+
+    def medians(self) -> tuple[float, float]:
+        return statistics.median(self.stores), statistics.median(self.loads)
 
 
 def main() -> None:
@@ -96,34 +97,30 @@ def main() -> None:
         f"{g.chunk} tokens = {g.chunk_bytes / 2**20:.1f} MiB; {args.chunks} chunks/request, "
         f"{args.rounds} rounds (median)"
     )
-    results: dict[str, tuple[float, float]] = {}
+    sides: list[Side] = []
     with ExitStack() as stack:
         if args.only in (None, "lm"):
             url = stack.enter_context(h.lmcache_server())
-            results["lm:// + lmcache_server (ungoverned)"] = run_side(
-                "lm",
-                lambda: h.lm_config(url, geometry=g, cpu_staging_gb=staging_gb),
-                g,
-                args.chunks,
-                args.rounds,
-                ids,
-            )
+            cfg = h.lm_config(url, geometry=g, cpu_staging_gb=staging_gb)
+            a, b = stack.enter_context(h.engines(cfg, cfg, geometry=g))
+            sides.append(Side("lm:// + lmcache_server (ungoverned)", a, b, g, args.chunks))
         if args.only in (None, "kvgov"):
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvgov-bench-")))
             # memory tier only, like lmcache_server; policy, encryption and the ledger all on
             endpoint = stack.enter_context(
                 h.kvgov_sidecar(tmp, tenants=["bench"], tiers=args.tiers.split(","))
             )
-            results["KvgovConnector + kvgov serve (governed)"] = run_side(
-                "kvgov",
-                lambda: h.kvgov_config(
-                    endpoint, geometry=g, cpu_staging_gb=staging_gb, engine_id="bench-engine"
-                ),
-                g,
-                args.chunks,
-                args.rounds,
-                ids,
+            cfg = h.kvgov_config(
+                endpoint, geometry=g, cpu_staging_gb=staging_gb, engine_id="bench-engine"
             )
+            a, b = stack.enter_context(h.engines(cfg, cfg, geometry=g))
+            sides.append(Side("KvgovConnector + kvgov serve (governed)", a, b, g, args.chunks))
+        # round 0 warms connections and allocators; then the sides take turns, the order
+        # alternating, so drift on a shared machine hits both alike
+        for r in range(args.rounds + 1):
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                side.round(r, ids, record=r > 0)
+    results = {side.name: side.medians() for side in sides}
     width = max(len(k) for k in results)
     print(f"{'':{width}}  {'store GB/s':>10}  {'retrieve GB/s':>13}")
     for label, (st, ld) in results.items():

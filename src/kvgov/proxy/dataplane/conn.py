@@ -23,6 +23,7 @@ import os
 import select
 from collections.abc import Coroutine
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvgov.proxy.dataplane.plans import open_segments, segments_per_job
@@ -237,54 +238,51 @@ class StreamProtocol(asyncio.BufferedProtocol):
         if self._closed:
             raise ConnectionClosed
 
-    async def send_plan(self, plan: GetPlan, executor: Executor, sender: Executor) -> None:
+    async def send_plan(
+        self,
+        plan: GetPlan,
+        executor: Executor,
+        sender: Executor,
+        opening: Opening | None = None,
+    ) -> None:
         """Stream a hit. A small one is opened and written on the event loop. A large one is
-        opened in the crypto pool (``executor``), a few segments per job, all jobs queued at
-        once (so the pool's threads open them side by side), while a ``sender`` thread writes
-        each group to the socket as soon as it is open, waiting on the socket with the GIL
-        released (what ``lmcache_server``'s blocking ``sendall`` does): no event-loop round per
-        socketful, and opening overlaps sending. Writes the loop makes meanwhile (other
-        replies) are held back and follow the hit (:meth:`write`)."""
+        opened in the crypto pool (``executor``; ``opening``: already queued by
+        :func:`start_opening`), a few segments per job, all jobs queued at once (so the pool's
+        threads open them side by side), while a ``sender`` thread writes each group to the
+        socket as soon as it is open, waiting on the socket with the GIL released (what
+        ``lmcache_server``'s blocking ``sendall`` does): no event-loop round per socketful, and
+        opening overlaps sending. Writes the loop makes meanwhile (other replies) are held back
+        and follow the hit (:meth:`write`)."""
         t = self.transport
-        if t is None or self._fd < 0 or self._closed or plan.length <= INLINE_OPEN_BYTES:
+        if opening is None and plan.length > INLINE_OPEN_BYTES:
+            opening = start_opening(plan, executor)
+        if opening is None:
             if plan.reader is not None:
                 open_segments(plan.reader, list(enumerate(plan.windows)))
             for window in plan.windows:
                 await self.send_view(window)
             return
-        await self._until_flushed(t)  # what is queued (the reply head) goes first
-        if t.get_write_buffer_size():
-            await self.drain()
-        if self._wfd < 0:
-            self._wfd = os.dup(self._fd)
-        indexed = list(enumerate(plan.windows))
-        groups: list[list[tuple[int, memoryview]]] = []
-        opened: list[Future[None] | None] = []
-        reader = plan.reader
-        step = segments_per_job(reader.header.segment_size) if reader is not None else len(indexed)
-        for i in range(0, len(indexed), step):
-            group = indexed[i : i + step]
-            groups.append(group)
-            opened.append(
-                executor.submit(open_segments, reader, group) if reader is not None else None
-            )
-        loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(sender, _write_groups, self, groups, opened)
-        self._wjob = job
         try:
-            await job
+            if t is None or self._fd < 0 or self._closed:
+                raise ConnectionClosed
+            await self._until_flushed(t)  # what is queued (the reply head) goes first
+            if t.get_write_buffer_size():
+                await self.drain()
+            if self._wfd < 0:
+                self._wfd = os.dup(self._fd)
+            job = asyncio.get_running_loop().run_in_executor(
+                sender, _write_groups, self, opening.groups, opening.jobs
+            )
+            self._wjob = job
+            try:
+                await job
+            finally:
+                self._wjob = None
+                held, self._held = self._held, []
+                for data in held:
+                    self.write(data)
         finally:
-            self._wjob = None
-            # the buffer is released after this returns: let every open job finish with it
-            running = [asyncio.wrap_future(f) for f in opened if f is not None and not f.done()]
-            if running:
-                await asyncio.wait(running)
-            for f in opened:
-                if f is not None and not f.cancelled():
-                    f.exception()  # retrieved: the writer raised the first one already
-            held, self._held = self._held, []
-            for data in held:
-                self.write(data)
+            await opening.settled()  # the buffer is released after this: no job may use it
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -335,6 +333,42 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._target = None
         if fut is not None and not fut.done():
             fut.set_exception(ConnectionClosed())
+
+
+@dataclass(slots=True)
+class Opening:
+    """A large hit's segments being opened in the crypto pool, one job per group (None where
+    the hit is plaintext: nothing to open)."""
+
+    groups: list[list[tuple[int, memoryview]]]
+    jobs: list[Future[None] | None]
+
+    async def settled(self) -> None:
+        """Wait until no job uses the hit's buffer any more (failures are the writer's to
+        raise; here they are only retrieved)."""
+        running = [asyncio.wrap_future(f) for f in self.jobs if f is not None and not f.done()]
+        if running:
+            await asyncio.wait(running)
+        for f in self.jobs:
+            if f is not None and not f.cancelled():
+                f.exception()
+
+
+def start_opening(plan: GetPlan, executor: Executor) -> Opening | None:
+    """Queue the opening of a hit larger than :data:`INLINE_OPEN_BYTES` in the crypto pool, a
+    few segments per job (None for a smaller one: it is opened on the loop as it is sent).
+    Whoever starts an opening must pass it to :meth:`StreamProtocol.send_plan` or await its
+    :meth:`Opening.settled` before the hit's buffer is released."""
+    if plan.length <= INLINE_OPEN_BYTES:
+        return None
+    indexed = list(enumerate(plan.windows))
+    reader = plan.reader
+    step = segments_per_job(reader.header.segment_size) if reader is not None else len(indexed)
+    groups = [indexed[i : i + step] for i in range(0, len(indexed), step)]
+    jobs: list[Future[None] | None] = [
+        executor.submit(open_segments, reader, g) if reader is not None else None for g in groups
+    ]
+    return Opening(groups, jobs)
 
 
 def _write_groups(

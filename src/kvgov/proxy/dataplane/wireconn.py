@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvgov.errors import KvgovError
 from kvgov.proxy.dataplane.buffers import Lease, size_class
-from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol
+from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, start_opening
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.pipeline import Found, GetPlan, PutPlan, StoredPut
 from kvgov.types import Operation
@@ -466,14 +466,25 @@ class WireConnection(StreamProtocol):
             ]
             total = sum(p.length for p in plans if p is not None)
             self.send(FrameType.GET, sid, {"items": items}, total)
-            for p in plans:
-                if p is not None:
+            # each hit's opening is queued while the one before it is sent (one ahead: the
+            # crypto pool works ahead without one large GET queueing all of its jobs at once)
+            hits = [h for h in plans if h is not None]
+            ahead = start_opening(hits[0], pipeline.executor) if hits else None
+            try:
+                for i, hit in enumerate(hits):
+                    current = ahead
+                    ahead = (
+                        start_opening(hits[i + 1], pipeline.executor) if i + 1 < len(hits) else None
+                    )
                     try:
-                        await self.send_plan(p, pipeline.executor, pipeline.sender)
+                        await self.send_plan(hit, pipeline.executor, pipeline.sender, current)
                     except KvgovError as exc:  # corrupt at rest: the promised bytes cannot come
                         pipeline.metrics.ops.labels("get", self.listener, "error").inc()
-                        await pipeline.drop_unreadable(p.who, exc)
+                        await pipeline.drop_unreadable(hit.who, exc)
                         raise ConnectionClosed from exc
+            finally:
+                if ahead is not None:
+                    await ahead.settled()
         finally:
             for lease in leases.values():
                 lease.release()

@@ -1,0 +1,216 @@
+"""The floor under bench/dataplane.py's ratios: what encryption alone costs on this machine's
+loopback, with no kvgov code at all.
+
+Raw sockets, one server process per side (like the sidecars), one blocking client:
+
+* **put**: the client sends ``n`` chunks back to back (an 8-byte length, then the bytes), and
+  waits for a 1-byte acknowledgement after the last. The plain server receives each chunk into
+  one preallocated buffer; the sealed one also encrypts each 1 MiB segment with AES-256-GCM
+  (``encrypt_into``, the data path's call) as soon as it has arrived, in a second thread, so
+  sealing overlaps receiving (what the sidecar does).
+* **get**: the client asks for a chunk (1 byte) and receives it into a preallocated buffer. The
+  plain server ``sendall``\\ s it from memory (what ``lmcache_server`` does); the sealed one opens
+  each 1 MiB segment (``decrypt_into``) in a second thread while the segments before it are being
+  sent. A one-segment chunk is sealed or opened inline (a thread hand-off costs more).
+
+The sealed/plain time ratio is the least any governed data path can add to the same transport
+here: on a 2-core machine encryption competes with the copies into and out of the kernel for
+the same cores. ``python bench/floor.py [--mib 128] [--repeat 3]`` prints GB/s and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import struct
+import threading
+import time
+from multiprocessing.queues import Queue
+from typing import Any
+
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+MIB = 1 << 20
+SEGMENT = MIB
+TAG = 16
+LENGTH = struct.Struct("!Q")
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < view.nbytes:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("closed")
+        got += n
+
+
+def _segments(size: int) -> list[tuple[int, int]]:
+    return [(off, min(SEGMENT, size - off)) for off in range(0, size, SEGMENT)]
+
+
+def _serve(mode: str, size: int, ready: Queue[Any]) -> None:
+    """Child process: serve one client in ``mode`` (put-plain, put-sealed, get-plain,
+    get-sealed) until it disconnects."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    ready.put(listener.getsockname()[1])
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    aead = AESGCM(os.urandom(32))
+    nonce = os.urandom(12)
+    plain = memoryview(bytearray(os.urandom(size)))
+    spans = _segments(size)
+    sealed = memoryview(bytearray(size + TAG * len(spans)))
+    for i, (off, n) in enumerate(spans):
+        aead.encrypt_into(nonce, plain[off : off + n], None, sealed[off + i * TAG :][: n + TAG])
+    head = memoryview(bytearray(LENGTH.size))
+    one = bytearray(1)
+    # one long-lived crypto thread, fed segment by segment (a one-segment chunk is done inline:
+    # a hand-off costs more than its ~0.1 ms of AES-GCM)
+    jobs: queue.SimpleQueue[tuple[memoryview, memoryview, threading.Event | None]] = (
+        queue.SimpleQueue()
+    )
+
+    def crypto() -> None:
+        while True:
+            src, dst, done = jobs.get()
+            if mode.startswith("put"):
+                aead.encrypt_into(nonce, src, None, dst)
+            else:
+                aead.decrypt_into(nonce, src, None, dst)
+            if done is not None:
+                done.set()
+
+    threading.Thread(target=crypto, daemon=True).start()
+    try:
+        if mode.startswith("put"):
+            while True:
+                _recv_into(conn, head)
+                (n,) = LENGTH.unpack(head)
+                if n == 0:
+                    conn.sendall(b"k")
+                    continue
+                chunk = _segments(n)
+                last = threading.Event()
+                for i, (off, ln) in enumerate(chunk):
+                    _recv_into(conn, plain[off : off + ln])
+                    if mode == "put-plain":
+                        continue
+                    out = sealed[off + i * TAG :][: ln + TAG]
+                    if len(chunk) == 1:
+                        aead.encrypt_into(nonce, plain[off : off + ln], None, out)
+                    else:
+                        jobs.put(
+                            (plain[off : off + ln], out, last if i == len(chunk) - 1 else None)
+                        )
+                if mode == "put-sealed" and len(chunk) > 1:
+                    last.wait()  # sealed before the next chunk reuses the buffer
+        else:
+            while conn.recv_into(one):
+                if mode == "get-plain":
+                    conn.sendall(plain)
+                    continue
+                if len(spans) == 1:
+                    aead.decrypt_into(nonce, sealed, None, plain)
+                    conn.sendall(plain)
+                    continue
+                opened = [threading.Event() for _ in spans]
+                for i, (off, ln) in enumerate(spans):
+                    jobs.put(
+                        (sealed[off + i * TAG :][: ln + TAG], plain[off : off + ln], opened[i])
+                    )
+                for i, (off, ln) in enumerate(spans):
+                    opened[i].wait()
+                    conn.sendall(plain[off : off + ln])
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        conn.close()
+        listener.close()
+
+
+def _client(mode: str, port: int, size: int, n: int) -> float:
+    """GB/s for ``n`` chunks of ``size`` bytes (one warm-up chunk first)."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    data = memoryview(os.urandom(size))
+    buf = memoryview(bytearray(size))
+    ack = memoryview(bytearray(1))
+
+    def puts(count: int) -> None:
+        for _ in range(count):
+            sock.sendall(LENGTH.pack(size))
+            sock.sendall(data)
+        sock.sendall(LENGTH.pack(0))
+        _recv_into(sock, ack)
+
+    def gets(count: int) -> None:
+        for _ in range(count):
+            sock.sendall(b"g")
+            _recv_into(sock, buf)
+
+    run = puts if mode.startswith("put") else gets
+    try:
+        run(1)
+        start = time.perf_counter()
+        run(n)
+        return size * n / (time.perf_counter() - start) / 1e9
+    finally:
+        sock.close()
+
+
+def measure(mode: str, size: int, n: int) -> float:
+    ctx = mp.get_context("spawn")
+    ready: Queue[Any] = ctx.Queue()
+    proc = ctx.Process(target=_serve, args=(mode, size, ready), daemon=True)
+    proc.start()
+    try:
+        return _client(mode, ready.get(timeout=30), size, n)
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def floor(size: int, budget_mib: int, repeat: int) -> dict[str, float]:
+    """Median GB/s per mode, the modes interleaved ``repeat`` times."""
+    n = max(8, budget_mib * MIB // size)
+    runs: dict[str, list[float]] = {}
+    for _ in range(repeat):
+        for mode in ("put-plain", "put-sealed", "get-plain", "get-sealed"):
+            runs.setdefault(mode, []).append(measure(mode, size, n))
+    return {mode: statistics.median(v) for mode, v in runs.items()}
+
+
+def print_floor(sizes: list[int], budget_mib: int, repeat: int) -> None:
+    print("\nfloor: raw sockets, no kvgov code; AES-256-GCM in 1 MiB segments beside the copies")
+    print("(GB/s; the ratio is the least that encryption alone adds to this transport here)")
+    print(
+        f"{'chunk':>7} {'put plain':>9} {'sealed':>7} {'ratio':>6}"
+        f" {'get plain':>9} {'opened':>7} {'ratio':>6}"
+    )
+    for size in sizes:
+        f = floor(size, budget_mib, repeat)
+        print(
+            f"{size // MIB:>5}MiB {f['put-plain']:9.2f} {f['put-sealed']:7.2f}"
+            f" {f['put-plain'] / f['put-sealed']:5.2f}x {f['get-plain']:9.2f}"
+            f" {f['get-sealed']:7.2f} {f['get-plain'] / f['get-sealed']:5.2f}x",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=128, help="bytes moved per size, mode, run")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 32], help="chunk MiB")
+    args = parser.parse_args()
+    print_floor([m * MIB for m in args.sizes], args.mib, args.repeat)
+
+
+if __name__ == "__main__":
+    main()
