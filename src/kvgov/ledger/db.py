@@ -193,9 +193,14 @@ def migrations_dir() -> Path:
 
 def alembic_config(url: str) -> Any:
     """An Alembic ``Config`` for ``url`` that does not need ``alembic.ini`` to be found."""
+    import sys
+
     from alembic.config import Config
 
-    cfg = Config()
+    # Alembic's own default is the sys.stdout of the moment alembic.config was first imported
+    # (a default argument): whatever replaced it then (a test's capture, a redirect) may be
+    # closed by now. Today's stdout it is.
+    cfg = Config(stdout=sys.stdout)
     cfg.set_main_option("script_location", migrations_dir().as_posix())
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     cfg.attributes["kvgov_configure_logging"] = False
