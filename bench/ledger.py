@@ -3,6 +3,13 @@
 Creates its own database, runs both sides in one run (the batched sides ``--runs`` times,
 interleaved, median reported), prints events/s and the ratio, checks that every chain verifies,
 and drops the database. Run: ``python bench/ledger.py [--events N] [--runs R]``.
+
+The "small batches" scenario is the sidecar's shape: puts (each upserting a cache entry) in
+bursts of 16, each burst awaited before the next, so every commit carries a handful of events.
+It reports events/s and the process's CPU time per event (``time.process_time()``: all threads,
+so the writer's sequencer and committer too), the cost that competes with the data plane for
+the GIL. ``--small-only`` runs just that scenario (to compare two trees: run this file with
+``PYTHONPATH`` pointing at each ``src``, interleaved).
 Needs the local Postgres (``KVGOV_TEST_PG_DSN`` overrides the admin DSN).
 """
 
@@ -94,11 +101,51 @@ async def run(url: str, chain: str, events: list[Event], *, batch: int) -> float
     return len(events) / elapsed
 
 
+async def run_bursts(
+    url: str, chain: str, events: list[Event], *, burst: int
+) -> tuple[float, float]:
+    """Submit ``events`` in bursts of ``burst``, awaiting each burst before the next (the
+    sidecar acknowledges a put once its event is committed). Returns (events/s, CPU us/event)."""
+    engine = make_engine(url)
+    writer = LedgerWriter(engine, chain_id=chain, signing_key=Ed25519PrivateKey.generate())
+    await writer.start()
+    # warm up: the connection, prepared statements and caches (not measured)
+    for event in events[:burst]:
+        await writer.append(event)
+    events = events[burst:]
+    started, cpu = time.perf_counter(), time.process_time()
+    for start in range(0, len(events), burst):
+        futures = [writer.submit(e) for e in events[start : start + burst]]
+        for fut in futures:
+            await fut
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+    await writer.close()
+    engine.dispose()
+    return len(events) / elapsed, cpu / len(events) * 1e6
+
+
+def small_batches(url: str, n: int, runs: int, offset: int) -> None:
+    rates, cpus = [], []
+    for r in range(runs):
+        puts = [put_event(offset + r * n + i) for i in range(n)]
+        rate, cpu = asyncio.run(run_bursts(url, f"small-{offset}-{r}", puts, burst=16))
+        rates.append(rate)
+        cpus.append(cpu)
+    runs_s = ", ".join(f"{x:,.0f}/{c:.0f}" for x, c in zip(rates, cpus, strict=True))
+    print(
+        f"  small batches (16)   : {statistics.median(rates):10,.0f} events/s, "
+        f"{statistics.median(cpus):6.0f} CPU us/event  ({n:,} puts with entries)"
+    )
+    print(f"    median of {runs} runs (events/s / CPU us): {runs_s}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--events", type=int, default=60_000)
     parser.add_argument("--baseline-events", type=int, default=3_000)
     parser.add_argument("--runs", type=int, default=3, help="batched runs (median reported)")
+    parser.add_argument("--small-events", type=int, default=4_000)
+    parser.add_argument("--small-only", action="store_true", help="only the small-batch scenario")
     args = parser.parse_args()
     name = f"kvgov_bench_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(ADMIN_DSN, autocommit=True) as admin:
@@ -106,6 +153,11 @@ def main() -> None:
     url = ADMIN_DSN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://") + "/" + name
     try:
         upgrade(url)
+        if args.small_only:
+            print(f"postgres ledger append ({os.cpu_count()} cpus)")
+            small_batches(url, args.small_events, args.runs, 0)
+            _verify_or_exit(url)
+            return
         n, b = args.events, args.baseline_events
         baseline = asyncio.run(run(url, "baseline", [access_event(i) for i in range(b)], batch=1))
         # interleaved: each round one access run and one put run, each on a chain of its own
@@ -131,6 +183,7 @@ def main() -> None:
         print(f"  batched, puts+index  : {mixed:10,.0f} events/s  ({n // 2:,} puts with entries)")
         print(f"    median of {args.runs} runs: {runs}")
         print(f"  ratio batched/baseline: {batched / baseline:.1f}x")
+        small_batches(url, args.small_events, args.runs, args.runs * n)
         print(
             f"  verify: {'intact' if report.ok else 'BROKEN'}, {total:,} events in {verify_s:.2f}s"
         )
@@ -143,6 +196,15 @@ def main() -> None:
     finally:
         with psycopg.connect(ADMIN_DSN, autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _verify_or_exit(url: str) -> None:
+    engine = make_engine(url)
+    report = verify(engine)
+    engine.dispose()
+    print(f"  verify: {'intact' if report.ok else 'BROKEN'}")
+    if not report.ok:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from kvgov.ledger.chain import (
     payload_digest,
 )
 from kvgov.ledger.events import Appended, Event
-from kvgov.ledger.indexes import apply_indexes
+from kvgov.ledger.indexes import apply_indexes, pg_index_statements, plan_indexes
 from kvgov.ledger.models import (
     Chain,
     EventPayload,
@@ -42,10 +42,12 @@ from kvgov.ledger.models import (
 from kvgov.ledger.pgfast import (
     COPY_SPECIAL,
     EVENT_COLUMNS,
+    SMALL_BATCH_MAX,
     copy_line,
     copy_rows,
     copy_text,
     read_head_pipelined,
+    write_small_batch,
 )
 
 _SALT_BYTES = 16
@@ -193,7 +195,16 @@ def apply_batch(
     head: used as is when the chain's head in the database is that head, recomputed
     otherwise (``copy`` is their COPY text, used with them). ``known_users`` are pseudonyms
     already in ``user_refs`` (skipped). The rows about to be written are appended to
-    ``attempts`` (for :func:`find_committed`)."""
+    ``attempts`` (for :func:`find_committed`).
+
+    On Postgres a small pre-chained batch first tries :func:`_apply_small`: everything in one
+    round trip, if the head is the expected one."""
+    if chained is not None and copy is not None and conn.dialect.name == "postgresql":
+        applied = _apply_small(
+            conn, chain_id, batch, known_users, chained=chained, attempts=attempts, copy=copy
+        )
+        if applied is not None:
+            return applied
     head = read_head(conn, chain_id)
     rechained = chained is None or chained[0] != head
     if chained is not None and not rechained:
@@ -210,6 +221,41 @@ def apply_batch(
     else:
         applied.head = head
     return applied
+
+
+def _apply_small(
+    conn: Connection,
+    chain_id: str,
+    batch: list[Prepared],
+    known_users: Set[str],
+    *,
+    chained: tuple[Head, Rows],
+    attempts: list[tuple[Rows, bool]] | None,
+    copy: str,
+) -> Applied | None:
+    """The batch written as chained, in one round trip (see :func:`write_small_batch`), or
+    None, with nothing written, if it is not small and plain, or the head moved, or the
+    database refused something (the caller then takes the general path)."""
+    expected, rows = chained
+    if not rows or len(rows) > SMALL_BATCH_MAX:
+        return None
+    for item in batch:
+        # payloads go in a table of their own (rare: keep them on the general path); escaped
+        # COPY text is not what the pipelined INSERT splits
+        if item.payload is not None or not item.copy_plain:
+            return None
+    seqs = [r[1] for r in rows]
+    index = plan_indexes(chain_id, batch, seqs, known_users)
+    statements = pg_index_statements(index)
+    if attempts is not None:
+        attempts.append((rows, False))
+    if not write_small_batch(
+        conn, chain_id, expected=expected, genesis=GENESIS_HASH, copy=copy, statements=statements
+    ):
+        return None
+    last = rows[-1]
+    appended = [Appended(chain_id, n) for n in seqs]
+    return Applied(appended, set(index.users), head=(last[1], last[3]), rechained=False)
 
 
 def find_committed(

@@ -13,6 +13,7 @@ itself (a CASE on the row's state), so a concurrent chain's change is not overwr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -24,7 +25,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from kvgov.ledger.events import EntryChange, Event
 from kvgov.ledger.models import CacheEntry, PolicyDecision, Request, UserRef, table
-from kvgov.ledger.pgfast import executemany_pipelined
+from kvgov.ledger.pgfast import execute_pipelined
 from kvgov.types import EntryState, EventKind
 
 _ENTRY_OPTIONAL = [
@@ -287,20 +288,20 @@ def _insert(conn: Connection, target: Any) -> Any:
     return dialect.insert(target)
 
 
-# -- Postgres: every index statement in one pipeline (one round trip), no SQL construction ----
+# -- Postgres: one set-based statement per table (per group of entry upserts) --------------
+#
+# Each statement takes its rows as ONE parameter, a JSON array of objects that
+# ``json_populate_recordset`` turns into rows of the table's own type (so column types come from
+# the schema; a key an object lacks reads as NULL). Against an ``executemany`` this is one
+# Bind/Execute and one result per statement instead of one per row: the per-row protocol work
+# in psycopg's Python code was most of the writer's commit time for small batches, and
+# ``json.dumps`` does the per-value work in C. A batch folds its changes per key first, so no
+# statement touches a row twice (which ``ON CONFLICT DO UPDATE`` would refuse).
 
 _ENTRY_COLS = ("key_digest", *_ENTRY_OPTIONAL, "state", "created_at", "updated_at")
 _ENTRY_COLS += ("created_request_id", "chain_id")
-_JSON_COLS = frozenset({"tiers", "reasons"})
-_USERS_SQL = (
-    "INSERT INTO user_refs (pseudonym, tenant, created_at) VALUES (%s, %s, %s)"
-    " ON CONFLICT (pseudonym) DO NOTHING"
-)
-_REQUESTS_SQL = (
-    "INSERT INTO requests (request_id, first_seen_at, tenant, actor, last_seen_at, principal)"
-    " VALUES (%s, %s, %s, %s, %s, %s)"
-    " ON CONFLICT (request_id) DO UPDATE SET last_seen_at = excluded.last_seen_at"
-)
+_USER_COLS = ("pseudonym", "tenant", "created_at")
+_REQUEST_COLS = ("request_id", "first_seen_at", "tenant", "actor", "last_seen_at", "principal")
 _DECISION_COLS = (
     "decision_id",
     "policy_revision",
@@ -317,10 +318,27 @@ _DECISION_COLS = (
     "chain_id",
     "seq",
 )
-_DECISION_VALUES = ", ".join(["%s"] * len(_DECISION_COLS))
+
+
+def _from_json(table_name: str, cols: Sequence[str], select_list: str | None = None) -> str:
+    names = ", ".join(cols)
+    return (
+        f"INSERT INTO {table_name} AS t ({names})"  # noqa: S608 - constants
+        f" SELECT {select_list or names} FROM json_populate_recordset(NULL::{table_name}, %s)"
+    )
+
+
+_USERS_SQL = _from_json("user_refs", _USER_COLS) + " ON CONFLICT (pseudonym) DO NOTHING"
+_REQUESTS_SQL = (
+    _from_json("requests", _REQUEST_COLS)
+    + " ON CONFLICT (request_id) DO UPDATE SET last_seen_at = excluded.last_seen_at"
+)
 _DECISIONS_SQL = (
-    f"INSERT INTO policy_decisions ({', '.join(_DECISION_COLS)})"  # noqa: S608 - constants
-    f" VALUES ({_DECISION_VALUES}) ON CONFLICT (decision_id) DO NOTHING"
+    _from_json("policy_decisions", _DECISION_COLS) + " ON CONFLICT (decision_id) DO NOTHING"
+)
+#: a new row's ``tiers`` is never NULL (the column is NOT NULL; an absent value is no tiers)
+_ENTRY_SELECT = ", ".join(
+    "COALESCE(tiers, '[]'::jsonb)" if c == "tiers" else c for c in _ENTRY_COLS
 )
 _LIVE = f"t.state = '{EntryState.LIVE.value}'"
 _MODE_SQL = {
@@ -342,47 +360,47 @@ def _entry_sql(cols: tuple[tuple[str, _Mode], ...]) -> str:
     if sql is None:
         sets = ", ".join(f"{c} = " + _MODE_SQL[mode].format(c=c) for c, mode in cols)
         sql = (
-            f"INSERT INTO cache_entries AS t ({', '.join(_ENTRY_COLS)})"  # noqa: S608 - constants
-            f" VALUES ({', '.join(['%s'] * len(_ENTRY_COLS))})"
-            f" ON CONFLICT (key_digest) DO UPDATE SET {sets}"
+            _from_json("cache_entries", _ENTRY_COLS, _ENTRY_SELECT)
+            + f" ON CONFLICT (key_digest) DO UPDATE SET {sets}"
         )
         if len(_entry_sql_cache) < 256:
             _entry_sql_cache[cols] = sql
     return sql
 
 
-def _pg_value(name: str, value: Any) -> Any:
-    if value is None:
-        return None
-    if name in _JSON_COLS:
-        from psycopg.types.json import Jsonb
+def _json_default(value: object) -> str:
+    """Timestamps as ISO 8601 with their offset (Postgres reads them to the microsecond)."""
+    if isinstance(value, datetime):
+        if value.utcoffset() is None:
+            raise ValueError("naive datetime given to the ledger; use an aware UTC datetime")
+        return value.isoformat()
+    raise TypeError(f"cannot store a {type(value).__name__} in an index row")
 
-        return Jsonb(value)
-    if isinstance(value, datetime) and value.utcoffset() is None:
-        raise ValueError("naive datetime given to the ledger; use an aware UTC datetime")
-    return value
+
+#: one encoder, built once (``json.dumps(default=...)`` builds one per call); str enums
+#: encode as their value
+_ROWS_JSON = json.JSONEncoder(default=_json_default, separators=(",", ":"))
+
+
+def pg_index_statements(rows: IndexRows) -> list[tuple[str, tuple[str]]]:
+    """The index changes as ``(sql, (rows_json,))`` statements, in the order the portable path
+    writes them (user references, requests, decisions, entries)."""
+    encode = _ROWS_JSON.encode
+    statements: list[tuple[str, tuple[str]]] = []
+    if rows.users:
+        statements.append((_USERS_SQL, (encode(list(rows.users.values())),)))
+    if rows.requests:
+        statements.append((_REQUESTS_SQL, (encode(list(rows.requests.values())),)))
+    if rows.decisions:
+        statements.append((_DECISIONS_SQL, (encode(list(rows.decisions.values())),)))
+    groups: dict[tuple[tuple[str, _Mode], ...], list[dict[str, Any]]] = {}
+    for key, plan in rows.entries.items():
+        modes = plan.modes
+        cols = tuple(sorted((c, modes.get(c, _Mode.SET)) for c in plan.values))
+        groups.setdefault(cols, []).append({**plan.values, "key_digest": key})
+    statements.extend((_entry_sql(cols), (encode(group),)) for cols, group in groups.items())
+    return statements
 
 
 def _write_pg(conn: Connection, rows: IndexRows) -> None:
-    statements: list[tuple[str, list[tuple[Any, ...]]]] = []
-    if rows.users:
-        names = ("pseudonym", "tenant", "created_at")
-        statements.append(
-            (_USERS_SQL, [tuple(_pg_value(c, u[c]) for c in names) for u in rows.users.values()])
-        )
-    if rows.requests:
-        req_cols = ("request_id", "first_seen_at", "tenant", "actor", "last_seen_at", "principal")
-        values = [tuple(_pg_value(c, r.get(c)) for c in req_cols) for r in rows.requests.values()]
-        statements.append((_REQUESTS_SQL, values))
-    if rows.decisions:
-        values = [
-            tuple(_pg_value(c, d.get(c)) for c in _DECISION_COLS) for d in rows.decisions.values()
-        ]
-        statements.append((_DECISIONS_SQL, values))
-    groups: dict[tuple[tuple[str, _Mode], ...], list[tuple[Any, ...]]] = {}
-    for key, plan in rows.entries.items():
-        cols = tuple(sorted((c, plan.modes.get(c, _Mode.SET)) for c in plan.values))
-        full = _full_entry(key, plan.values)
-        groups.setdefault(cols, []).append(tuple(_pg_value(c, full[c]) for c in _ENTRY_COLS))
-    statements.extend((_entry_sql(cols), values) for cols, values in groups.items())
-    executemany_pipelined(conn, statements)
+    execute_pipelined(conn, pg_index_statements(rows))
