@@ -25,6 +25,7 @@ calls release the GIL, so segments of one chunk may be sealed or opened from sev
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import secrets
 import struct
@@ -53,8 +54,10 @@ _NONCE_MOD = 1 << (8 * NONCE_SIZE)
 _DIAGNOSE_MAX_SEGMENTS = 256
 
 
+@functools.lru_cache(1 << 16)
 def cache_key_digest(cache_key: bytes) -> bytes:
-    """The 32-byte digest of a cache key that sealed chunks are bound to (SHA-256)."""
+    """The 32-byte digest of a cache key that sealed chunks are bound to (SHA-256; remembered,
+    as the data path seals and opens the same keys again and again)."""
     return hashlib.sha256(cache_key).digest()
 
 

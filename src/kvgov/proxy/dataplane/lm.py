@@ -168,7 +168,7 @@ class LmConnection(StreamProtocol):
         if plan is None:
             if denied is not None:
                 await pipeline.deny(who, denied, Operation.PUT)
-            pipeline.metrics.ops.labels("put", self.listener, "denied").inc()
+            pipeline.metrics.count_op("put", self.listener, "denied")
             await self.discard(length)
             return
         try:
@@ -203,7 +203,7 @@ class LmConnection(StreamProtocol):
                 raise
             except Exception as exc:  # noqa: BLE001 - PUT has no reply: count it and go on
                 log.warning("dataplane.put.failed", extra={"error": type(exc).__name__})
-                pipeline.metrics.ops.labels("put", self.listener, "error").inc()
+                pipeline.metrics.count_op("put", self.listener, "error")
                 continue
             finally:
                 if self._to_store and self._to_store[0] is plan:
@@ -219,9 +219,9 @@ class LmConnection(StreamProtocol):
             await pipeline.settle_put(stored)
         except Exception as exc:  # noqa: BLE001 - already removed from the tiers
             log.warning("dataplane.put.unrecorded", extra={"error": type(exc).__name__})
-            pipeline.metrics.ops.labels("put", self.listener, "error").inc()
+            pipeline.metrics.count_op("put", self.listener, "error")
             return
-        pipeline.metrics.ops.labels("put", self.listener, "ok").inc()
+        pipeline.metrics.count_op("put", self.listener, "ok")
 
     async def _get(self, key: str) -> None:
         pipeline = self.server.pipeline
@@ -231,7 +231,7 @@ class LmConnection(StreamProtocol):
             await pipeline.deny(who, denied, Operation.GET)
         elif who is not None:
             plan = await pipeline.get(who)
-        pipeline.metrics.ops.labels("get", self.listener, "hit" if plan else "miss").inc()
+        pipeline.metrics.count_op("get", self.listener, "hit" if plan else "miss")
         if plan is None:
             self.reply(FAIL)
             return
@@ -248,7 +248,7 @@ class LmConnection(StreamProtocol):
             try:
                 await self.send_plan(plan, pipeline.executor, pipeline.sender)
             except KvgovError as exc:  # corrupt at rest: the promised bytes cannot come
-                pipeline.metrics.ops.labels("get", self.listener, "error").inc()
+                pipeline.metrics.count_op("get", self.listener, "error")
                 await pipeline.drop_unreadable(plan.who, exc)
                 raise ConnectionClosed from exc
         finally:
@@ -262,5 +262,5 @@ class LmConnection(StreamProtocol):
             await pipeline.deny(who, denied, Operation.EXISTS)
         elif who is not None:
             found = await pipeline.exists(who)
-        pipeline.metrics.ops.labels("exists", self.listener, "hit" if found else "miss").inc()
+        pipeline.metrics.count_op("exists", self.listener, "hit" if found else "miss")
         self.reply(OK if found else FAIL)

@@ -7,6 +7,7 @@ Labels are bounded: operation names, listener names, outcome and a reason cut to
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -35,6 +36,7 @@ class DataPlaneMetrics:
         self.ops = Counter(
             "kvgov_dataplane_ops", "KV operations served", ["op", "listener", "outcome"], registry=r
         )
+        self._op_children: dict[tuple[str, str, str], Any] = {}
         self.op_bytes = Counter(
             "kvgov_dataplane_bytes",
             "KV payload bytes stored (put) or served (get)",
@@ -63,6 +65,15 @@ class DataPlaneMetrics:
         self.ledger_queue = Gauge(
             "kvgov_ledger_queue_depth", "Events waiting for the ledger writer", registry=r
         )
+
+    def count_op(self, op: str, listener: str, outcome: str) -> None:
+        """``ops{op,listener,outcome} += 1``, with the labelled child looked up once (the
+        client library's ``labels()`` costs several microseconds per call on the data path)."""
+        key = (op, listener, outcome)
+        child = self._op_children.get(key)
+        if child is None:
+            child = self._op_children[key] = self.ops.labels(op, listener, outcome)
+        child.inc()
 
     def watch(self, pool_in_use: Callable[[], float], ledger_depth: Callable[[], float]) -> None:
         """Sample gauges at scrape time."""

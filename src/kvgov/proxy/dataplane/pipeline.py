@@ -90,6 +90,18 @@ class Pipeline:
         self.clock = clock
         self._background: set[asyncio.Task[None]] = set()
 
+    @property
+    def sink(self) -> EventSink | None:
+        """Where events go (None: nowhere, ungoverned)."""
+        return self._sink
+
+    @sink.setter
+    def sink(self, sink: EventSink | None) -> None:
+        self._sink = sink
+        # the sink when it can hold events back (an isinstance check against a runtime
+        # Protocol walks its attributes: once here, not per event)
+        self._lazy_sink = sink if isinstance(sink, LazyEventSink) else None
+
     # -- policy & ledger -----------------------------------------------------------------------
 
     async def _decide(self, who: Who, op: Operation, entry: EntryMeta | None) -> Decision | None:
@@ -128,11 +140,10 @@ class Pipeline:
     def _submit_lazy(self, event: Event) -> None:
         """Queue an event nothing waits on (a sink that can may hold it back briefly to commit
         it with others; see ``ledger.lazy_max_delay_ms``)."""
-        sink = self.sink
-        if isinstance(sink, LazyEventSink):
-            sink.submit_lazy(event)
-        elif sink is not None:
-            sink.submit(event)
+        if self._lazy_sink is not None:
+            self._lazy_sink.submit_lazy(event)
+        elif self.sink is not None:
+            self.sink.submit(event)
 
     async def deny(self, who: Who | None, denied: Denied, op: Operation) -> None:
         self.metrics.denials.labels(op.value, denied.metric_reason).inc()

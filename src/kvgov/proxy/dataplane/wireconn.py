@@ -403,16 +403,16 @@ class WireConnection(StreamProtocol):
         for r in job.results:
             if r is not None:
                 replies.append(r)
-                pipeline.metrics.ops.labels("put", self.listener, "denied").inc()
+                pipeline.metrics.count_op("put", self.listener, "denied")
                 continue
             outcome = next(it)
             if outcome is not None:
                 log.warning("dataplane.put.failed", extra={"error": type(outcome).__name__})
                 replies.append({"code": int(ErrorCode.INTERNAL), "reason": "store_failed"})
-                pipeline.metrics.ops.labels("put", self.listener, "error").inc()
+                pipeline.metrics.count_op("put", self.listener, "error")
             else:
                 replies.append({"code": 0})
-                pipeline.metrics.ops.labels("put", self.listener, "ok").inc()
+                pipeline.metrics.count_op("put", self.listener, "ok")
         self.send(FrameType.PUT, job.sid, {"results": replies})
         self._observe(FrameType.PUT, job.started)
 
@@ -456,7 +456,7 @@ class WireConnection(StreamProtocol):
                 if found is not None:
                     plan = await pipeline.load(found, leases.pop(id(found), None))
                 outcome = "hit" if plan is not None else "miss"
-                pipeline.metrics.ops.labels("get", self.listener, outcome).inc()
+                pipeline.metrics.count_op("get", self.listener, outcome)
                 plans.append(plan)
             items = [
                 {"code": 0, "len": p.length, "meta": dict(p.item_meta)}
@@ -479,7 +479,7 @@ class WireConnection(StreamProtocol):
                     try:
                         await self.send_plan(hit, pipeline.executor, pipeline.sender, current)
                     except KvgovError as exc:  # corrupt at rest: the promised bytes cannot come
-                        pipeline.metrics.ops.labels("get", self.listener, "error").inc()
+                        pipeline.metrics.count_op("get", self.listener, "error")
                         await pipeline.drop_unreadable(hit.who, exc)
                         raise ConnectionClosed from exc
             finally:
@@ -508,7 +508,7 @@ class WireConnection(StreamProtocol):
                 out.append(False)
                 continue
             found = await (pipeline.exists(who) if op is Operation.EXISTS else pipeline.remove(who))
-            pipeline.metrics.ops.labels(op.value, self.listener, "hit" if found else "miss").inc()
+            pipeline.metrics.count_op(op.value, self.listener, "hit" if found else "miss")
             out.append(found)
         field_name = "found" if op is Operation.EXISTS else "removed"
         self.send(ftype, sid, {field_name: out})
