@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +85,10 @@ def serve(data_dir: Path, db_url: str, governance: bool) -> None:
 
 
 @contextmanager
-def sidecar_process(data_dir: Path, db_url: str, *, governance: bool) -> Iterator[tuple[int, int]]:
-    """A sidecar in its own process; yields its (kvgov wire port, lm:// port)."""
+def sidecar_process(
+    data_dir: Path, db_url: str, *, governance: bool
+) -> Iterator[tuple[int, int, int]]:
+    """A sidecar in its own process; yields its (kvgov wire port, lm:// port, pid)."""
     cmd = [sys.executable, __file__, "--serve", str(data_dir), "--db", db_url]
     if governance:
         cmd.append("--governed")
@@ -95,7 +98,7 @@ def sidecar_process(data_dir: Path, db_url: str, *, governance: bool) -> Iterato
         if not line.startswith("READY "):
             raise RuntimeError(f"sidecar did not start: {line!r}")
         wire, lm = (int(x) for x in line.split()[1:3])
-        yield wire, lm
+        yield wire, lm, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -120,9 +123,53 @@ def depth_for(size: int, args: argparse.Namespace) -> int:
     return max(args.inflight, args.inflight_mib * MIB // size)
 
 
-def run_wire(port: int, size: int, n: int, depth: int) -> tuple[float, float]:
-    """(put GB/s, get GB/s) for ``n`` chunks of ``size`` bytes on the kvgov wire, ``depth``
-    chunks in flight both ways."""
+Cpu = tuple[float, float, float]
+
+
+def _ticks(stat: Path) -> int:
+    """utime + stime of a /proc/<pid>/stat (the whole process: every thread)."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:  # gone meanwhile
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+def cpu_snapshot(pid: int) -> Cpu:
+    """CPU seconds used so far by the sidecar process, by every Postgres server process, and
+    by the whole machine (busy time of all cores), from /proc (Linux)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    postgres = 0
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if (proc / "comm").read_text().strip() != "postgres":
+                    continue
+            except OSError:
+                continue
+            postgres += _ticks(proc / "stat")
+    times = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = sum(times) - times[3] - times[4]  # all but idle and iowait
+    return _ticks(Path(f"/proc/{pid}/stat")) / hz, postgres / hz, busy / hz
+
+
+def per_op(before: Cpu, after: Cpu, n: int) -> Cpu:
+    """Milliseconds of CPU per operation: (sidecar, postgres, whole machine)."""
+    a, b, c = (1000 * (y - x) / n for x, y in zip(before, after, strict=True))
+    return a, b, c
+
+
+@dataclass(frozen=True, slots=True)
+class WireRun:
+    put: float  # GB/s
+    get: float
+    put_cpu: Cpu  # ms per operation: sidecar, postgres, whole machine
+    get_cpu: Cpu
+
+
+def run_wire(port: int, pid: int, size: int, n: int, depth: int) -> WireRun:
+    """GB/s and CPU per operation for ``n`` puts then ``n`` gets of ``size`` bytes on the kvgov
+    wire, ``depth`` chunks in flight both ways (sidecar process ``pid``)."""
     from kvgov.wire import GetResult, RequestContext, WireClient
 
     data = os.urandom(size)
@@ -148,11 +195,21 @@ def run_wire(port: int, size: int, n: int, depth: int) -> tuple[float, float]:
                 if any(r is None for r, _ in client.get_many(keys, ctx, alloc)):
                     raise RuntimeError("get missed")
 
+        c0 = cpu_snapshot(pid)
         tput = timed(puts)
+        c1 = cpu_snapshot(pid)
         tget = timed(gets)
+        c2 = cpu_snapshot(pid)
     if bytes(bufs[(n - 1) % depth]) != data:
         raise RuntimeError("bytes differ")
-    return size * n / tput / 1e9, size * n / tget / 1e9
+    return WireRun(
+        size * n / tput / 1e9, size * n / tget / 1e9, per_op(c0, c1, n), per_op(c1, c2, n)
+    )
+
+
+def median_cpu(samples: list[Cpu]) -> Cpu:
+    a, b, c = (statistics.median(s[i] for s in samples) for i in range(3))
+    return a, b, c
 
 
 class LmClient:
@@ -292,19 +349,42 @@ def main() -> None:
                         f"{'chunk':>7} {'put gov':>8} {'put off':>8} {'ratio':>6}"
                         f" {'get gov':>8} {'get off':>8} {'ratio':>6}"
                     )
+                    cpu_rows = []
                     for size in sizes:
                         n = rounds_for(size, args.mib)
-                        gs, os_ = [], []
+                        gs: list[WireRun] = []
+                        os_: list[WireRun] = []
                         for _ in range(args.repeat):
                             depth = depth_for(size, args)
-                            gs.append(run_wire(gov[0], size, n, depth))
-                            os_.append(run_wire(off[0], size, n, depth))
-                        g, o = median_pair(gs), median_pair(os_)
+                            gs.append(run_wire(gov[0], gov[2], size, n, depth))
+                            os_.append(run_wire(off[0], off[2], size, n, depth))
+                        g = median_pair([(r.put, r.get) for r in gs])
+                        o = median_pair([(r.put, r.get) for r in os_])
                         print(
                             f"{size // MIB:>5}MiB {g[0]:8.2f} {o[0]:8.2f} {o[0] / g[0]:5.2f}x"
                             f" {g[1]:8.2f} {o[1]:8.2f} {o[1] / g[1]:5.2f}x",
                             flush=True,
                         )
+                        cpu_rows.append(
+                            (
+                                size,
+                                median_cpu([r.put_cpu for r in gs]),
+                                median_cpu([r.put_cpu for r in os_]),
+                                median_cpu([r.get_cpu for r in gs]),
+                                median_cpu([r.get_cpu for r in os_]),
+                            )
+                        )
+                    print(
+                        "\nCPU per operation, ms: sidecar process / Postgres / whole machine"
+                        " (the client included)"
+                    )
+                    print(
+                        f"{'chunk':>7} {'put gov':>17} {'put off':>17}"
+                        f" {'get gov':>17} {'get off':>17}"
+                    )
+                    for size, *cells in cpu_rows:
+                        text = " ".join(f"{c[0]:5.2f}/{c[1]:4.2f}/{c[2]:5.2f}" for c in cells)
+                        print(f"{size // MIB:>5}MiB {text}", flush=True)
                 if args.only != "wire":
                     print("\nlm:// protocol: kvgov governed listener vs lmcache_server (GB/s)")
                     print(
