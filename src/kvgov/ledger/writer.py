@@ -79,8 +79,13 @@ class WriterStats:
 
 _Item = tuple[Event, "asyncio.Future[Appended]"]
 _Result = Appended | LedgerError
-#: batches chained ahead of the one being committed (bounds memory and wasted re-chaining)
-_PIPELINE_DEPTH = 2
+#: batches taken from the queue and not yet committed. One: a batch is whatever queued while
+#: the previous one was being committed, so batches are as large as the load makes them. With
+#: two (one chained ahead), a put-heavy data plane split its events into alternating tiny
+#: batches, each paying a commit's fixed cost (in the writer and in Postgres): an interleaved
+#: A/B of bench/dataplane.py governed puts gave +7-9% at 1 and 4 MiB for one, and large
+#: backlogs still commit at ~29k events/s (bench/ledger.py)
+_PIPELINE_DEPTH = 1
 #: the sequencer yields the GIL (``time.sleep(0)``) after this many events. Without it, each
 #: time the committer's database call returns it waits for the CPU-bound sequencer to be
 #: preempted (``sys.getswitchinterval()``, 5 ms): a GIL convoy that cost a batch of 2,000
