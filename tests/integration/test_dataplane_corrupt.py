@@ -30,14 +30,13 @@ from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
 from kvgov.ledger.models import LedgerEvent
-from kvgov.policy.cache import CachingPolicyEngine
-from kvgov.policy.embedded import EmbeddedPolicyEngine
-from kvgov.proxy.app import Sidecar, build_sidecar
+from kvgov.proxy.app import Sidecar
 from kvgov.proxy.dataplane.conn import StreamProtocol
 from kvgov.proxy.dataplane.plans import GetPlan
 from kvgov.types import EventKind, Outcome
 from kvgov.wire import RequestContext, WireClient
 from kvgov.wire.codec import WireError
+from tests.integration.live import recv_exact, running_sidecar
 
 T = TypeVar("T")
 MIB = 1 << 20
@@ -58,14 +57,8 @@ async def sidecar(tmp_path: Path, pg_url: str) -> AsyncIterator[Sidecar]:
         dataplane={"host": "127.0.0.1", "port": 0, "lm_port": 0, "buffer_pool_bytes": 64 * MIB},
         tiers={"chain": ["filesystem"], "filesystem_fsync": False},
     )
-    sc = await build_sidecar(
-        settings, policy=CachingPolicyEngine(EmbeddedPolicyEngine.from_paths())
-    )
-    await sc.start()
-    try:
+    async with running_sidecar(settings) as sc:
         yield sc
-    finally:
-        await sc.stop()
 
 
 async def _run(fn: Callable[..., T], *args: Any) -> T:
@@ -147,33 +140,23 @@ def _lm_key(h: int) -> bytes:
     return f"bench@1@0@{h:x}@bfloat16@tenant%demo".encode().ljust(150)
 
 
-def _recv(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return bytes(buf)
-
-
 def _lm_put_get(port: int, key: bytes, value: bytes) -> bytes:
     """PUT then GET on one connection (the GET waits until the PUT is stored)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(LM_REQUEST.pack(1, len(value), 1, 3, 0, 1, 1, 1, len(value), key) + value)
         s.sendall(LM_REQUEST.pack(2, 0, 0, 0, 0, 0, 0, 0, 0, key))
-        head = LM_REPLY.unpack(_recv(s, LM_REPLY.size))
+        head = LM_REPLY.unpack(recv_exact(s, LM_REPLY.size))
         assert head[0] == 200
-        return _recv(s, head[1])
+        return recv_exact(s, head[1])
 
 
 def _lm_get(port: int, key: bytes) -> bytes | None:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(LM_REQUEST.pack(2, 0, 0, 0, 0, 0, 0, 0, 0, key))
-        head = LM_REPLY.unpack(_recv(s, LM_REPLY.size))
+        head = LM_REPLY.unpack(recv_exact(s, LM_REPLY.size))
         if head[0] != 200:
             return None
-        return _recv(s, head[1])
+        return recv_exact(s, head[1])
 
 
 @pytest.mark.postgres

@@ -50,6 +50,7 @@ from kvgov.wire.codec import (
     encode_frame,
 )
 from tests.conftest import create_pg_database, drop_pg_database
+from tests.integration.live import recv_exact
 
 pytestmark = pytest.mark.postgres
 
@@ -454,17 +455,7 @@ def test_lm_listener_survives_hostile_requests(
     # and the listener still serves a well-formed HEALTH
     with socket.create_connection(("127.0.0.1", _lm_port(live)), timeout=10) as s:
         s.sendall(LM_REQUEST.pack(5, 0, 0, 0, 0, 0, 0, 0, 0, b"".ljust(150)))
-        assert LM_REPLY.unpack(_recv_exact(s, LM_REPLY.size))[0] == 200
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return bytes(buf)
+        assert LM_REPLY.unpack(recv_exact(s, LM_REPLY.size))[0] == 200
 
 
 # -- hostile shapes the fuzzer is unlikely to build (each on a sidecar of its own) -----------

@@ -30,6 +30,7 @@ from sqlalchemy import func, select
 from kvgov.ledger.models import LedgerEvent
 from kvgov.types import EventKind
 from tests import lmcache_harness as h
+from tests.integration.live import recv_exact
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.postgres]
 
@@ -164,9 +165,9 @@ def test_overlong_keys_are_refused_and_the_listener_lives_on(
         s.sendall(req.pack(1, 4, 1, 3, 0, 4, 0, 0, 0, cut) + b"abcd")  # PUT: no reply
         for command in (2, 3):  # GET, EXIST
             s.sendall(req.pack(command, 0, 0, 0, 0, 0, 0, 0, 0, cut))
-            assert reply.unpack(_recv(s, reply.size))[0] == 400
+            assert reply.unpack(recv_exact(s, reply.size))[0] == 400
         s.sendall(req.pack(5, 0, 0, 0, 0, 0, 0, 0, 0, b"".ljust(150)))  # HEALTH
-        assert reply.unpack(_recv(s, reply.size))[0] == 200
+        assert reply.unpack(recv_exact(s, reply.size))[0] == 200
     # LMCache's connector (its own connection) still round-trips
     key = _key(0x78)
     obj = connector.obj(seed=7)
@@ -175,16 +176,6 @@ def test_overlong_keys_are_refused_and_the_listener_lives_on(
     got = connector.run(connector.conn.get(key))
     assert got is not None
     assert bytes(got.byte_array) == sent
-
-
-def _recv(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return bytes(buf)
 
 
 def test_lmcache_engines_share_kv_through_kvgov(sidecar: h.SidecarThread) -> None:

@@ -18,11 +18,10 @@ from pathlib import Path
 import pytest
 
 from kvgov.config import Settings
-from kvgov.policy.cache import CachingPolicyEngine
-from kvgov.policy.embedded import EmbeddedPolicyEngine
-from kvgov.proxy.app import Sidecar, build_sidecar
+from kvgov.proxy.app import Sidecar
 from kvgov.proxy.dataplane.buffers import BufferPool, size_class
 from kvgov.wire import RequestContext, WireClient
+from tests.integration.live import running_sidecar
 
 MIB = 1 << 20
 POOL = 16 * MIB
@@ -44,14 +43,8 @@ async def sidecar(tmp_path: Path, pg_url: str) -> AsyncIterator[Sidecar]:
         dataplane={"host": "127.0.0.1", "port": 0, "lm_port": -1, "buffer_pool_bytes": POOL},
         tiers={"chain": ["memory"], "memory_max_bytes": 256 * MIB},
     )
-    sc = await build_sidecar(
-        settings, policy=CachingPolicyEngine(EmbeddedPolicyEngine.from_paths())
-    )
-    await sc.start()
-    try:
+    async with running_sidecar(settings) as sc:
         yield sc
-    finally:
-        await sc.stop()
 
 
 def _run_together(port: int, work: list[list[tuple[str, bytes]]], gets: bool) -> list[object]:

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from kvgov.config import Settings
-from kvgov.policy.cache import CachingPolicyEngine
-from kvgov.policy.embedded import EmbeddedPolicyEngine
-from kvgov.proxy.app import Sidecar, build_sidecar
+from kvgov.proxy.app import Sidecar
 from kvgov.wire import RequestContext, WireClient
+from tests.integration.live import running_sidecar
 
 pytestmark = pytest.mark.postgres
 
@@ -38,14 +37,8 @@ async def sidecar(tmp_path: Path, pg_url: str) -> AsyncIterator[Sidecar]:
         dataplane={"host": "127.0.0.1", "port": 0, "lm_port": 0, "buffer_pool_bytes": 128 * MIB},
         tiers={"chain": ["memory"], "memory_max_bytes": 256 * MIB},
     )
-    sc = await build_sidecar(
-        settings, policy=CachingPolicyEngine(EmbeddedPolicyEngine.from_paths())
-    )
-    await sc.start()
-    try:
+    async with running_sidecar(settings) as sc:
         yield sc
-    finally:
-        await sc.stop()
 
 
 def _worker(port: int, index: int, values: dict[str, bytes], errors: list[str]) -> None:

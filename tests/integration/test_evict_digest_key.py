@@ -24,11 +24,10 @@ from typing import Any, TypeVar
 import pytest
 
 from kvgov.config import Settings
-from kvgov.policy.cache import CachingPolicyEngine
-from kvgov.policy.embedded import EmbeddedPolicyEngine
-from kvgov.proxy.app import Sidecar, build_sidecar
+from kvgov.proxy.app import Sidecar
 from kvgov.wire import EvictRequest, RequestContext, WireClient
 from kvgov.wire.codec import HEADER_SIZE, FrameType, decode_header, encode_frame
+from tests.integration.live import running_sidecar
 
 T = TypeVar("T")
 MIB = 1 << 20
@@ -53,15 +52,9 @@ async def sidecar(tmp_path: Path, sqlite_url: str) -> AsyncIterator[Sidecar]:
         },
         tiers={"chain": ["memory"]},
     )
-    sc = await build_sidecar(
-        settings, policy=CachingPolicyEngine(EmbeddedPolicyEngine.from_paths())
-    )
-    await sc.start()
-    try:
+    async with running_sidecar(settings) as sc:
         yield sc
-    finally:
-        await sc.stop()
-        gc.collect()  # on this thread, which built the policy engine
+    gc.collect()  # on this thread, which built the policy engine
 
 
 async def _run(fn: Callable[..., T], *args: Any) -> T:

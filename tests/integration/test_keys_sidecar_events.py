@@ -17,12 +17,11 @@ from sqlalchemy import select
 from kvgov.config import Settings
 from kvgov.ledger.models import DataKey, LedgerEvent, table
 from kvgov.ledger.verify import verify
-from kvgov.policy.cache import CachingPolicyEngine
-from kvgov.policy.embedded import EmbeddedPolicyEngine
 from kvgov.proxy import keys_service
-from kvgov.proxy.app import Sidecar, build_sidecar
+from kvgov.proxy.app import Sidecar
 from kvgov.types import EventKind
 from kvgov.wire import RequestContext, WireClient
+from tests.integration.live import running_sidecar
 
 pytestmark = pytest.mark.postgres
 
@@ -43,14 +42,8 @@ async def sidecar(tmp_path: Path, pg_url: str) -> AsyncIterator[Sidecar]:
         tiers={"chain": ["memory"]},
         keys={"rotate_after_chunks": 3},
     )
-    sc = await build_sidecar(
-        settings, policy=CachingPolicyEngine(EmbeddedPolicyEngine.from_paths())
-    )
-    await sc.start()
-    try:
+    async with running_sidecar(settings) as sc:
         yield sc
-    finally:
-        await sc.stop()
 
 
 async def _put(sc: Sidecar, engine: str, key: str, ctx: RequestContext | None = None) -> None:

@@ -161,10 +161,8 @@ def _dump(engine: sa.Engine) -> dict[str, list[tuple[Any, ...]]]:
         }
 
 
-def test_small_batches_store_what_the_general_path_stores(
-    engines: tuple[sa.Engine, sa.Engine], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fast, general = engines
+def _spy_small_path(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Record what each call of the small-batch path returned (True: it wrote the batch)."""
     calls: list[bool] = []
     real = batch_mod.write_small_batch
 
@@ -173,6 +171,14 @@ def test_small_batches_store_what_the_general_path_stores(
         return calls[-1]
 
     monkeypatch.setattr(batch_mod, "write_small_batch", spy)
+    return calls
+
+
+def test_small_batches_store_what_the_general_path_stores(
+    engines: tuple[sa.Engine, sa.Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast, general = engines
+    calls = _spy_small_path(monkeypatch)
     # the same payload salt on both sides, so that both chains hash alike
     monkeypatch.setattr(batch_mod.os, "urandom", lambda n: b"s" * n)
     _register(fast)
@@ -205,14 +211,7 @@ def test_a_stale_expected_head_is_rolled_back_and_rechained(
     included), and the batch land once, re-chained after the other rows."""
     upgrade(pg_url)
     engine = make_engine(pg_url)
-    calls: list[bool] = []
-    real = batch_mod.write_small_batch
-
-    def spy(*args: Any, **kwargs: Any) -> bool:
-        calls.append(real(*args, **kwargs))
-        return calls[-1]
-
-    monkeypatch.setattr(batch_mod, "write_small_batch", spy)
+    calls = _spy_small_path(monkeypatch)
 
     async def scenario() -> None:
         writer = LedgerWriter(engine, chain_id=CHAIN, signing_key=Ed25519PrivateKey.generate())
