@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from kvgov.connectors.tiers.base import NOGIL_COPY_BYTES, copy_into
 from kvgov.connectors.tiers.memory import POOL_MIN_BYTES, MemoryTier
 from kvgov.errors import TierError
 
@@ -171,3 +174,16 @@ async def test_a_released_borrow_lets_the_buffer_be_recycled() -> None:
         assert bytes(lent.view[:4]) == _chunk(1)[:4]
     await tier.delete("k")
     assert tier.pooled_bytes == CHUNK
+
+
+@pytest.mark.parametrize("size", [0, 1, NOGIL_COPY_BYTES - 1, NOGIL_COPY_BYTES, 3 * 2**20 + 7])
+@pytest.mark.parametrize("readonly_source", [False, True])
+def test_copy_into_copies_exactly_the_source(size: int, readonly_source: bool) -> None:
+    """Both paths (a slice assignment, and the GIL-free memmove for large writable views)
+    copy the source byte for byte and leave the rest of the destination alone."""
+    data = os.urandom(size)
+    src = memoryview(data if readonly_source else bytearray(data))
+    dst = bytearray(b"\xaa" * (size + 9))
+    copy_into(memoryview(dst), src)
+    assert bytes(dst[:size]) == data
+    assert bytes(dst[size:]) == b"\xaa" * 9

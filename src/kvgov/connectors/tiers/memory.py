@@ -32,6 +32,7 @@ from kvgov.connectors.tiers.base import (
     TierStats,
     as_bytes_view,
     check_key,
+    copy_into,
 )
 from kvgov.errors import TierError
 
@@ -129,8 +130,7 @@ class MemoryTier:
             stored = bytes(src)
         else:
             stored = self._buffer_for(size)
-            # a memoryview slice assignment is one memcpy (bytearray[:] = view copies twice)
-            memoryview(stored)[:] = src
+            copy_into(memoryview(stored), src)  # one memcpy, without the GIL when large
         self._entries[key] = _Entry(stored, expires_at)
         self._live_bytes += size
 
