@@ -141,7 +141,7 @@ class MemoryTier:
         size = len(entry.buf)
         if size > dst.nbytes:
             raise DestinationTooSmallError(self._name, size, dst.nbytes)
-        dst[:size] = entry.buf
+        copy_into(dst, memoryview(entry.buf))
         return size
 
     def borrow(self, key: str) -> Borrowed | None:
