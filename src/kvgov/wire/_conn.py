@@ -61,6 +61,10 @@ def as_bytes_view(data: Buffer | Any) -> memoryview:
     return view
 
 
+#: the send buffer asked for on a Unix-socket connection
+UNIX_SEND_BUFFER = 4 << 20
+
+
 class Connection:
     def __init__(self, address: str, *, connect_timeout: float, timeout: float) -> None:
         family, sockaddr = parse_address(address)
@@ -71,6 +75,11 @@ class Connection:
             sock.settimeout(timeout)
             if family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                # what may be in flight to the sidecar: the default (~208 KiB) makes a 32 MiB
+                # put ~150 writes and wake-ups (the kernel caps it at wmem_max; TCP autotunes)
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER)
         except OSError as exc:
             sock.close()
             raise WireConnectionError(
