@@ -7,7 +7,7 @@ import os
 import pytest
 
 from kvgov.connectors.tiers.base import NOGIL_COPY_BYTES, copy_into
-from kvgov.connectors.tiers.memory import POOL_MIN_BYTES, MemoryTier
+from kvgov.connectors.tiers.memory import POOL_MIN_BYTES, MemoryTier, new_buffer
 from kvgov.errors import TierError
 
 CHUNK = 256 * 1024
@@ -187,3 +187,15 @@ def test_copy_into_copies_exactly_the_source(size: int, readonly_source: bool) -
     copy_into(memoryview(dst), src)
     assert bytes(dst[:size]) == data
     assert bytes(dst[size:]) == b"\xaa" * 9
+
+
+@pytest.mark.parametrize("size", [0, 1, 64 * 1024, 3 * 2**20 + 1])
+def test_new_buffer_is_zeroed_writable_and_exactly_sized(size: int) -> None:
+    buf = new_buffer(size)
+    assert len(buf) == size
+    assert bytes(buf) == bytes(size)
+    view = memoryview(buf)
+    assert not view.readonly
+    data = os.urandom(size)
+    view[:] = data
+    assert bytes(buf) == data

@@ -3,7 +3,8 @@
 KV chunks are mostly one size (one model, one chunk length), so the buffer of an evicted or
 deleted entry is kept in a small pool keyed by its exact length and handed to the next put of
 that length: in steady state a put copies into a recycled buffer instead of allocating (and
-page-faulting) a fresh 32 MiB one. Live entries plus pooled buffers never exceed
+page-faulting) a fresh 32 MiB one. A fresh one is an anonymous mapping with its pages faulted
+in at once (:func:`new_buffer`). Live entries plus pooled buffers never exceed
 ``max_bytes``; the pool gives its buffers up before any live entry is evicted.
 
 Every operation runs synchronously on the event loop (a copy at memory speed, no awaits in the
@@ -18,6 +19,7 @@ while borrowed is not counted in ``max_bytes`` any more; it is freed, not pooled
 from __future__ import annotations
 
 import logging
+import mmap
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -42,9 +44,29 @@ log = logging.getLogger(__name__)
 POOL_MIN_BYTES = 64 * 1024
 
 
+#: a buffer the tier owns: small values are ``bytes``; large ones writable, pooled buffers
+Buffer = bytes | bytearray | mmap.mmap
+#: what a large value is stored in (reused for later puts of the same length)
+Pooled = bytearray | mmap.mmap
+
+
+def new_buffer(size: int) -> Pooled:
+    """A zeroed buffer of ``size`` bytes with its pages already mapped: an anonymous mapping
+    with ``MAP_POPULATE`` (Linux), which faults every page in one system call; ``bytearray``
+    zero-fills page by page, one fault each (measured here: a fresh 32 MiB copy ~14 ms vs
+    ~20 ms; a recycled buffer 3-7 ms). ``bytearray`` where the flag does not exist."""
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if populate and size:
+        try:
+            return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+        except OSError:  # no room for a mapping: let bytearray raise MemoryError if need be
+            pass
+    return bytearray(size)
+
+
 @dataclass(slots=True)
 class _Entry:
-    buf: bytes | bytearray
+    buf: Buffer
     expires_at: float | None
 
 
@@ -94,7 +116,7 @@ class MemoryTier:
         self._clock = clock
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._live_bytes = 0
-        self._pool: dict[int, list[bytearray]] = {}
+        self._pool: dict[int, list[Pooled]] = {}
         self._pooled_bytes = 0
         self._hits = self._misses = self._evictions = self._expirations = 0
         self._closed = False
@@ -124,7 +146,7 @@ class MemoryTier:
         self._remove(key)  # an overwrite recycles the old buffer, often for this very put
         if expires_at is not None and expires_at <= self._clock():
             return
-        stored: bytes | bytearray
+        stored: Buffer
         if size < POOL_MIN_BYTES:
             self._make_room(size)
             stored = bytes(src)
@@ -243,16 +265,16 @@ class MemoryTier:
             self._recycle(entry.buf)
         return entry
 
-    def _recycle(self, buf: bytes | bytearray) -> None:
+    def _recycle(self, buf: Buffer) -> None:
         size = len(buf)
-        if not isinstance(buf, bytearray) or size < POOL_MIN_BYTES or id(buf) in self._pins:
+        if isinstance(buf, bytes) or size < POOL_MIN_BYTES or id(buf) in self._pins:
             return
         if self._live_bytes + self._pooled_bytes + size > self._max:
             return  # no room to keep it: let it go
         self._pool.setdefault(size, []).append(buf)
         self._pooled_bytes += size
 
-    def _take_pooled(self, size: int) -> bytearray | None:
+    def _take_pooled(self, size: int) -> Pooled | None:
         bufs = self._pool.get(size)
         if not bufs:
             return None
@@ -262,13 +284,14 @@ class MemoryTier:
         self._pooled_bytes -= size
         return buf
 
-    def _buffer_for(self, size: int) -> bytearray:
+    def _buffer_for(self, size: int) -> Pooled:
         """A buffer of exactly ``size`` bytes: a pooled one, an evicted one, or a new one."""
         buf = self._take_pooled(size)
         if buf is not None:
             return buf
         self._make_room(size)
-        return self._take_pooled(size) or bytearray(size)
+        pooled = self._take_pooled(size)
+        return pooled if pooled is not None else new_buffer(size)
 
     def _make_room(self, size: int) -> None:
         """Free pooled buffers, then evict least recently used entries, until ``size`` fits.
@@ -286,7 +309,7 @@ class MemoryTier:
             self._notify_evict(victim, len(entry.buf))
             if (
                 len(entry.buf) == size
-                and isinstance(entry.buf, bytearray)
+                and not isinstance(entry.buf, bytes)
                 and id(entry.buf) not in self._pins
             ):
                 self._pool.setdefault(size, []).append(entry.buf)
