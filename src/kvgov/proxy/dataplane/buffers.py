@@ -15,6 +15,7 @@ import asyncio
 from collections import Counter, deque
 from collections.abc import Sequence
 
+from kvgov.connectors.tiers.memory import Pooled, new_buffer
 from kvgov.errors import ProtocolError
 
 MIN_CLASS = 64 * 1024
@@ -37,7 +38,7 @@ class Lease:
 
     __slots__ = ("_pool", "buf", "size")
 
-    def __init__(self, pool: BufferPool, buf: bytearray, size: int) -> None:
+    def __init__(self, pool: BufferPool, buf: Pooled, size: int) -> None:
         self._pool: BufferPool | None = pool
         self.buf = buf
         self.size = size
@@ -64,7 +65,7 @@ class Lease:
 class BufferPool:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._idle: dict[int, deque[bytearray]] = {}
+        self._idle: dict[int, deque[Pooled]] = {}
         self._idle_bytes = 0
         self._in_use = 0
         self._waiters: deque[tuple[tuple[int, ...], asyncio.Future[None]]] = deque()
@@ -140,11 +141,11 @@ class BufferPool:
             buf = bufs.pop()
             self._idle_bytes -= cls
         else:
-            buf = bytearray(cls)
+            buf = new_buffer(cls)  # its pages faulted in at once
         self._in_use += cls
         return Lease(self, buf, n)
 
-    def _give_back(self, buf: bytearray) -> None:
+    def _give_back(self, buf: Pooled) -> None:
         cls = len(buf)
         self._in_use -= cls
         self._idle.setdefault(cls, deque()).append(buf)
