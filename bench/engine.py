@@ -83,7 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chunk-mib", type=float, default=32.0)
     parser.add_argument("--chunks", type=int, default=8, help="chunks per request")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", choices=["lm", "kvgov"], default=None)
     parser.add_argument("--tiers", default="memory", help="kvgov tier chain, comma separated")
     args = parser.parse_args()
