@@ -86,6 +86,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", choices=["lm", "kvgov"], default=None)
     parser.add_argument("--tiers", default="memory", help="kvgov tier chain, comma separated")
+    parser.add_argument(
+        "--transport",
+        choices=["unix", "tcp"],
+        default="unix",
+        help="KvgovConnector to sidecar: a Unix socket (a sidecar's normal set-up) or loopback "
+        "TCP (the transport lm:// always uses)",
+    )
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # LMCache logs every store/retrieve at INFO/WARNING
 
@@ -108,7 +115,9 @@ def main() -> None:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvgov-bench-")))
             # memory tier only, like lmcache_server; policy, encryption and the ledger all on
             endpoint = stack.enter_context(
-                h.kvgov_sidecar(tmp, tenants=["bench"], tiers=args.tiers.split(","))
+                h.kvgov_sidecar(
+                    tmp, tenants=["bench"], tiers=args.tiers.split(","), tcp=args.transport == "tcp"
+                )
             )
             cfg = h.kvgov_config(
                 endpoint, geometry=g, cpu_staging_gb=staging_gb, engine_id="bench-engine"

@@ -587,9 +587,16 @@ def kvgov_sidecar(
     tenants: list[str],
     governance: bool = True,
     tiers: list[str] | None = None,
+    tcp: bool = False,
 ) -> Iterator[str]:
-    """The real sidecar in a subprocess (for benchmarks); yields its ``unix://`` endpoint."""
+    """The real sidecar in a subprocess (for benchmarks); yields its ``unix://`` endpoint, or
+    with ``tcp`` its ``tcp://127.0.0.1:port`` one (it listens on both then)."""
     env = sidecar_env(data_dir, tenants=tenants, governance=governance, tiers=tiers)
+    endpoint = f"unix://{env['KVGOV_DATAPLANE__UNIX_PATH']}"
+    if tcp:
+        port = free_port()
+        env |= {"KVGOV_DATAPLANE__HOST": "127.0.0.1", "KVGOV_DATAPLANE__PORT": str(port)}
+        endpoint = f"tcp://127.0.0.1:{port}"
     sock = Path(env["KVGOV_DATAPLANE__UNIX_PATH"])
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.lmcache_harness", "serve"],
@@ -602,7 +609,7 @@ def kvgov_sidecar(
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("kvgov sidecar did not start")
             time.sleep(0.05)
-        yield f"unix://{sock}"
+        yield endpoint
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
