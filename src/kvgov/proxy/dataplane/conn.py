@@ -74,7 +74,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._fd = -1
         self._flushed: asyncio.Event = asyncio.Event()
         self._flushed.set()
-        #: a duplicate of the socket's fd for :meth:`send_plan_in_thread` (closed when the
+        #: a duplicate of the socket's fd for the sender threads (:meth:`send_plan`; closed when the
         #: connection is lost and no thread job uses it any more)
         self._wfd = -1
         #: the sender-thread job writing a hit to ``_wfd`` now; ``write`` holds data meanwhile

@@ -525,7 +525,6 @@ class Pipeline:
         log.warning(
             "dataplane.get.unreadable", extra={"key_digest": who.digest, "error": error.code}
         )
-        self.metrics.denials.labels(Operation.GET.value, "unreadable").inc()
         self.index.pop(who.digest)
         await self.tiers.delete(who.digest)
         if self.governance:
