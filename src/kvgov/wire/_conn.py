@@ -25,6 +25,7 @@ from kvgov.wire.codec import (
     decode_meta,
     encode_frame,
     error_from_meta,
+    widen_unix_send_buffer,
 )
 from kvgov.wire.messages import ServerInfo
 
@@ -61,10 +62,6 @@ def as_bytes_view(data: Buffer | Any) -> memoryview:
     return view
 
 
-#: the send buffer asked for on a Unix-socket connection
-UNIX_SEND_BUFFER = 4 << 20
-
-
 class Connection:
     def __init__(self, address: str, *, connect_timeout: float, timeout: float) -> None:
         family, sockaddr = parse_address(address)
@@ -75,11 +72,7 @@ class Connection:
             sock.settimeout(timeout)
             if family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            else:
-                # what may be in flight to the sidecar: the default (~208 KiB) makes a 32 MiB
-                # put ~150 writes and wake-ups (the kernel caps it at wmem_max; TCP autotunes)
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER)
+            widen_unix_send_buffer(sock)  # puts: what may be in flight to the sidecar
         except OSError as exc:
             sock.close()
             raise WireConnectionError(

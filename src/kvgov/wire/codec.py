@@ -14,7 +14,9 @@ This module must stay importable inside an inference engine: no third-party impo
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -242,3 +244,19 @@ def key_list(meta: Mapping[str, Any], name: str = "keys", *, max_items: int = 40
             raise WireError(ErrorCode.BAD_REQUEST, "keys must be non-empty strings")
         out.append(key)
     return out
+
+
+#: the send buffer both ends ask for on a Unix-socket connection (the kernel caps it at
+#: ``net.core.wmem_max``)
+UNIX_SEND_BUFFER = 4 << 20
+
+
+def widen_unix_send_buffer(sock: socket.socket) -> None:
+    """Ask for a :data:`UNIX_SEND_BUFFER` send buffer on a Unix socket (others: nothing).
+
+    A Unix socket's send buffer is what may be in flight to the peer; at its default (~208 KiB)
+    a 32 MiB chunk takes ~150 writes and wake-ups each way. TCP autotunes its own. Best effort:
+    a refusal leaves the default."""
+    if sock.family == socket.AF_UNIX:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER)

@@ -18,17 +18,16 @@ writes each group of segments as soon as the crypto pool has opened it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import select
-import socket
 from collections.abc import Coroutine
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvgov.proxy.dataplane.plans import open_segments, segments_per_job
+from kvgov.wire.codec import widen_unix_send_buffer
 
 if TYPE_CHECKING:
     from kvgov.proxy.dataplane.plans import GetPlan
@@ -42,8 +41,6 @@ WRITE_HIGH_WATER = 4 * 1024 * 1024
 INLINE_OPEN_BYTES = 1 << 20
 #: what :meth:`StreamProtocol.send_view` hands the transport (copied) when the socket is full
 SEND_PIECE = 256 * 1024
-#: the send buffer asked for on a Unix-socket connection (the kernel caps it at wmem_max)
-UNIX_SEND_BUFFER = 4 << 20
 
 
 class ConnectionClosed(Exception):  # noqa: N818 - a signal between the protocol and its handler
@@ -90,11 +87,8 @@ class StreamProtocol(asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         sock = transport.get_extra_info("socket")
         self._fd = sock.fileno() if sock is not None else -1
-        if sock is not None and sock.family == socket.AF_UNIX:
-            # a Unix socket's send buffer is what may be in flight to the peer, and its
-            # default (~208 KiB) makes a 32 MiB hit ~150 writes and wake-ups; TCP autotunes
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER)
+        if sock is not None:
+            widen_unix_send_buffer(sock)  # hits: what may be in flight to the engine
         self._task = asyncio.get_running_loop().create_task(self._main())
 
     async def _main(self) -> None:
