@@ -258,10 +258,6 @@ class Pipeline:
         per_job = segments_per_job(self.segment_size)
         return PutPlan(who, lease, length, item_meta, decision, make, len(head), windows, per_job)
 
-    async def commit_put(self, plan: PutPlan) -> None:
-        """Every segment arrived: store, then wait until recorded. Raises on failure."""
-        await self.settle_put(await self.store_put(plan))
-
     async def store_put(self, plan: PutPlan) -> StoredPut:
         """Finish sealing, write the tiers, make the entry visible and queue its ``kv:put``
         event. Raises (having stored nothing) on failure; releases the plan's buffer."""
