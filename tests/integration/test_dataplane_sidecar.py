@@ -16,6 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
+from kvgov.connectors.tiers.memory import MemoryTier
 from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.embedded import EmbeddedPolicyEngine
 from kvgov.proxy.app import Sidecar, build_sidecar
@@ -182,6 +183,9 @@ async def test_disconnect_mid_put_stores_nothing(sidecar: Sidecar) -> None:
     finally:
         client.close()
     assert sidecar.pipeline.pool.in_use_bytes == 0
+    memory = sidecar.pipeline.tiers.tier("memory")
+    assert isinstance(memory, MemoryTier)
+    assert memory.reserved_bytes == 0  # the buffer it was being sealed into went back
 
 
 async def test_garbage_closes_only_that_connection(sidecar: Sidecar) -> None:

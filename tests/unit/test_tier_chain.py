@@ -137,3 +137,46 @@ async def test_stats_per_tier(chain: TierChain) -> None:
         ("memory", 1, 3),
         ("filesystem", 1, 3),
     ]
+
+
+async def test_a_reserved_put_is_written_through_and_kept_by_the_fastest_tier(
+    chain: TierChain,
+) -> None:
+    value = bytes(range(256)) * 1024
+    res = chain.reserve(len(value), allowed=ALL)
+    assert res is not None
+    res.view[:] = value
+    assert await chain.put_reserved("k", res, allowed=ALL) == ALL
+    assert await chain.where("k") == ["memory", "filesystem"]
+    fs = chain.tier("filesystem")
+    assert await fs.get("k") == value
+    assert await chain.tier("memory").get("k") == value
+    # the policy keeps it out of memory: no reservation, the caller puts a copy instead
+    assert chain.reserve(len(value), allowed=("filesystem",)) is None
+
+
+async def test_a_reserved_put_limited_to_memory_leaves_the_slower_tiers(
+    chain: TierChain,
+) -> None:
+    await chain.put("k", b"old value", allowed=ALL)
+    res = chain.reserve(MIB, allowed=("memory",))
+    assert res is not None
+    res.view[:] = b"n" * MIB
+    assert await chain.put_reserved("k", res, allowed=("memory",)) == ("memory",)
+    assert await chain.where("k") == ["memory"]
+
+
+async def test_a_failed_reserved_write_through_cancels_and_leaves_the_key_nowhere(
+    tmp_path: Path,
+) -> None:
+    broken = await FilesystemTier.open(tmp_path / "fs")
+    await broken.close()
+    memory = MemoryTier(4 * MIB)
+    chain = TierChain([memory, broken])
+    await memory.put("k", b"older")
+    res = chain.reserve(MIB, allowed=ALL)
+    assert res is not None and memory.reserved_bytes == MIB
+    with pytest.raises(TierError, match="write-through failed on tier filesystem"):
+        await chain.put_reserved("k", res, allowed=ALL)
+    assert not await memory.contains("k")
+    assert memory.reserved_bytes == 0

@@ -199,3 +199,68 @@ def test_new_buffer_is_zeroed_writable_and_exactly_sized(size: int) -> None:
     data = os.urandom(size)
     view[:] = data
     assert bytes(buf) == data
+
+
+async def test_a_reserved_buffer_is_stored_without_a_copy_and_counted_meanwhile() -> None:
+    tier = MemoryTier(4 * CHUNK)
+    res = tier.reserve(CHUNK)
+    assert res is not None
+    assert tier.reserved_bytes == CHUNK
+    res.view[:] = _chunk(7)
+    await tier.put("k", memoryview(_chunk(1)))  # room for the reservation is kept
+    await tier.put_reserved("k", res)  # an overwrite, like put
+    assert tier.reserved_bytes == 0
+    assert await tier.get("k") == _chunk(7)
+    with tier.borrow("k") as lent:  # the very buffer the caller wrote, not a copy of it
+        assert lent is not None
+        res.view[:1] = b"\x00"  # (the caller must not do this: here it proves no copy)
+        assert bytes(lent.view[:1]) == b"\x00"
+    stats = await tier.stats()
+    assert (stats.entries, stats.bytes) == (1, CHUNK)
+
+
+async def test_reserving_evicts_and_refuses_when_the_room_is_all_reserved() -> None:
+    evicted: list[str] = []
+    tier = MemoryTier(2 * CHUNK, on_evict=lambda t, k, n: evicted.append(k))
+    await tier.put("old", _chunk(1))
+    first = tier.reserve(CHUNK)
+    second = tier.reserve(CHUNK)  # evicts "old" to make room
+    assert first is not None and second is not None
+    assert evicted == ["old"]
+    assert tier.reserve(CHUNK) is None  # both halves are reserved: never over the bound
+    assert tier.reserve(POOL_MIN_BYTES - 1) is None  # small values are simply put
+    assert tier.reserve(3 * CHUNK) is None  # larger than the tier
+    first.cancel()
+    first.cancel()  # idempotent
+    assert tier.reserved_bytes == CHUNK
+    assert tier.pooled_bytes == CHUNK  # the cancelled buffer waits for the next reservation
+    third = tier.reserve(CHUNK)
+    assert third is not None and tier.pooled_bytes == 0
+    for res in (second, third):
+        res.cancel()
+    assert tier.reserved_bytes == 0
+
+
+async def test_a_reservation_is_stored_once_and_only_by_its_tier() -> None:
+    tier, other = MemoryTier(4 * CHUNK), MemoryTier(4 * CHUNK, name="other")
+    res = tier.reserve(CHUNK)
+    assert res is not None
+    with pytest.raises(TierError, match=r"not .*its own"):
+        await other.put_reserved("k", res)
+    await tier.put_reserved("k", res)
+    with pytest.raises(TierError, match="no longer"):
+        await tier.put_reserved("k2", res)
+    res.cancel()  # a no-op once stored
+    assert await tier.contains("k") and tier.reserved_bytes == 0
+
+
+async def test_a_reserved_put_already_expired_stores_nothing() -> None:
+    clock = _Clock()
+    tier = MemoryTier(4 * CHUNK, clock=clock)
+    await tier.put("k", _chunk(1))
+    res = tier.reserve(CHUNK)
+    assert res is not None
+    await tier.put_reserved("k", res, expires_at=clock.now - 1)
+    assert not await tier.contains("k")
+    assert tier.reserved_bytes == 0
+    assert (await tier.stats()).bytes == 0

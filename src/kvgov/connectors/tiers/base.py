@@ -140,6 +140,36 @@ class Borrowing(Protocol):
         ...
 
 
+class Reserved(Protocol):
+    """A buffer a tier set aside for one value (see :class:`Reserving`)."""
+
+    #: the value's bytes, writable (from any thread) until it is stored or cancelled
+    view: memoryview
+
+    def cancel(self) -> None:
+        """Give the buffer back unstored (idempotent; a no-op once stored). Whoever writes
+        into :attr:`view` from another thread must have stopped first."""
+        ...
+
+
+class Reserving(Protocol):
+    """An optional tier capability: the caller writes a value straight into the tier's own
+    buffer (the data plane seals into it), which is then stored without a copy."""
+
+    def reserve(self, size: int) -> Reserved | None:
+        """A writable buffer of exactly ``size`` bytes, counted against the tier's capacity
+        until it is stored or cancelled; None when the tier will not set one aside (the
+        caller then uses ``put``)."""
+        ...
+
+    async def put_reserved(
+        self, key: str, reserved: Reserved, *, expires_at: float | None = None
+    ) -> None:
+        """Store the reserved buffer (its whole length) under ``key``, as ``put`` would store
+        a copy; the buffer is the tier's from here (the caller must not touch it again)."""
+        ...
+
+
 def check_key(tier: str, key: str) -> None:
     """Refuse keys no backend can store faithfully (empty, over 1024 bytes, control chars)."""
     if not key or len(key) > 1024 or not key.isprintable():

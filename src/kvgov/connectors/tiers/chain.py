@@ -6,6 +6,8 @@
   a half-written entry is never left for a later read.
 - **get_into** looks the key up in order; a hit in a slower tier is copied ("promoted") into
   the faster tiers named in ``allowed``, with the same expiry.
+- **reserve** / **put_reserved**: the value is written straight into the fastest tier's own
+  buffer, which that tier then keeps (no copy); slower allowed tiers copy from it first.
 - **borrow** lends the value in place from the fastest tier when it can (no copy).
 - **delete** removes the key from every tier and says which held it; **where** says which
   tiers hold it now (used to verify a purge); **sweep** removes expired entries everywhere.
@@ -24,6 +26,8 @@ from kvgov.connectors.tiers.base import (
     Borrowing,
     BytesLike,
     EntryInfo,
+    Reserved,
+    Reserving,
     Tier,
     TierStats,
 )
@@ -79,8 +83,59 @@ class TierChain:
         """
         targets = [t for t in self._tiers if t.name in allowed]
         others = [t for t in self._tiers if t.name not in allowed]
+        await self._write_through(key, data, targets, others, expires_at)
+        return tuple(t.name for t in targets)
+
+    def reserve(self, size: int, *, allowed: Collection[str]) -> Reserved | None:
+        """A buffer of the fastest tier to write a value of ``size`` bytes into, when that tier
+        may hold it (``allowed``) and can set one aside (:class:`Reserving`); else None."""
+        first = self._tiers[0] if self._tiers else None
+        if first is None or first.name not in allowed or not hasattr(first, "reserve"):
+            return None
+        return cast("Reserving", first).reserve(size)
+
+    async def put_reserved(
+        self,
+        key: str,
+        reserved: Reserved,
+        *,
+        allowed: Collection[str],
+        expires_at: float | None = None,
+    ) -> tuple[str, ...]:
+        """:meth:`put` of a value written into the fastest tier's reservation (from
+        :meth:`reserve` with the same ``allowed``): the slower allowed tiers copy it first,
+        then the fastest tier keeps the buffer itself. On failure the reservation is cancelled
+        and the key removed everywhere, as for :meth:`put`."""
+        first, rest = self._tiers[0], self._tiers[1:]
+        targets = [t for t in rest if t.name in allowed]
+        others = [t for t in rest if t.name not in allowed]
+        try:
+            # before the fastest tier owns the buffer: from then on it may recycle it
+            await self._write_through(key, reserved.view, targets, others, expires_at)
+            try:
+                await cast("Reserving", first).put_reserved(key, reserved, expires_at=expires_at)
+            except Exception as exc:
+                await self._delete_everywhere(key)
+                raise TierError(
+                    f"write-through failed on tier {first.name}; the key was removed from every"
+                    " tier"
+                ) from exc
+        finally:
+            reserved.cancel()  # a no-op once stored
+        return (first.name, *(t.name for t in targets))
+
+    async def _write_through(
+        self,
+        key: str,
+        data: BytesLike,
+        targets: Sequence[Tier],
+        others: Sequence[Tier],
+        expires_at: float | None,
+    ) -> None:
+        """Put ``data`` into ``targets`` and delete ``key`` from ``others``; if anything fails,
+        remove ``key`` from every tier and raise."""
         results: list[object]
-        if len(self._tiers) == 1:
+        if len(targets) + len(others) == 1:
             # one tier: await it in place (a gather makes a task, so at least one more pass of
             # the event loop before the put is done; a memory tier never suspends at all)
             op = (
@@ -92,12 +147,14 @@ class TierChain:
                 results = [await op]
             except BaseException as exc:  # noqa: BLE001 - handled below, as gather would return it
                 results = [exc]
-        else:
+        elif targets or others:
             results = await asyncio.gather(
                 *(t.put(key, data, expires_at=expires_at) for t in targets),
                 *(t.delete(key) for t in others),
                 return_exceptions=True,
             )
+        else:
+            return
         failures = [
             (t.name, r)
             for t, r in zip([*targets, *others], results, strict=True)
@@ -111,7 +168,6 @@ class TierChain:
             raise TierError(
                 f"write-through failed on tier {name}; the key was removed from every tier"
             ) from first
-        return tuple(t.name for t in targets)
 
     async def info(self, key: str) -> tuple[str, EntryInfo] | None:
         """The first tier holding ``key`` and the value's size and expiry there."""

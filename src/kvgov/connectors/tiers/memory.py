@@ -14,6 +14,11 @@ middle), so operations on one key never interleave.
 guard: until the guard is released, that buffer is never recycled, so a delete, overwrite or
 eviction meanwhile drops the entry but leaves the borrowed bytes as they were (a buffer dropped
 while borrowed is not counted in ``max_bytes`` any more; it is freed, not pooled).
+
+:meth:`MemoryTier.reserve` sets a buffer aside for one put (counted in ``max_bytes``), which
+the caller fills, from any thread, and then stores with :meth:`MemoryTier.put_reserved`: the
+data plane seals a put from its receive buffer straight into the tier's buffer, so a governed
+put costs the encryption pass and no copy after it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from kvgov.connectors.tiers.base import (
     DestinationTooSmallError,
     EntryInfo,
     EvictListener,
+    Reserved,
     TierStats,
     as_bytes_view,
     check_key,
@@ -68,6 +74,31 @@ def new_buffer(size: int) -> Pooled:
 class _Entry:
     buf: Buffer
     expires_at: float | None
+
+
+class Reservation:
+    """A buffer set aside by :meth:`MemoryTier.reserve`: write :attr:`view`, then
+    :meth:`MemoryTier.put_reserved` it or :meth:`cancel` it."""
+
+    __slots__ = ("_buf", "_tier", "view")
+
+    def __init__(self, tier: MemoryTier, buf: Pooled) -> None:
+        self._tier: MemoryTier | None = tier
+        self._buf: Pooled | None = buf
+        self.view = memoryview(buf)
+
+    def take(self, tier: MemoryTier) -> Pooled:
+        """The buffer, now owned by ``tier`` (which must be the one that reserved it)."""
+        if self._buf is None or self._tier is not tier:
+            raise TierError(f"tier {tier.name}: this reservation is not (or no longer) its own")
+        buf, self._buf, self._tier = self._buf, None, None
+        return buf
+
+    def cancel(self) -> None:
+        tier, buf = self._tier, self._buf
+        self._tier = self._buf = None
+        if tier is not None and buf is not None:
+            tier._unreserve(buf)
 
 
 class Borrowed:
@@ -118,6 +149,7 @@ class MemoryTier:
         self._live_bytes = 0
         self._pool: dict[int, list[Pooled]] = {}
         self._pooled_bytes = 0
+        self._reserved_bytes = 0
         self._hits = self._misses = self._evictions = self._expirations = 0
         self._closed = False
         self._pins: dict[int, int] = {}  # id(buffer) -> borrows not yet released
@@ -130,6 +162,58 @@ class MemoryTier:
     def pooled_bytes(self) -> int:
         """Bytes held by recycled buffers waiting for a put of their size."""
         return self._pooled_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes set aside for puts in progress (:meth:`reserve`)."""
+        return self._reserved_bytes
+
+    def _used(self) -> int:
+        return self._live_bytes + self._pooled_bytes + self._reserved_bytes
+
+    # -- reservations (the Reserving capability) ---------------------------------------------
+
+    def reserve(self, size: int) -> Reservation | None:
+        """A buffer of exactly ``size`` bytes for one put (a recycled one when there is one;
+        least recently used entries are evicted to make room). None for a small value (below
+        :data:`POOL_MIN_BYTES`: not worth it), one larger than the tier, or when the room is
+        all reserved by other puts in progress."""
+        self._check_open()
+        if size < POOL_MIN_BYTES or size > self._max:
+            return None
+        buf = self._take_pooled(size)
+        if buf is None:
+            self._make_room(size)
+            buf = self._take_pooled(size)
+        if buf is None:
+            if self._used() + size > self._max:
+                return None
+            buf = new_buffer(size)
+        self._reserved_bytes += size
+        return Reservation(self, buf)
+
+    async def put_reserved(
+        self, key: str, reserved: Reserved, *, expires_at: float | None = None
+    ) -> None:
+        self._check_open()
+        check_key(self._name, key)
+        if not isinstance(reserved, Reservation):
+            raise TierError(f"tier {self._name}: not a reservation of a memory tier")
+        buf = reserved.take(self)
+        size = len(buf)
+        self._reserved_bytes -= size
+        self._remove(key)
+        if expires_at is not None and expires_at <= self._clock():
+            self._recycle(buf)
+            return
+        self._entries[key] = _Entry(buf, expires_at)
+        self._live_bytes += size
+
+    def _unreserve(self, buf: Pooled) -> None:
+        if self._closed:
+            return
+        self._reserved_bytes -= len(buf)
+        self._recycle(buf)
 
     # -- the Tier protocol -------------------------------------------------------------------
 
@@ -228,7 +312,7 @@ class MemoryTier:
     async def close(self) -> None:
         self._entries.clear()
         self._pool.clear()
-        self._live_bytes = self._pooled_bytes = 0
+        self._live_bytes = self._pooled_bytes = self._reserved_bytes = 0
         self._closed = True
 
     # -- internals ---------------------------------------------------------------------------
@@ -269,7 +353,7 @@ class MemoryTier:
         size = len(buf)
         if isinstance(buf, bytes) or size < POOL_MIN_BYTES or id(buf) in self._pins:
             return
-        if self._live_bytes + self._pooled_bytes + size > self._max:
+        if self._used() + size > self._max:
             return  # no room to keep it: let it go
         self._pool.setdefault(size, []).append(buf)
         self._pooled_bytes += size
@@ -299,10 +383,10 @@ class MemoryTier:
         An evicted buffer of exactly ``size`` bytes is parked in the pool for the caller.
         """
         for pool_size in list(self._pool):
-            if self._live_bytes + self._pooled_bytes + size <= self._max:
+            if self._used() + size <= self._max:
                 return
             self._pooled_bytes -= pool_size * len(self._pool.pop(pool_size))
-        while self._entries and self._live_bytes + self._pooled_bytes + size > self._max:
+        while self._entries and self._used() + size > self._max:
             victim, entry = self._entries.popitem(last=False)
             self._live_bytes -= len(entry.buf)
             self._evictions += 1

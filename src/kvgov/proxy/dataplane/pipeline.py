@@ -26,6 +26,7 @@ from concurrent.futures import Executor
 from dataclasses import replace
 from typing import Any
 
+from kvgov.connectors.tiers.base import copy_into
 from kvgov.connectors.tiers.chain import TierChain
 from kvgov.errors import KvgovError, LedgerBackpressureError, ProtocolError
 from kvgov.keys.keyring import Keyring
@@ -223,10 +224,16 @@ class Pipeline:
             lease = await self.pool.acquire(len(head) + body_len)
         else:
             lease = given.resize(len(head) + body_len)
+        # the fastest tier's own buffer, when it can set one aside: sealed into, then kept
+        reserved = self.tiers.reserve(len(head) + body_len, allowed=allowed)
         try:
             view = lease.view
             view[: len(head)] = head
             body = view[len(head) :]
+            dst = body
+            if reserved is not None:
+                reserved.view[: len(head)] = head
+                dst = reserved.view[len(head) :]
             make: Callable[[], SealWriter] | None = None
             windows: list[memoryview] = []
             if governed and self.keyring is not None:
@@ -237,7 +244,7 @@ class Pipeline:
                         who.tenant,
                         who.digest.encode(),
                         length,
-                        body,
+                        dst,
                         user=scope_user,
                         segment_size=self.segment_size,
                     )
@@ -253,10 +260,23 @@ class Pipeline:
                     start = i * self.segment_size
                     windows.append(body[start : min(length, start + self.segment_size)])
         except BaseException:
+            if reserved is not None:
+                reserved.cancel()
             lease.release()
             raise
         per_job = segments_per_job(self.segment_size)
-        return PutPlan(who, lease, length, item_meta, decision, make, len(head), windows, per_job)
+        return PutPlan(
+            who,
+            lease,
+            length,
+            item_meta,
+            decision,
+            make,
+            len(head),
+            windows,
+            per_job,
+            reserved=reserved,
+        )
 
     async def store_put(self, plan: PutPlan) -> StoredPut:
         """Finish sealing, write the tiers, make the entry visible and queue its ``kv:put``
@@ -271,9 +291,18 @@ class Pipeline:
             total = plan.body_offset + (
                 plan.writer.sealed_len if plan.writer is not None else plan.length
             )
-            written = await self.tiers.put(
-                who.digest, plan.lease.view[:total], allowed=allowed, expires_at=expires_at
-            )
+            reserved, plan.reserved = plan.reserved, None
+            if reserved is None:
+                written = await self.tiers.put(
+                    who.digest, plan.lease.view[:total], allowed=allowed, expires_at=expires_at
+                )
+            else:
+                if plan.writer is None:  # not sealed: the tier's copy is made here
+                    start = plan.body_offset
+                    copy_into(reserved.view[start:total], plan.lease.view[start:total])
+                written = await self.tiers.put_reserved(
+                    who.digest, reserved, allowed=allowed, expires_at=expires_at
+                )
         finally:
             plan.abort()
         scope = decision.scope if decision is not None else None

@@ -12,7 +12,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgov.connectors.tiers.base import BorrowedValue
+from kvgov.connectors.tiers.base import BorrowedValue, Reserved
 from kvgov.keys.sealed import SealReader, SealWriter
 from kvgov.policy.interfaces import Decision
 from kvgov.proxy.dataplane.buffers import Lease
@@ -35,11 +35,12 @@ def segments_per_job(segment_size: int) -> int:
 class PutPlan:
     """Where one put item's bytes go, and how received segments are sealed.
 
-    Received segments are sealed in place in the crypto pool, a few per job
-    (:data:`JOB_BYTES`), while the next ones arrive. The first job also makes the
-    :class:`SealWriter` (the windows' offsets depend only on the chunk's geometry, so bytes
-    can land before it exists); later jobs wait for it there, and the event loop hears back
-    only in :meth:`sealed`.
+    Received segments are sealed in the crypto pool, a few per job (:data:`JOB_BYTES`), while
+    the next ones arrive: into ``reserved`` (the fastest tier's own buffer, at the same
+    offsets: the tier then keeps it, no copy) when the tier set one aside, else in place.
+    The first job also makes the :class:`SealWriter` (the windows' offsets depend only on the
+    chunk's geometry, so bytes can land before it exists); later jobs wait for it there, and
+    the event loop hears back only in :meth:`sealed`.
     """
 
     who: Who
@@ -58,6 +59,8 @@ class PutPlan:
     ready: list[int] = field(default_factory=list)
     writer: SealWriter | None = None
     done: bool = False
+    #: the fastest tier's buffer the value is written into (None: stored from the lease)
+    reserved: Reserved | None = None
 
     def segment_done(self, index: int, pool: Executor) -> None:
         """Segment ``index`` has fully arrived: seal it (with its neighbours) in the pool."""
@@ -81,12 +84,13 @@ class PutPlan:
         self.pending.append(pool.submit(_seal, self.writer_job, make, windows))
 
     async def sealed(self) -> SealWriter | None:
-        """Wait for every submitted job; raises the first failure."""
+        """Wait for every submitted job; raises the first failure (once none is running)."""
         if self.make_writer is None:
             return None
+        running = [asyncio.wrap_future(f) for f in self.pending if not f.done()]
+        if running:
+            await asyncio.wait(running)
         for fut in self.pending:
-            if not fut.done():
-                await asyncio.wrap_future(fut)
             fut.result()
         self.writer = self.writer_job.result()
         return self.writer
@@ -102,7 +106,12 @@ class PutPlan:
         self.abort()
 
     def abort(self) -> None:
+        """Release the buffers (no job may use them any more); an unstored reservation goes
+        back to its tier."""
         self.done = True
+        if self.reserved is not None:
+            self.reserved.cancel()
+            self.reserved = None
         self.lease.release()
 
 
