@@ -129,6 +129,11 @@ class DataPlaneSettings(_Section):
     #: threads that write large replies to their sockets (each serves one reply at a time;
     #: replies beyond this many wait for a free one)
     send_threads: int = Field(default=4, ge=1, le=256)
+    #: chunks up to this many bytes are sealed and opened on the event loop, segment by segment
+    #: as their bytes arrive or leave, instead of in the crypto threads. Unset: every size when
+    #: the sidecar may use two CPUs or fewer (affinity and cgroup quota), where handing work to
+    #: another thread only adds work; 1 MiB with more (the threads then run beside the loop)
+    inline_crypto_bytes: int | None = Field(default=None, ge=0)
     #: ``False`` switches policy, encryption and the ledger off: for benchmarks only
     governance: bool = True
 

@@ -15,6 +15,7 @@ import pytest
 
 from kvgov.config import Settings
 from kvgov.proxy.app import Sidecar
+from kvgov.proxy.dataplane.plans import INLINE_ALL
 from kvgov.wire import RequestContext, WireClient
 from tests.integration.live import running_sidecar
 
@@ -29,12 +30,25 @@ def _key(h: str) -> str:
     return f"meta-llama/Llama-3.1-8B@1@0@{h}@bfloat16@tenant%demo@user%u7"
 
 
-@pytest.fixture
-async def sidecar(tmp_path: Path, pg_url: str) -> AsyncIterator[Sidecar]:
+#: where large chunks are opened and sent: by the crypto pool and a sender thread (what a
+#: sidecar with more than two CPUs does), or on the event loop (two CPUs or fewer)
+PATHS = [pytest.param(MIB, id="threads"), pytest.param(INLINE_ALL, id="loop")]
+
+
+@pytest.fixture(params=PATHS)
+async def sidecar(
+    tmp_path: Path, pg_url: str, request: pytest.FixtureRequest
+) -> AsyncIterator[Sidecar]:
     settings = Settings(
         data_dir=tmp_path / "data",
         database={"url": pg_url},
-        dataplane={"host": "127.0.0.1", "port": 0, "lm_port": 0, "buffer_pool_bytes": 128 * MIB},
+        dataplane={
+            "host": "127.0.0.1",
+            "port": 0,
+            "lm_port": 0,
+            "buffer_pool_bytes": 128 * MIB,
+            "inline_crypto_bytes": request.param,
+        },
         tiers={"chain": ["memory"], "memory_max_bytes": 256 * MIB},
     )
     async with running_sidecar(settings) as sc:

@@ -33,6 +33,7 @@ from kvgov.proxy.dataplane.buffers import BufferPool
 from kvgov.proxy.dataplane.index import EntryIndex
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
 from kvgov.proxy.dataplane.pipeline import Pipeline
+from kvgov.proxy.dataplane.plans import inline_crypto_bytes
 from kvgov.proxy.dataplane.server import ServerConfig, WireServer
 from kvgov.types import Environment, EventKind, Outcome
 
@@ -314,6 +315,7 @@ async def build_sidecar(
         keyring=keyring,
         sink=sink,
         segment_size=settings.keys.segment_size,
+        inline_crypto_bytes=inline_crypto_bytes(dp.inline_crypto_bytes),
         default_tenant=dp.lm_default_tenant or None,
     )
     metrics.watch(

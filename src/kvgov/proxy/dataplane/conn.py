@@ -26,7 +26,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvgov.proxy.dataplane.plans import open_segments, segments_per_job
+from kvgov.proxy.dataplane.plans import INLINE_CRYPTO_BYTES, open_segments, segments_per_job
 from kvgov.wire.codec import widen_unix_send_buffer
 
 if TYPE_CHECKING:
@@ -36,9 +36,6 @@ log = logging.getLogger("kvgov.dataplane.conn")
 
 SCRATCH_BYTES = 64 * 1024
 WRITE_HIGH_WATER = 4 * 1024 * 1024
-#: a hit this small is opened on the event loop (~0.1-0.2 ms of AES-GCM): a thread hand-off
-#: costs about as much and more on a busy machine
-INLINE_OPEN_BYTES = 1 << 20
 #: what :meth:`StreamProtocol.send_view` hands the transport (copied) when the socket is full
 SEND_PIECE = 256 * 1024
 
@@ -247,8 +244,11 @@ class StreamProtocol(asyncio.BufferedProtocol):
         executor: Executor,
         sender: Executor,
         opening: Opening | None = None,
+        *,
+        inline_bytes: int = INLINE_CRYPTO_BYTES,
     ) -> None:
-        """Stream a hit. A small one is opened and written on the event loop. A large one is
+        """Stream a hit. One up to ``inline_bytes`` is opened and written on the event loop,
+        segment by segment (each is authenticated before any of its bytes go out). A larger one is
         opened in the crypto pool (``executor``; ``opening``: already queued by
         :func:`start_opening`), a few segments per job, all jobs queued at once (so the pool's
         threads open them side by side), while a ``sender`` thread writes each group to the
@@ -257,12 +257,13 @@ class StreamProtocol(asyncio.BufferedProtocol):
         opening overlaps sending. Writes the loop makes meanwhile (other replies) are held back
         and follow the hit (:meth:`write`)."""
         t = self.transport
-        if opening is None and plan.length > INLINE_OPEN_BYTES:
-            opening = start_opening(plan, executor)
+        if opening is None and plan.length > inline_bytes:
+            opening = start_opening(plan, executor, inline_bytes)
         if opening is None:
-            if plan.reader is not None:
-                open_segments(plan.reader, list(enumerate(plan.windows)))
-            for window in plan.windows:
+            reader = plan.reader
+            for i, window in enumerate(plan.windows):
+                if reader is not None:
+                    reader.open_segment(i, window)
                 await self.send_view(window)
             return
         try:
@@ -357,12 +358,14 @@ class Opening:
                 f.exception()
 
 
-def start_opening(plan: GetPlan, executor: Executor) -> Opening | None:
-    """Queue the opening of a hit larger than :data:`INLINE_OPEN_BYTES` in the crypto pool, a
-    few segments per job (None for a smaller one: it is opened on the loop as it is sent).
+def start_opening(
+    plan: GetPlan, executor: Executor, inline_bytes: int = INLINE_CRYPTO_BYTES
+) -> Opening | None:
+    """Queue the opening of a hit larger than ``inline_bytes`` in the crypto pool, a few
+    segments per job (None for a smaller one: it is opened on the loop as it is sent).
     Whoever starts an opening must pass it to :meth:`StreamProtocol.send_plan` or await its
     :meth:`Opening.settled` before the hit's buffer is released."""
-    if plan.length <= INLINE_OPEN_BYTES:
+    if plan.length <= inline_bytes:
         return None
     indexed = list(enumerate(plan.windows))
     reader = plan.reader

@@ -246,7 +246,12 @@ class LmConnection(StreamProtocol):
                 location=int(m.get("location", 0)),
             )
             try:
-                await self.send_plan(plan, pipeline.executor, pipeline.sender)
+                await self.send_plan(
+                    plan,
+                    pipeline.executor,
+                    pipeline.sender,
+                    inline_bytes=pipeline.inline_crypto_bytes,
+                )
             except KvgovError as exc:  # corrupt at rest: the promised bytes cannot come
                 pipeline.metrics.count_op("get", self.listener, "error")
                 await pipeline.drop_unreadable(plan.who, exc)

@@ -38,7 +38,14 @@ from kvgov.proxy.dataplane.buffers import BufferPool, Lease, size_class
 from kvgov.proxy.dataplane.identity import Denied, Identity, Who, build_input, resolve
 from kvgov.proxy.dataplane.index import EntryIndex, EntryMeta, envelope_head, parse_envelope
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
-from kvgov.proxy.dataplane.plans import Found, GetPlan, PutPlan, StoredPut, segments_per_job
+from kvgov.proxy.dataplane.plans import (
+    INLINE_CRYPTO_BYTES,
+    Found,
+    GetPlan,
+    PutPlan,
+    StoredPut,
+    segments_per_job,
+)
 from kvgov.proxy.dataplane.records import entry_gone, evict_event, put_event
 from kvgov.types import EntryState, EventKind, Operation, Outcome, Scope
 from kvgov.wire.messages import RequestContext
@@ -68,6 +75,7 @@ class Pipeline:
         keyring: Keyring | None = None,
         sink: EventSink | None = None,
         segment_size: int = 1 << 20,
+        inline_crypto_bytes: int = INLINE_CRYPTO_BYTES,
         default_tenant: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -87,6 +95,8 @@ class Pipeline:
         self.keyring = keyring
         self.sink = sink
         self.segment_size = segment_size
+        #: chunks up to this size are sealed and opened on the event loop
+        self.inline_crypto_bytes = inline_crypto_bytes
         self.default_tenant = default_tenant or None
         self.clock = clock
         self._background: set[asyncio.Task[None]] = set()
@@ -276,6 +286,7 @@ class Pipeline:
             windows,
             per_job,
             reserved=reserved,
+            inline_bytes=self.inline_crypto_bytes,
         )
 
     async def store_put(self, plan: PutPlan) -> StoredPut:

@@ -469,15 +469,20 @@ class WireConnection(StreamProtocol):
             # each hit's opening is queued while the one before it is sent (one ahead: the
             # crypto pool works ahead without one large GET queueing all of its jobs at once)
             hits = [h for h in plans if h is not None]
-            ahead = start_opening(hits[0], pipeline.executor) if hits else None
+            inline = pipeline.inline_crypto_bytes
+            ahead = start_opening(hits[0], pipeline.executor, inline) if hits else None
             try:
                 for i, hit in enumerate(hits):
                     current = ahead
                     ahead = (
-                        start_opening(hits[i + 1], pipeline.executor) if i + 1 < len(hits) else None
+                        start_opening(hits[i + 1], pipeline.executor, inline)
+                        if i + 1 < len(hits)
+                        else None
                     )
                     try:
-                        await self.send_plan(hit, pipeline.executor, pipeline.sender, current)
+                        await self.send_plan(
+                            hit, pipeline.executor, pipeline.sender, current, inline_bytes=inline
+                        )
                     except KvgovError as exc:  # corrupt at rest: the promised bytes cannot come
                         pipeline.metrics.count_op("get", self.listener, "error")
                         await pipeline.drop_unreadable(hit.who, exc)
