@@ -149,6 +149,35 @@ async def test_wire_hit_corrupt_at_rest_closes_the_reply_and_drops_the_entry(
     assert deletes[0].key_digest == sidecar.pipeline.pseudonymizer.key_digest(bad)
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("size", [200_000, 3 * MIB + 11], ids=["one-segment", "multi-segment"])
+async def test_a_corrupt_hit_opened_ahead_in_a_get_frame_breaks_off_after_the_good_one(
+    sidecar: Sidecar, size: int
+) -> None:
+    """The second hit of a GET frame is opened in the crypto pool while the first is sent; its
+    failure is found when its turn comes: the first value went out whole, nothing of the
+    second, and the entry is dropped and recorded as for a single get."""
+    good, bad = _key(f"g2{size:x}"), _key(f"b2{size:x}")
+    other, value = os.urandom(size), os.urandom(size)
+    client = _client(sidecar)
+    try:
+        await _run(client.put, good, other, CTX)
+        await _run(client.put, bad, value, CTX)
+        _flip_last_byte(_stored_file(sidecar, bad))
+        with pytest.raises((WireError, ConnectionError, OSError)):
+            await _run(client.get_many, [good, bad], CTX)
+        assert await _run(client.get, bad, CTX) is None
+        got = await _run(client.get, good, CTX)
+        assert got is not None
+        assert got[0] == other
+    finally:
+        client.close()
+    await _settled(sidecar)
+    deletes = _unreadable_deletes(sidecar)
+    assert [e.reason for e in deletes] == ["unreadable:seal_error"]
+    assert deletes[0].key_digest == sidecar.pipeline.pseudonymizer.key_digest(bad)
+
+
 def _lm_key(h: int) -> bytes:
     return f"bench@1@0@{h:x}@bfloat16@tenant%demo".encode().ljust(150)
 

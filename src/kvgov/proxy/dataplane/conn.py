@@ -247,8 +247,10 @@ class StreamProtocol(asyncio.BufferedProtocol):
         *,
         inline_bytes: int = INLINE_CRYPTO_BYTES,
     ) -> None:
-        """Stream a hit. One up to ``inline_bytes`` is opened and written on the event loop,
-        segment by segment (each is authenticated before any of its bytes go out). A larger one is
+        """Stream a hit. One up to ``inline_bytes`` is written on the event loop: opened there,
+        segment by segment (each is authenticated before any of its bytes go out), or, when
+        ``opening`` was started ahead for it (:func:`start_opening`), in the crypto pool while
+        the hit before it was being sent. A larger one is
         opened in the crypto pool (``executor``; ``opening``: already queued by
         :func:`start_opening`), a few segments per job, all jobs queued at once (so the pool's
         threads open them side by side), while a ``sender`` thread writes each group to the
@@ -259,6 +261,18 @@ class StreamProtocol(asyncio.BufferedProtocol):
         t = self.transport
         if opening is None and plan.length > inline_bytes:
             opening = start_opening(plan, executor, inline_bytes)
+        if opening is not None and opening.on_loop:
+            try:
+                for group, opened in zip(opening.groups, opening.jobs, strict=True):
+                    if opened is not None:
+                        if not opened.done():
+                            await asyncio.wrap_future(opened)
+                        opened.result()
+                    for _, window in group:
+                        await self.send_view(window)
+            finally:
+                await opening.settled()
+            return
         if opening is None:
             reader = plan.reader
             for i, window in enumerate(plan.windows):
@@ -346,6 +360,8 @@ class Opening:
 
     groups: list[list[tuple[int, memoryview]]]
     jobs: list[Future[None] | None]
+    #: a hit up to the inline size, opened ahead in the pool and written by the event loop
+    on_loop: bool = False
 
     async def settled(self) -> None:
         """Wait until no job uses the hit's buffer any more (failures are the writer's to
@@ -359,13 +375,21 @@ class Opening:
 
 
 def start_opening(
-    plan: GetPlan, executor: Executor, inline_bytes: int = INLINE_CRYPTO_BYTES
+    plan: GetPlan,
+    executor: Executor,
+    inline_bytes: int = INLINE_CRYPTO_BYTES,
+    *,
+    ahead: bool = False,
 ) -> Opening | None:
-    """Queue the opening of a hit larger than ``inline_bytes`` in the crypto pool, a few
-    segments per job (None for a smaller one: it is opened on the loop as it is sent).
+    """Queue the opening of a hit in the crypto pool, a few segments per job: a hit larger
+    than ``inline_bytes``, or, ``ahead``, a sealed hit of any size that waits for another hit
+    to be sent first (the pool opens it meanwhile; the loop then only writes it: measured on
+    two CPUs, governed 4 MiB GET frames +14-16%). None otherwise: the hit is opened on the
+    loop as it is sent.
     Whoever starts an opening must pass it to :meth:`StreamProtocol.send_plan` or await its
     :meth:`Opening.settled` before the hit's buffer is released."""
-    if plan.length <= inline_bytes:
+    on_loop = plan.length <= inline_bytes
+    if on_loop and not (ahead and plan.reader is not None):
         return None
     indexed = list(enumerate(plan.windows))
     reader = plan.reader
@@ -374,7 +398,7 @@ def start_opening(
     jobs: list[Future[None] | None] = [
         executor.submit(open_segments, reader, g) if reader is not None else None for g in groups
     ]
-    return Opening(groups, jobs)
+    return Opening(groups, jobs, on_loop)
 
 
 def _write_groups(

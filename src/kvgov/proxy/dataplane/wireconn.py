@@ -475,7 +475,7 @@ class WireConnection(StreamProtocol):
                 for i, hit in enumerate(hits):
                     current = ahead
                     ahead = (
-                        start_opening(hits[i + 1], pipeline.executor, inline)
+                        start_opening(hits[i + 1], pipeline.executor, inline, ahead=True)
                         if i + 1 < len(hits)
                         else None
                     )
