@@ -15,8 +15,9 @@
    beside the copies: the least any governed path can add here, to read the ratios of 1. against.
 
 Every server runs in its own process (like ``lmcache_server``), so no side shares the client's
-GIL. Tier chain on both kvgov sidecars: ``memory`` only (1 GiB); ``lmcache_server`` keeps chunks
-in memory too. Each size runs ``--repeat`` times, sides interleaved; the median is printed.
+GIL. Tier chain on both kvgov sidecars: ``memory`` only (2 GiB: every size's chunks fit);
+``lmcache_server`` keeps chunks in memory too. Each size runs ``--repeat`` times, sides
+interleaved; the median is printed.
 
 Usage: ``python bench/dataplane.py [--mib N] [--repeat R] [--inflight K] [--inflight-mib M]``
 (needs Postgres on 127.0.0.1:5432).
@@ -64,7 +65,7 @@ def settings_for(tmp: Path, db_url: str, *, governance: bool) -> Any:
             "governance": governance,
             "buffer_pool_bytes": 512 * MIB,
         },
-        tiers={"chain": ["memory"], "memory_max_bytes": 1024 * MIB},
+        tiers={"chain": ["memory"], "memory_max_bytes": 2048 * MIB},
     )
 
 
@@ -297,7 +298,7 @@ def median_pair(runs: list[tuple[float, float]]) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mib", type=int, default=128, help="bytes moved per size, side, run")
+    parser.add_argument("--mib", type=int, default=512, help="bytes moved per size, side, run")
     parser.add_argument("--repeat", type=int, default=3, help="runs per size and side")
     parser.add_argument(
         "--inflight", type=int, default=4, help="chunks in flight on the kvgov wire, both ways"
