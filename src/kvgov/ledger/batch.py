@@ -304,22 +304,18 @@ def chain_rows(
     for item in batch:
         e = item.event
         seq += 1
-        kind = str(e.kind)
-        outcome = None if e.outcome is None else str(e.outcome)
         when = format_time(e.occurred_at)
-        digest = link_encoded(
-            prefix,
-            seq,
-            prev,
-            when,
-            kind,
+        # the chained fields after the time, in the order both the hash encoding and
+        # EVENT_COLUMNS take them
+        tail = (
+            str(e.kind),
             e.tenant,
             e.actor,
             e.request_id,
             e.key_digest,
             e.tier,
             e.nbytes,
-            outcome,
+            None if e.outcome is None else str(e.outcome),
             e.reason,
             e.decision_id,
             e.policy_revision,
@@ -327,29 +323,8 @@ def chain_rows(
             item.attrs_json,
             item.payload_digest,
         )
-        # in the order of EVENT_COLUMNS
-        row = (
-            chain_id,
-            seq,
-            prev,
-            digest,
-            ENCODING_VERSION,
-            e.occurred_at,
-            kind,
-            e.tenant,
-            e.actor,
-            e.request_id,
-            e.key_digest,
-            e.tier,
-            e.nbytes,
-            outcome,
-            e.reason,
-            e.decision_id,
-            e.policy_revision,
-            e.principal,
-            item.attrs_json,
-            item.payload_digest,
-        )
+        digest = link_encoded(prefix, seq, prev, when, *tail)
+        row = (chain_id, seq, prev, digest, ENCODING_VERSION, e.occurred_at, *tail)
         rows.append(row)
         if copy_lines is not None:
             copy_lines.append(copy_line(row, when, item.copy_plain))
