@@ -113,22 +113,42 @@ async def _settled(sc: Sidecar) -> None:
     await sc.writer.flush()
 
 
-@pytest.mark.postgres
-@pytest.mark.parametrize("size", [200_000, 3 * MIB + 11], ids=["inline", "sender-thread"])
-async def test_wire_hit_corrupt_at_rest_closes_the_reply_and_drops_the_entry(
-    sidecar: Sidecar, size: int
+async def _store_one_corrupt(
+    sc: Sidecar, client: WireClient, good: tuple[str, bytes], bad: tuple[str, bytes]
 ) -> None:
+    """Put both values, then corrupt ``bad``'s ciphertext at rest."""
+    for key, value in (good, bad):
+        assert (await _run(client.put, key, value, CTX)).ok
+    _flip_last_byte(_stored_file(sc, bad[0]))
+
+
+async def _one_unreadable_delete_recorded(sc: Sidecar, key: str) -> None:
+    await _settled(sc)
+    deletes = _unreadable_deletes(sc)
+    assert [e.reason for e in deletes] == ["unreadable:seal_error"]
+    assert deletes[0].key_digest == sc.pipeline.pseudonymizer.key_digest(key)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("size", [200_000, 3 * MIB + 11], ids=["one-segment", "multi-segment"])
+@pytest.mark.parametrize("ahead", [False, True], ids=["alone", "opened-ahead"])
+async def test_wire_hit_corrupt_at_rest_closes_the_reply_and_drops_the_entry(
+    sidecar: Sidecar, size: int, ahead: bool
+) -> None:
+    """Asked alone, or second in a GET frame (then opened in the crypto pool while the first
+    is sent, and refused when its turn comes: the first went out whole, nothing of it)."""
     bad, good = _key(f"bad{size:x}"), _key(f"good{size:x}")
     value, other = os.urandom(size), os.urandom(size)
     client = _client(sidecar)
     try:
-        await _run(client.put, bad, value, CTX)
-        await _run(client.put, good, other, CTX)
-        _flip_last_byte(_stored_file(sidecar, bad))
+        await _store_one_corrupt(sidecar, client, (good, other), (bad, value))
 
         # the reply breaks off: an error, never the stored bytes nor anything else
         with pytest.raises((WireError, ConnectionError, OSError)):
-            await _run(client.get, bad, CTX)
+            if ahead:
+                await _run(client.get_many, [good, bad], CTX)
+            else:
+                await _run(client.get, bad, CTX)
 
         # gone for good: index, tier file and every later get
         assert await _run(client.get, bad, CTX) is None
@@ -143,39 +163,7 @@ async def test_wire_hit_corrupt_at_rest_closes_the_reply_and_drops_the_entry(
         assert got[0] == other
     finally:
         client.close()
-    await _settled(sidecar)
-    deletes = _unreadable_deletes(sidecar)
-    assert [e.reason for e in deletes] == ["unreadable:seal_error"]
-    assert deletes[0].key_digest == sidecar.pipeline.pseudonymizer.key_digest(bad)
-
-
-@pytest.mark.postgres
-@pytest.mark.parametrize("size", [200_000, 3 * MIB + 11], ids=["one-segment", "multi-segment"])
-async def test_a_corrupt_hit_opened_ahead_in_a_get_frame_breaks_off_after_the_good_one(
-    sidecar: Sidecar, size: int
-) -> None:
-    """The second hit of a GET frame is opened in the crypto pool while the first is sent; its
-    failure is found when its turn comes: the first value went out whole, nothing of the
-    second, and the entry is dropped and recorded as for a single get."""
-    good, bad = _key(f"g2{size:x}"), _key(f"b2{size:x}")
-    other, value = os.urandom(size), os.urandom(size)
-    client = _client(sidecar)
-    try:
-        await _run(client.put, good, other, CTX)
-        await _run(client.put, bad, value, CTX)
-        _flip_last_byte(_stored_file(sidecar, bad))
-        with pytest.raises((WireError, ConnectionError, OSError)):
-            await _run(client.get_many, [good, bad], CTX)
-        assert await _run(client.get, bad, CTX) is None
-        got = await _run(client.get, good, CTX)
-        assert got is not None
-        assert got[0] == other
-    finally:
-        client.close()
-    await _settled(sidecar)
-    deletes = _unreadable_deletes(sidecar)
-    assert [e.reason for e in deletes] == ["unreadable:seal_error"]
-    assert deletes[0].key_digest == sidecar.pipeline.pseudonymizer.key_digest(bad)
+    await _one_unreadable_delete_recorded(sidecar, bad)
 
 
 def _lm_key(h: int) -> bytes:
