@@ -12,7 +12,8 @@ the socket takes straight from the caller's view (Python 3.11's transport would 
 the kernel does not take at once into a growing ``bytearray``); when the socket is full, only a
 small piece goes through the transport, which waits for the socket, and the send resumes once
 it is flushed. Large hits go out from a sender thread (:meth:`StreamProtocol.send_plan`) that
-writes each group of segments as soon as the crypto pool has opened it.
+writes each group of segments as soon as the crypto pool has opened it; up to
+``dataplane.inline_crypto_bytes`` (every size on two CPUs or fewer) hits go out from the loop.
 """
 
 from __future__ import annotations
