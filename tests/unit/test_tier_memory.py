@@ -264,3 +264,29 @@ async def test_a_reserved_put_already_expired_stores_nothing() -> None:
     assert not await tier.contains("k")
     assert tier.reserved_bytes == 0
     assert (await tier.stats()).bytes == 0
+
+
+async def test_a_put_while_the_room_is_all_reserved_is_stored_and_the_bound_comes_back() -> None:
+    evicted: list[str] = []
+    tier = MemoryTier(2 * CHUNK, on_evict=lambda t, k, n: evicted.append(k))
+    first, second = tier.reserve(CHUNK), tier.reserve(CHUNK)
+    assert first is not None and second is not None
+    assert tier.reserve(CHUNK) is None
+
+    def used() -> int:
+        return tier.reserved_bytes + tier.pooled_bytes + tier._live_bytes
+
+    await tier.put("x", _chunk(1))  # no room left: stored anyway, one value over the bound
+    await tier.put("y", _chunk(2))  # ... evicting the previous such value first
+    assert evicted == ["x"]
+    assert await tier.get("y") == _chunk(2)
+    assert used() == 3 * CHUNK
+
+    first.view[:] = _chunk(3)
+    await tier.put_reserved("a", first)  # back within the bound, the new value kept
+    assert used() <= 2 * CHUNK
+    assert evicted == ["x", "y"]
+    assert await tier.get("a") == _chunk(3)
+    second.cancel()
+    assert used() <= 2 * CHUNK
+    assert (await tier.stats()).evictions == 2

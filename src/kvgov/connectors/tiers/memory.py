@@ -4,8 +4,9 @@ KV chunks are mostly one size (one model, one chunk length), so the buffer of an
 deleted entry is kept in a small pool keyed by its exact length and handed to the next put of
 that length: in steady state a put copies into a recycled buffer instead of allocating (and
 page-faulting) a fresh 32 MiB one. A fresh one is an anonymous mapping with its pages faulted
-in at once (:func:`new_buffer`). Live entries plus pooled buffers never exceed
-``max_bytes``; the pool gives its buffers up before any live entry is evicted.
+in at once (:func:`new_buffer`). Live entries plus pooled and reserved buffers never exceed
+``max_bytes`` (but for the one case :meth:`MemoryTier.reserve` describes); the pool gives its
+buffers up before any live entry is evicted.
 
 Every operation runs synchronously on the event loop (a copy at memory speed, no awaits in the
 middle), so operations on one key never interleave.
@@ -177,7 +178,14 @@ class MemoryTier:
         """A buffer of exactly ``size`` bytes for one put (a recycled one when there is one;
         least recently used entries are evicted to make room). None for a small value (below
         :data:`POOL_MIN_BYTES`: not worth it), one larger than the tier, or when the room is
-        all reserved by other puts in progress."""
+        all reserved by other puts in progress.
+
+        A plain :meth:`put` made while the room is all reserved is still stored (a put never
+        fails for want of room): the tier then exceeds ``max_bytes`` by at most that one
+        value (each such put evicts the previous one first), until the reservations are
+        stored or cancelled, which evict back within the bound. Only a tier smaller than the
+        data plane's buffer pool can get there: every reservation belongs to a put in
+        progress, which holds at least as many bytes of the pool."""
         self._check_open()
         if size < POOL_MIN_BYTES or size > self._max:
             return None
@@ -208,12 +216,32 @@ class MemoryTier:
             return
         self._entries[key] = _Entry(buf, expires_at)
         self._live_bytes += size
+        self._restore_bound(keep=key)
 
     def _unreserve(self, buf: Pooled) -> None:
         if self._closed:
             return
         self._reserved_bytes -= len(buf)
         self._recycle(buf)
+        self._restore_bound()
+
+    def _restore_bound(self, keep: str | None = None) -> None:
+        """Back within ``max_bytes`` after a put that found the room all reserved (see
+        :meth:`reserve`): free pooled buffers, then evict least recently used entries other
+        than ``keep``."""
+        if self._used() <= self._max:
+            return
+        for pool_size in list(self._pool):
+            self._pooled_bytes -= pool_size * len(self._pool.pop(pool_size))
+        victims = (k for k in list(self._entries) if k != keep)
+        while self._used() > self._max:
+            victim = next(victims, None)
+            if victim is None:
+                return
+            entry = self._entries.pop(victim)
+            self._live_bytes -= len(entry.buf)
+            self._evictions += 1
+            self._notify_evict(victim, len(entry.buf))
 
     # -- the Tier protocol -------------------------------------------------------------------
 
