@@ -33,7 +33,7 @@ from kvgov.proxy.dataplane.buffers import BufferPool
 from kvgov.proxy.dataplane.index import EntryIndex
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
 from kvgov.proxy.dataplane.pipeline import Pipeline
-from kvgov.proxy.dataplane.plans import inline_crypto_bytes
+from kvgov.proxy.dataplane.plans import inline_crypto_bytes, usable_cpus
 from kvgov.proxy.dataplane.server import ServerConfig, WireServer
 from kvgov.types import Environment, EventKind, Outcome
 
@@ -301,6 +301,17 @@ async def build_sidecar(
         )
     # capacity evictions become kv:evict events (late bound: the pipeline is built below)
     tiers = await build_tiers(settings, on_evict=lambda *ev: pipeline.tier_evicted(*ev))  # noqa: PLW0108
+    cpus = usable_cpus()
+    inline = inline_crypto_bytes(dp.inline_crypto_bytes, cpus)
+    log.info(
+        "dataplane.crypto",
+        extra={
+            "cpus": cpus,
+            "crypto_threads": dp.crypto_threads,
+            "inline_crypto_bytes": inline,
+            "configured": dp.inline_crypto_bytes is not None,
+        },
+    )
     pipeline = Pipeline(
         tiers=tiers,
         pseudonymizer=pseudonymizer,
@@ -315,7 +326,7 @@ async def build_sidecar(
         keyring=keyring,
         sink=sink,
         segment_size=settings.keys.segment_size,
-        inline_crypto_bytes=inline_crypto_bytes(dp.inline_crypto_bytes),
+        inline_crypto_bytes=inline,
         default_tenant=dp.lm_default_tenant or None,
     )
     metrics.watch(
