@@ -101,3 +101,46 @@ def test_destroy_a_user_then_a_tenant(store: WrappedKeyStore) -> None:
     assert all(k.wrapped is None for k in store.versions("acme"))
     kept = store.get("t:globex", 1)
     assert kept is not None and kept.wrapped == bytes([1]) * 40
+
+
+def test_destroy_survives_another_writer_committing_between_its_read_and_its_writes(
+    sqlite_url: str,
+) -> None:
+    """On SQLite a transaction that reads, then writes, fails at once ("database is locked")
+    if another connection committed in between, unless it took the write lock at BEGIN. The
+    ledger writer commits all the time, so a purge's key shredding met this in the demo."""
+    import threading
+
+    from sqlalchemy import event, text
+
+    upgrade(url := sqlite_url)
+    engine, other = make_engine(url), make_engine(url)
+    store = SqlKeyStore(engine)
+    store.add(key("t:acme", 1))
+    done = threading.Event()
+
+    def write_elsewhere() -> None:
+        with other.begin() as conn:
+            conn.execute(text("UPDATE data_keys SET usage_count = usage_count + 1 WHERE 0"))
+            conn.execute(text("CREATE TABLE IF NOT EXISTS scratch (n INTEGER)"))
+        done.set()
+
+    fired: list[str] = []
+
+    def after_read(conn: object, cursor: object, statement: str, *args: object) -> None:
+        if statement.lstrip().upper().startswith("SELECT") and not fired:
+            fired.append(statement)
+            threading.Thread(target=write_elsewhere, daemon=True).start()
+            done.wait(0.5)  # with the write lock held, the other writer waits for our commit
+
+    event.listen(engine, "after_cursor_execute", after_read)
+    try:
+        destroyed = store.destroy("acme", None)
+        assert [(k.key_id, k.version) for k in destroyed] == [("t:acme", 1)]
+        assert fired, "destroy read nothing first: the race this test sets up did not happen"
+        assert done.wait(15), "the other writer never got its turn"
+        got = store.get("t:acme", 1)
+        assert got is not None and got.state is KeyState.DESTROYED
+    finally:
+        engine.dispose()
+        other.dispose()

@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import Engine, Row, select, update
 from sqlalchemy.exc import IntegrityError
 
-from kvgov.ledger.db import utcnow
+from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE, utcnow
 from kvgov.ledger.models import DataKey, table
 from kvgov.types import KeyState, WrappedKey
 
@@ -121,7 +121,11 @@ class SqlKeyStore:
         where = [t.c.tenant == tenant, t.c.state != KeyState.DESTROYED]
         if user is not None:
             where.append(t.c.user == user)
-        with self.engine.begin() as conn:
+        # a read, then writes: on SQLite take the write lock at BEGIN, else a commit by another
+        # writer (the ledger's) between the two fails the upgrade at once ("database is locked",
+        # the busy timeout does not apply to it)
+        immediate = self.engine.connect().execution_options(**{SQLITE_BEGIN_IMMEDIATE: True})
+        with immediate as conn, conn.begin():
             rows = conn.execute(select(t).where(*where).with_for_update()).all()
             if not rows:
                 return []
