@@ -14,10 +14,12 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import Engine, func, select
+from sqlalchemy.exc import OperationalError
 
 from kvgov.config import Settings
 from kvgov.connectors.tiers.filesystem import FilesystemTier
@@ -35,7 +37,7 @@ from kvgov.ledger.verify import verify
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.proxy.purge import jobs
 from kvgov.proxy.purge.build import make_service, writer_checkpointer
-from kvgov.proxy.purge.model import PurgeRequest
+from kvgov.proxy.purge.model import PurgeRequest, StepName
 from kvgov.proxy.purge.ports import KeyringShredder, TierSet
 from kvgov.proxy.purge.receipts import verify_receipt
 from kvgov.proxy.purge.retention import apply_retention
@@ -63,7 +65,9 @@ class Env:
     digests: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     sealed: dict[str, bytes] = field(default_factory=dict)
 
-    def service(self, *, sidecar_id: str | None = None, **overrides: object) -> PurgeService:
+    def service(
+        self, *, sidecar_id: str | None = None, shredder: Any = None, **overrides: object
+    ) -> PurgeService:
         settings = self.settings
         if overrides:
             settings = self.settings.model_copy(
@@ -74,7 +78,7 @@ class Env:
             sessions=make_sessionmaker(self.engine),
             sink=self.writer,
             tiers=[self.memory, self.fs],
-            shredder=KeyringShredder(self.keyring),
+            shredder=shredder or KeyringShredder(self.keyring),
             signing_key=self.key,
             pseudonymize=self.pseudo.user,
             checkpoint=writer_checkpointer(self.writer, self.engine, CHAIN),
@@ -342,6 +346,35 @@ async def test_a_step_left_running_by_a_dead_process_is_taken_again(env: Env) ->
     retried = next(s for s in job.steps if s.id == claimed[1].id)
     assert retried.attempts == 2
     assert await _held(env, u) == {"memory": 0, "filesystem": 0}
+
+
+class _LockedOnce(KeyringShredder):
+    """The real shredder, after one attempt that fails as SQLite does when another writer
+    committed between a transaction's read and its write (fault injection)."""
+
+    def __init__(self, keyring: Keyring) -> None:
+        super().__init__(keyring)
+        self.calls = 0
+
+    def shred(self, tenant: str, user: str | None = None) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            raise OperationalError("UPDATE data_keys ...", {"key_id": "k"}, Exception("locked"))
+        return super().shred(tenant, user)
+
+
+async def test_a_step_that_meets_a_database_error_is_retried(env: Env) -> None:
+    await env.seed("acme", "alice")
+    shredder = _LockedOnce(env.keyring)
+    service = env.service(shredder=shredder)
+    job = await service.create(PurgeRequest(tenant="acme", user="alice"))
+    job = await asyncio.wait_for(service.wait(job.id), 30)
+    assert job.state is PurgeState.COMPLETED  # within the job's time, not after it ran out
+    keys = next(s for s in job.steps if s.name is StepName.KEYS)
+    assert keys.state is PurgeState.COMPLETED
+    assert keys.attempts == 2
+    assert shredder.calls == 2
+    assert keys.detail["destroyed"]
 
 
 class _VllmStandIn(http.server.BaseHTTPRequestHandler):

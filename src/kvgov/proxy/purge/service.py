@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from kvgov.config import Settings
 from kvgov.errors import KvgovError, PurgeError
@@ -161,8 +162,13 @@ class PurgeService:
         )
         try:
             state, detail = await run_step(self.ctx, job, step)
-        except (KvgovError, OSError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
+        except (KvgovError, OSError, SQLAlchemyError) as exc:
+            # a step that meets a database error (a lock it could not get, a lost connection)
+            # goes back for a retry like any other failure, instead of staying "running" until
+            # its lease runs out. The driver's message only: SQLAlchemy's names the statement
+            # and its parameters
+            cause = exc.orig if isinstance(exc, DBAPIError) else exc
+            error = f"{type(exc).__name__}: {cause}"
             log.warning("purge.step.error", extra={"purge_id": job.id, "step": str(step.name)})
             new_state = await self.ctx.db(lambda s: jobs.fail_step(s, step.id, error, now=utcnow()))
             if new_state is PurgeState.FAILED and step.name is StepName.LEDGER:
