@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
+from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE
 from kvgov.ledger.models import CacheEntry
 from kvgov.ledger.models import Sidecar as SidecarRow
 from kvgov.proxy.dataplane.index import EntryIndex, EntryMeta
@@ -50,6 +51,9 @@ def register_sidecar(engine: Engine, sidecar_id: str, chain_id: str, endpoint: s
     """Upsert this sidecar's row; the edge (this function) owns the transaction."""
     now = datetime.now(UTC)
     with Session(engine) as session, session.begin():
+        # a read, then a write: on SQLite take the write lock at BEGIN (another writer's commit
+        # in between would fail the upgrade at once)
+        session.connection(execution_options={SQLITE_BEGIN_IMMEDIATE: True})
         row = session.get(SidecarRow, sidecar_id)
         if row is None:
             session.add(
