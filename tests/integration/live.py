@@ -1,5 +1,6 @@
 """Helpers the live-sidecar tests share: a governed sidecar on a real Postgres with the real
-Rego policy, running for the length of a ``with``, and an exact read from a socket."""
+Rego policy, running for the length of a ``with``, an exact read from a socket, and the two
+places large chunks can be sealed, opened and sent (:data:`CRYPTO_PATHS`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,21 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
+
 from kvgov.config import Settings
 from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.embedded import EmbeddedPolicyEngine
 from kvgov.proxy.app import Sidecar, build_sidecar
+from kvgov.proxy.dataplane.plans import INLINE_ALL, INLINE_CRYPTO_BYTES
+
+#: values of ``dataplane.inline_crypto_bytes`` for a fixture's ``params``: large chunks in the
+#: crypto pool and a sender thread (what a sidecar with more than two CPUs does), or on the
+#: event loop (two CPUs or fewer)
+CRYPTO_PATHS = [
+    pytest.param(INLINE_CRYPTO_BYTES, id="threads"),
+    pytest.param(INLINE_ALL, id="loop"),
+]
 
 
 @asynccontextmanager

@@ -32,11 +32,11 @@ from kvgov.config import Settings
 from kvgov.ledger.models import LedgerEvent
 from kvgov.proxy.app import Sidecar
 from kvgov.proxy.dataplane.conn import StreamProtocol
-from kvgov.proxy.dataplane.plans import INLINE_ALL, GetPlan
+from kvgov.proxy.dataplane.plans import GetPlan
 from kvgov.types import EventKind, Outcome
 from kvgov.wire import RequestContext, WireClient
 from kvgov.wire.codec import WireError
-from tests.integration.live import recv_exact, running_sidecar
+from tests.integration.live import CRYPTO_PATHS, recv_exact, running_sidecar
 
 T = TypeVar("T")
 MIB = 1 << 20
@@ -49,12 +49,7 @@ def _key(h: str) -> str:
     return f"meta-llama/Llama-3.1-8B@1@0@{h}@bfloat16@tenant%demo@user%u9"
 
 
-#: where large chunks are opened and sent: by the crypto pool and a sender thread (what a
-#: sidecar with more than two CPUs does), or on the event loop (two CPUs or fewer)
-PATHS = [pytest.param(MIB, id="threads"), pytest.param(INLINE_ALL, id="loop")]
-
-
-@pytest.fixture(params=PATHS)
+@pytest.fixture(params=CRYPTO_PATHS)
 async def sidecar(
     tmp_path: Path, pg_url: str, request: pytest.FixtureRequest
 ) -> AsyncIterator[Sidecar]:

@@ -15,9 +15,8 @@ import pytest
 
 from kvgov.config import Settings
 from kvgov.proxy.app import Sidecar
-from kvgov.proxy.dataplane.plans import INLINE_ALL
 from kvgov.wire import RequestContext, WireClient
-from tests.integration.live import running_sidecar
+from tests.integration.live import CRYPTO_PATHS, running_sidecar
 
 pytestmark = pytest.mark.postgres
 
@@ -30,12 +29,7 @@ def _key(h: str) -> str:
     return f"meta-llama/Llama-3.1-8B@1@0@{h}@bfloat16@tenant%demo@user%u7"
 
 
-#: where large chunks are opened and sent: by the crypto pool and a sender thread (what a
-#: sidecar with more than two CPUs does), or on the event loop (two CPUs or fewer)
-PATHS = [pytest.param(MIB, id="threads"), pytest.param(INLINE_ALL, id="loop")]
-
-
-@pytest.fixture(params=PATHS)
+@pytest.fixture(params=CRYPTO_PATHS)
 async def sidecar(
     tmp_path: Path, pg_url: str, request: pytest.FixtureRequest
 ) -> AsyncIterator[Sidecar]:
