@@ -18,7 +18,7 @@ from datetime import UTC
 from itertools import repeat
 from typing import Any
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, select, update
 
 from kvgov.errors import LedgerError
 from kvgov.ledger.chain import (
@@ -36,6 +36,7 @@ from kvgov.ledger.indexes import apply_indexes, pg_index_statements, plan_indexe
 from kvgov.ledger.models import (
     Chain,
     EventPayload,
+    JournalMark,
     LedgerEvent,
     table,
 )
@@ -166,6 +167,10 @@ def read_head(conn: Connection, chain_id: str) -> tuple[int, str]:
 
 Head = tuple[int, str]
 Rows = list[tuple[Any, ...]]
+#: the journal mark moved by a small batch (a data-modifying CTE of its one statement)
+_MOVE_MARK = (
+    "UPDATE ledger_journal_marks SET applied_upto = %s WHERE chain_id = %s AND applied_upto < %s"
+)
 
 
 @dataclass(slots=True)
@@ -188,6 +193,7 @@ def apply_batch(
     chained: tuple[Head, Rows] | None = None,
     attempts: list[tuple[Rows, bool]] | None = None,
     copy: str | None = None,
+    mark: int = 0,
 ) -> Applied:
     """Append ``batch`` to the chain inside the caller's transaction; return the positions.
 
@@ -195,13 +201,21 @@ def apply_batch(
     head: used as is when the chain's head in the database is that head, recomputed
     otherwise (``copy`` is their COPY text, used with them). ``known_users`` are pseudonyms
     already in ``user_refs`` (skipped). The rows about to be written are appended to
-    ``attempts`` (for :func:`find_committed`).
+    ``attempts`` (for :func:`find_committed`). ``mark``: the last local-journal position the
+    batch holds (0: none); the chain's journal mark moves to it in the same transaction.
 
     On Postgres a small pre-chained batch first tries :func:`_apply_small`: everything in one
     round trip, if the head is the expected one."""
     if chained is not None and copy is not None and conn.dialect.name == "postgresql":
         applied = _apply_small(
-            conn, chain_id, batch, known_users, chained=chained, attempts=attempts, copy=copy
+            conn,
+            chain_id,
+            batch,
+            known_users,
+            chained=chained,
+            attempts=attempts,
+            copy=copy,
+            mark=mark,
         )
         if applied is not None:
             return applied
@@ -215,6 +229,13 @@ def apply_batch(
     if attempts is not None:
         attempts.append((rows, rechained))
     applied = write_rows(conn, chain_id, batch, rows, known_users, copy=copy)
+    if mark:
+        marks = table(JournalMark)
+        conn.execute(
+            update(marks)
+            .where(marks.c.chain_id == chain_id, marks.c.applied_upto < mark)
+            .values(applied_upto=mark)
+        )
     applied.rechained = rechained
     if rows:
         applied.head = (rows[-1][1], rows[-1][3])
@@ -232,6 +253,7 @@ def _apply_small(
     chained: tuple[Head, Rows],
     attempts: list[tuple[Rows, bool]] | None,
     copy: str,
+    mark: int = 0,
 ) -> Applied | None:
     """The batch written as chained, in one round trip (see :func:`write_small_batch`), or
     None, with nothing written, if it is not small and plain, or the head moved, or the
@@ -246,7 +268,9 @@ def _apply_small(
             return None
     seqs = [r[1] for r in rows]
     index = plan_indexes(chain_id, batch, seqs, known_users)
-    statements = pg_index_statements(index)
+    statements: list[tuple[str, tuple[Any, ...]]] = list(pg_index_statements(index))
+    if mark:
+        statements.append((_MOVE_MARK, (mark, chain_id, mark)))
     if attempts is not None:
         attempts.append((rows, False))
     if not write_small_batch(

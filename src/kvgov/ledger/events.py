@@ -110,6 +110,16 @@ class LazyEventSink(EventSink, Protocol):
         ...
 
 
+@runtime_checkable
+class QueuedEventSink(EventSink, Protocol):
+    """An :class:`EventSink` that can acknowledge an event once it is *durably queued* (the
+    ledger writer with its local journal), before the database has it."""
+
+    def submit_queued(self, event: Event) -> asyncio.Future[Any]:
+        """Queue an event; the future resolves once it is durable locally or committed."""
+        ...
+
+
 class InMemoryEventSink:
     """An :class:`EventSink` that keeps events in a list: for unit tests of other packages."""
 

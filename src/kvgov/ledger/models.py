@@ -151,6 +151,19 @@ class Chain(Base):
     description: Mapped[str | None] = mapped_column(Text)
 
 
+class JournalMark(Base):
+    """How far a sidecar's local ledger journal (:mod:`kvgov.ledger.journal`) has reached its
+    chain: every journal record up to ``applied_upto`` is in ``ledger_events``. Moved by the
+    batch that commits those records, in the same transaction (migration 0003)."""
+
+    __tablename__ = "ledger_journal_marks"
+
+    chain_id: Mapped[str] = mapped_column(
+        String(CHAIN_ID), ForeignKey("chains.chain_id"), primary_key=True
+    )
+    applied_upto: Mapped[int] = mapped_column(BigInteger)
+
+
 class LedgerEvent(Base):
     """The chained, append-only log. Every column but ``hash`` is covered by ``hash``."""
 

@@ -14,6 +14,13 @@ exists, evictions) may linger up to ``lazy_max_delay_ms`` so that many of them s
 commit; it goes earlier with the next urgent event, on :meth:`LedgerWriter.flush`, when a batch
 is full, or on close. Lazy events are therefore durable within that window, not on return.
 
+Journal: with a :class:`~kvgov.ledger.journal.Journal`, :meth:`LedgerWriter.submit_queued`
+(a put's acknowledgement) resolves once the event is fsynced to the local journal, and the
+event itself waits for company like a lazy one: Postgres gets large batches, each moving the
+chain's journal mark in its own transaction. On start, journal records after the mark are
+replayed first. If the journal fails (disk full, I/O error), it is set aside and every waiter
+falls back to waiting for the commit: durability never rests on a failed write.
+
 Failures are never acknowledged and never silently dropped: a transient database error retries
 the batch with backoff (callers keep waiting); a batch the database refuses is split so that
 only the offending events fail (their futures raise :class:`~kvgov.errors.LedgerError`). A
@@ -31,6 +38,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import Connection, Engine, exc, select
@@ -51,7 +59,8 @@ from kvgov.ledger.chain import key_fingerprint, public_key_bytes
 from kvgov.ledger.checkpoint import CheckpointInfo, checkpoint_logged, write_checkpoint
 from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE, utcnow
 from kvgov.ledger.events import Appended, Event
-from kvgov.ledger.models import Chain, table
+from kvgov.ledger.journal import Journal, decode_event, encode_event
+from kvgov.ledger.models import Chain, JournalMark, table
 from kvgov.logging import get_logger
 
 log = get_logger(__name__)
@@ -75,9 +84,13 @@ class WriterStats:
     backpressure_rejections: int = 0
     last_batch_size: int = 0
     last_commit_s: float = 0.0
+    journal_replayed: int = 0
+    journal_failures: int = 0
 
 
-_Item = tuple[Event, "asyncio.Future[Appended]"]
+#: an event (or, journaled, already prepared), its commit future and its journal position
+#: (0: not journaled)
+_Item = tuple["Event | Prepared", "asyncio.Future[Appended]", int]
 _Result = Appended | LedgerError
 #: batches taken from the queue and not yet committed. One: a batch is whatever queued while
 #: the previous one was being committed, so batches are as large as the load makes them. With
@@ -101,6 +114,8 @@ class _Chained:
     ready: list[tuple[int, Prepared]]
     expected: Head
     rows: Rows
+    #: the journal position of each ready event (0: not journaled)
+    positions: list[int]
     #: the rows as COPY text (Postgres), formatted here rather than by the committer
     copy: str | None = None
 
@@ -118,6 +133,7 @@ class LedgerWriter:
         queue_max_events: int = 200_000,
         description: str | None = None,
         lazy_max_delay_ms: float = 25.0,
+        journal: Journal | None = None,
     ) -> None:
         if not chain_id or any(c in chain_id for c in "\r\n") or len(chain_id) > 255:
             raise LedgerError("chain id must be 1..255 characters without line breaks")
@@ -160,6 +176,18 @@ class LedgerWriter:
         self._conn_used_at = 0.0
         #: Postgres: the sequencer formats each batch as COPY text
         self._copy = engine.dialect.name == "postgresql"
+        self.journal = journal
+        #: the journal positions whose events the chain holds (the mark, as committed)
+        self.applied_upto = 0
+        #: submit_queued's waiters: (position, acknowledgement, commit), in position order
+        self._jwaiters: deque[tuple[int, asyncio.Future[None], asyncio.Future[Appended]]] = deque()
+        self._jwake = asyncio.Event()
+        self._jtask: asyncio.Task[None] | None = None
+        self._jexecutor = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgov-journal")
+            if journal is not None
+            else None
+        )
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -168,15 +196,53 @@ class LedgerWriter:
         if self._task is not None:
             return
         loop = asyncio.get_running_loop()
-        self._seq_head = await loop.run_in_executor(self._executor, self._register_chain)
+        self._seq_head, self.applied_upto = await loop.run_in_executor(
+            self._executor, self._register_chain
+        )
         self.head_seq = self._seq_head[0]
+        if self.journal is not None:
+            await self._replay(self.journal)
         self._task = asyncio.create_task(self._run(), name=f"kvgov-ledger-writer:{self.chain_id}")
+        if self.journal is not None:
+            self._jtask = asyncio.create_task(
+                self._run_journal(self.journal), name=f"kvgov-ledger-journal:{self.chain_id}"
+            )
         log.info(
             "ledger.writer.started",
-            extra={"chain_id": self.chain_id, "head_seq": self.head_seq},
+            extra={
+                "chain_id": self.chain_id,
+                "head_seq": self.head_seq,
+                "journal": str(self.journal.directory) if self.journal is not None else None,
+            },
         )
 
-    def _register_chain(self) -> Head:
+    async def _replay(self, journal: Journal) -> None:
+        """Queue the journal's records after the chain's mark (acknowledged events a crash
+        kept from Postgres), ahead of anything new."""
+        loop = asyncio.get_running_loop()
+        records = await loop.run_in_executor(self._executor, journal.open, self.applied_upto)
+        for pos, payload in records:
+            event = decode_event(payload)
+            fut: asyncio.Future[Appended] = loop.create_future()
+            fut.add_done_callback(_log_unwritten)
+            self._queue.append((event, fut, pos))
+            self._enqueued += 1
+        if records:
+            self._idle.clear()
+            self._oldest_at = loop.time()
+            self._due_upto = self._enqueued
+            self.stats.journal_replayed += len(records)
+            log.warning(
+                "ledger.journal.replayed",
+                extra={
+                    "chain_id": self.chain_id,
+                    "events": len(records),
+                    "from_position": records[0][0],
+                },
+            )
+
+    def _register_chain(self) -> tuple[Head, int]:
+        """Register the chain (or check its key); its head and journal mark."""
         chains = table(Chain)
         with self.engine.connect() as conn, conn.begin():
             found = conn.execute(
@@ -197,7 +263,17 @@ class LedgerWriter:
                     f"({key_fingerprint(bytes(found[0]))})",
                     hint="a chain's key never changes: use a new ledger.chain_id with a new key",
                 )
-            return read_head(conn, self.chain_id)
+            mark = 0
+            if self.journal is not None:
+                marks = table(JournalMark)
+                found_mark = conn.execute(
+                    select(marks.c.applied_upto).where(marks.c.chain_id == self.chain_id)
+                ).scalar()
+                if found_mark is None:
+                    conn.execute(marks.insert().values(chain_id=self.chain_id, applied_upto=0))
+                else:
+                    mark = int(found_mark)
+            return read_head(conn, self.chain_id), mark
 
     async def close(self, *, grace_s: float | None = None, checkpoint: bool = False) -> None:
         """Stop taking events, write everything queued, stop. With ``grace_s``, events not
@@ -214,7 +290,16 @@ class LedgerWriter:
                 await task
         if checkpoint and task is not None:
             await checkpoint_logged(self)
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._drop_connection)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._drop_connection)
+        jtask = self._jtask
+        if jtask is not None:
+            self._jwake.set()
+            await jtask
+        if self.journal is not None and self._jexecutor is not None:
+            # what was not committed stays in the journal, for the next start
+            await loop.run_in_executor(self._jexecutor, self.journal.close, self.applied_upto)
+            self._jexecutor.shutdown(wait=True)
         self._executor.shutdown(wait=True)
         self._seq_executor.shutdown(wait=True)
         log.info("ledger.writer.closed", extra={"chain_id": self.chain_id, **self._stats_dict()})
@@ -225,7 +310,9 @@ class LedgerWriter:
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    def submit(self, event: Event, *, urgent: bool = True) -> asyncio.Future[Appended]:
+    def submit(
+        self, event: Event, *, urgent: bool = True, _journaled: tuple[Prepared, int] | None = None
+    ) -> asyncio.Future[Appended]:
         """Queue ``event``; its future resolves once it is committed. ``urgent=False`` is
         :meth:`submit_lazy`."""
         if self._closing:
@@ -241,7 +328,10 @@ class LedgerWriter:
         if not queue:
             self._oldest_at = loop.time()
             self._wake.set()
-        queue.append((event, fut))
+        if _journaled is None:
+            queue.append((event, fut, 0))
+        else:
+            queue.append((_journaled[0], fut, _journaled[1]))
         self._enqueued += 1
         self._idle.clear()
         if len(queue) >= self._queue_max:
@@ -262,6 +352,68 @@ class LedgerWriter:
         while len(self._queue) >= self._queue_max and not self._closing:
             await self._room.wait()
         return await self.submit(event)
+
+    def submit_queued(self, event: Event) -> asyncio.Future[Any]:
+        """Queue ``event``; the future resolves once it is *durably queued*: fsynced to the
+        local journal (the event then waits for company like a lazy one), or, without a
+        working journal, committed. Raises :class:`LedgerError` for an event the ledger could
+        never store, :class:`~kvgov.errors.LedgerBackpressureError` when the queue is full."""
+        journal = self.journal
+        if journal is None or journal.broken is not None or self._jtask is None:
+            return self.submit(event)
+        if self._closing:
+            raise LedgerError("ledger writer is closed")
+        if len(self._queue) >= self._queue_max:  # before anything is journaled
+            return self.submit(event)  # raises LedgerBackpressureError
+        prepared = prepare(event)  # refused now, not after the acknowledgement
+        pos = journal.append(encode_event(event))
+        commit = self.submit(event, urgent=False, _journaled=(prepared, pos))
+        commit.add_done_callback(_log_unwritten)
+        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._jwaiters.append((pos, ack, commit))
+        self._jwake.set()
+        return ack
+
+    async def _run_journal(self, journal: Journal) -> None:
+        """Sync the journal whenever something was appended (group commit: whatever is
+        appended during one sync goes in the next) and acknowledge what it covers."""
+        loop = asyncio.get_running_loop()
+        waiters = self._jwaiters
+        while True:
+            if not waiters:
+                if self._closing:
+                    return
+                self._jwake.clear()
+                await self._jwake.wait()
+                continue
+            try:
+                upto = await loop.run_in_executor(self._jexecutor, journal.sync)
+            except OSError as err:
+                self._journal_failed(err)
+                return
+            while waiters and waiters[0][0] <= upto:
+                _, ack, _ = waiters.popleft()
+                if not ack.done():
+                    ack.set_result(None)
+
+    def _journal_failed(self, err: OSError) -> None:
+        """Set the journal aside: its waiters, and every later put, wait for the commit."""
+        self.stats.journal_failures += 1
+        log.error(
+            "ledger.journal.failed",
+            extra={
+                "chain_id": self.chain_id,
+                "error": type(err).__name__,
+                "detail": err.strerror or "",
+                "waiting": len(self._jwaiters),
+            },
+        )
+        waiters, self._jwaiters = self._jwaiters, deque()
+        self._jtask = None
+        for _, ack, commit in waiters:
+            commit.add_done_callback(functools.partial(_follow, ack))
+        self._due_upto = self._enqueued  # their commits are awaited now
+        self._wake.set()
 
     async def flush(self) -> None:
         """Commit every event submitted so far now (lazy ones too) and wait until they are
@@ -328,7 +480,10 @@ class LedgerWriter:
             self._inflight += 1
             try:
                 chained = await loop.run_in_executor(
-                    self._seq_executor, self._sequence, [e for e, _ in items]
+                    self._seq_executor,
+                    self._sequence,
+                    [e for e, _, _ in items],
+                    [p for _, _, p in items],
                 )
                 commit = loop.run_in_executor(self._executor, self._commit_chained, chained)
             except Exception as err:  # noqa: BLE001 - every waiter must hear of the failure
@@ -350,7 +505,7 @@ class LedgerWriter:
     def _settle(self, items: list[_Item], results: list[_Result]) -> None:
         if len(results) == 1 and len(items) > 1:
             results = results * len(items)
-        for (_, fut), result in zip(items, results, strict=True):
+        for (_, fut, _), result in zip(items, results, strict=True):
             if fut.done():
                 continue
             if isinstance(result, Appended):
@@ -362,15 +517,21 @@ class LedgerWriter:
         if not self._queue and not self._inflight:
             self._idle.set()
 
-    def _sequence(self, events: list[Event]) -> _Chained:
+    def _sequence(self, events: list[Event | Prepared], positions: list[int]) -> _Chained:
         """Sequencer thread: prepare and chain a batch on top of the head it expects."""
         results: list[_Result | None] = [None] * len(events)
         ready: list[tuple[int, Prepared]] = []
+        ready_positions: list[int] = []
         for i, event in enumerate(events):
             if i % _YIELD_EVERY == _YIELD_EVERY - 1:
                 time.sleep(0)
+            if isinstance(event, Prepared):  # journaled: prepared when it was queued
+                ready.append((i, event))
+                ready_positions.append(positions[i])
+                continue
             try:
                 ready.append((i, prepare(event)))
+                ready_positions.append(positions[i])
             except LedgerError as err:
                 results[i] = err
         lines: list[str] | None = [] if self._copy else None
@@ -391,14 +552,16 @@ class LedgerWriter:
         if lines is not None:
             lines.append("")
             copy = "\n".join(lines)
-        return _Chained(results, ready, expected, rows, copy)
+        return _Chained(results, ready, expected, rows, ready_positions, copy)
 
     def _commit_chained(self, chained: _Chained) -> list[_Result]:
         """Committer thread: write a chained batch (with retries); the result of each event."""
         results = chained.results
         if chained.ready:
             batch = [p for _, p in chained.ready]
-            outcomes = self._commit(batch, (chained.expected, chained.rows), chained.copy)
+            outcomes = self._commit(
+                batch, chained.positions, (chained.expected, chained.rows), chained.copy
+            )
             for (i, _), outcome in zip(chained.ready, outcomes, strict=True):
                 results[i] = outcome
         self.stats.events_failed += sum(isinstance(r, LedgerError) for r in results)
@@ -407,6 +570,7 @@ class LedgerWriter:
     def _commit(
         self,
         batch: list[Prepared],
+        positions: list[int],
         chained: tuple[Head, Rows] | None = None,
         copy: str | None = None,
     ) -> list[_Result]:
@@ -419,8 +583,9 @@ class LedgerWriter:
                     batch
                 )
             started = time.perf_counter()
+            mark = max(positions, default=0)
             try:
-                applied = self._transaction(batch, chained, attempts, copy)
+                applied = self._transaction(batch, chained, attempts, copy, mark)
             except _TRANSIENT as err:
                 self.stats.batch_retries += 1
                 log.warning(
@@ -439,8 +604,8 @@ class LedgerWriter:
                     return [LedgerError(f"event refused by the database: {type(err).__name__}")]
                 # isolate the refused events: write the others one by one
                 out: list[_Result] = []
-                for item in batch:
-                    out.extend(self._commit([item]))
+                for item, pos in zip(batch, positions, strict=True):
+                    out.extend(self._commit([item], [pos]))
                 return out
             appended = applied.appended
             self.stats.batches_committed += 1
@@ -448,6 +613,10 @@ class LedgerWriter:
             self.stats.last_batch_size = len(appended)
             self.stats.last_commit_s = time.perf_counter() - started
             self.head_seq = applied.head[0]
+            if mark > self.applied_upto:
+                self.applied_upto = mark
+                if self.journal is not None:
+                    self.journal.trim(mark)
             if applied.rechained:
                 with self._head_lock:  # chained here, not by the sequencer: it must follow
                     self._head_reset = applied.head
@@ -459,6 +628,7 @@ class LedgerWriter:
         chained: tuple[Head, Rows] | None,
         attempts: list[tuple[Rows, bool]],
         copy: str | None = None,
+        mark: int = 0,
     ) -> Applied:
         conn = self._connection()
         try:
@@ -479,6 +649,7 @@ class LedgerWriter:
                     chained=chained,
                     attempts=attempts,
                     copy=copy,
+                    mark=mark,
                 )
         except BaseException:
             self._drop_connection()  # whatever state it is in, the next try starts afresh
@@ -516,3 +687,23 @@ class LedgerWriter:
             "batches_committed": s.batches_committed,
             "batch_retries": s.batch_retries,
         }
+
+
+def _log_unwritten(fut: asyncio.Future[Appended]) -> None:
+    """A journaled event's commit, which nothing awaits: a failure is logged (the event stays
+    in the journal, replayed at the next start)."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("ledger.journal.uncommitted", extra={"error": type(fut.exception()).__name__})
+
+
+def _follow(ack: asyncio.Future[None], commit: asyncio.Future[Appended]) -> None:
+    """Resolve ``ack`` as ``commit`` was (the journal failed: the commit is what counts)."""
+    if ack.done():
+        return
+    err = None if commit.cancelled() else commit.exception()
+    if commit.cancelled():
+        ack.cancel()
+    elif err is not None:
+        ack.set_exception(err)
+    else:
+        ack.set_result(None)

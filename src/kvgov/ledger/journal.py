@@ -1,0 +1,420 @@
+"""The ledger's local journal: events made durable on local disk before Postgres has them.
+
+A sidecar acknowledges a put once its ledger event is *durable or durably queued*
+(``docs/ledger.md``). Waiting for Postgres means one commit per few puts: the client's window
+bounds the batch, and each commit's fixed cost (in the writer and in Postgres) is paid per
+handful of events. With the journal, the event is appended here and ``fdatasync``-ed (one
+sync for every event that arrived meanwhile: group commit), the put is acknowledged, and the
+writer commits the journal to Postgres in large batches behind it.
+
+On disk: a directory of segment files ``journal-<first position>.log``, each an 8-byte magic
+then records::
+
+    u32 length | u32 crc32(length, position, payload) | u64 position | payload (JSON event)
+
+Positions count every record ever journaled for the chain, one by one, across segments and
+restarts. Postgres holds the chain's mark (``ledger_journal_marks.applied_upto``), moved in the
+same transaction as the events it covers, so on start the records after the mark are exactly
+the acknowledged events the chain does not hold: they are replayed, none lost, none twice.
+
+Recovery: a torn record at the end of the last segment (a crash mid-write: never acknowledged,
+since acknowledgement waits for the sync) is cut off, with a warning. Anything else that does
+not read back (a bad record before the end, a gap in positions, an unknown format) stops
+start-up with :class:`~kvgov.errors.LedgerError`: acknowledged events are at stake, and an
+operator decides (the hint says how to set the damaged file aside).
+
+Threads: :meth:`Journal.append` on any thread (the event loop); :meth:`Journal.sync` on one
+thread at a time (the writer's journal thread); :meth:`Journal.trim` on the committer thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import struct
+import threading
+import zlib
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kvgov.errors import LedgerError
+from kvgov.ledger.events import EntryChange, Event
+from kvgov.logging import get_logger
+from kvgov.types import EntryState, EventKind, Outcome, Scope, Sensitivity
+
+log = get_logger(__name__)
+
+MAGIC = b"KVGJRNL1"
+#: length, crc32, position
+_HEAD = struct.Struct(">IIQ")
+_LEN_POS = struct.Struct(">IQ")
+#: one event's JSON is a few hundred bytes; anything near this is not an event
+MAX_RECORD_BYTES = 1 << 20
+_PREFIX, _SUFFIX = "journal-", ".log"
+_LOCK_NAME = "lock"
+
+
+def _crc(length: int, pos: int, payload: bytes | memoryview) -> int:
+    return zlib.crc32(payload, zlib.crc32(_LEN_POS.pack(length, pos)))
+
+
+def encode_record(pos: int, payload: bytes) -> bytes:
+    """One record: header and payload."""
+    n = len(payload)
+    return _HEAD.pack(n, _crc(n, pos, payload), pos) + payload
+
+
+@dataclass(slots=True)
+class _Segment:
+    path: Path
+    first: int
+    #: the last position written to it (``first - 1`` while empty)
+    last: int
+    size: int
+
+
+@dataclass(slots=True)
+class _Scan:
+    records: list[tuple[int, bytes]]
+    #: bytes up to the end of the last good record
+    good_bytes: int
+    #: why reading stopped before the end of the file, or None
+    damage: str | None
+
+
+def _scan(data: bytes, expect_first: int | None) -> _Scan:
+    """Read one segment's records; stop at the first one that does not read back."""
+    if data[: len(MAGIC)] != MAGIC:
+        return _Scan([], 0, "not a kvgov journal segment (bad magic)")
+    off = len(MAGIC)
+    records: list[tuple[int, bytes]] = []
+    expect = expect_first
+    view = memoryview(data)
+    while off < len(data):
+        if len(data) - off < _HEAD.size:
+            return _Scan(records, off, f"a torn record header at offset {off}")
+        n, crc, pos = _HEAD.unpack_from(data, off)
+        end = off + _HEAD.size + n
+        if n > MAX_RECORD_BYTES or end > len(data):
+            return _Scan(records, off, f"a torn or oversize record at offset {off}")
+        payload = view[off + _HEAD.size : end]
+        if _crc(n, pos, payload) != crc:
+            return _Scan(records, off, f"a record failing its checksum at offset {off}")
+        if expect is not None and pos != expect:
+            return _Scan(records, off, f"position {pos} where {expect} was due, offset {off}")
+        records.append((pos, bytes(payload)))
+        expect = pos + 1
+        off = end
+    return _Scan(records, off, None)
+
+
+class Journal:
+    """One chain's journal directory. ``open`` first (it returns what to replay)."""
+
+    def __init__(self, directory: Path, *, segment_bytes: int = 64 << 20, fsync: bool = True):
+        if segment_bytes < 4096:
+            raise LedgerError("journal segment size must be at least 4096 bytes")
+        self.directory = directory
+        self._segment_bytes = segment_bytes
+        self._fsync = fsync
+        self._lock_fd = -1
+        self._fd = -1
+        self._segments: list[_Segment] = []
+        self._seg_lock = threading.Lock()
+        self._buf: list[bytes] = []
+        self._buf_lock = threading.Lock()
+        self._next = 1
+        #: the last position known durable on disk
+        self.durable = 0
+        self.syncs = 0
+        self.broken: str | None = None
+
+    # -- start ----------------------------------------------------------------------------
+
+    def open(self, applied_upto: int) -> list[tuple[int, bytes]]:
+        """Lock the directory, read every segment and return the records after
+        ``applied_upto`` (the chain's mark), in order. Segments wholly applied are deleted;
+        a torn tail of the last one is cut off. Raises :class:`LedgerError` if the directory
+        is another process's or a record that is not the last does not read back."""
+        d = self.directory
+        try:
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._lock_fd = os.open(d / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as err:
+            raise LedgerError(
+                f"cannot open the ledger journal at {d}: {err.strerror}",
+                hint="ledger.journal_dir must be a writable local directory",
+            ) from err
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise LedgerError(
+                f"the ledger journal at {d} is in use by another process",
+                hint="each sidecar needs its own data_dir (or ledger.journal_dir)",
+            ) from err
+        paths = sorted(d.glob(f"{_PREFIX}*{_SUFFIX}"))
+        pending: list[tuple[int, bytes]] = []
+        expect: int | None = None
+        last_pos = 0
+        for i, path in enumerate(paths):
+            data = path.read_bytes()
+            scan = _scan(data, expect)
+            is_last = i == len(paths) - 1
+            if scan.damage is not None:
+                if not is_last:
+                    raise LedgerError(
+                        f"ledger journal segment {path.name} is damaged: {scan.damage}",
+                        hint=(
+                            "acknowledged ledger events may be in it: keep a copy for the audit"
+                            " trail, then move it and every later segment out of "
+                            f"{d} to start (their events are then missing from the chain)"
+                        ),
+                    )
+                log.warning(
+                    "ledger.journal.truncated",
+                    extra={
+                        "segment": path.name,
+                        "damage": scan.damage,
+                        "bytes_dropped": len(data) - scan.good_bytes,
+                    },
+                )
+                self._truncate(path, max(scan.good_bytes, len(MAGIC)))
+            first = int(path.name[len(_PREFIX) : -len(_SUFFIX)] or 0)
+            if scan.records:
+                first = scan.records[0][0]
+                expect = scan.records[-1][0] + 1
+                last_pos = scan.records[-1][0]
+            seg_last = scan.records[-1][0] if scan.records else first - 1
+            size = max(scan.good_bytes, len(MAGIC))
+            self._segments.append(_Segment(path, first, seg_last, size))
+            pending.extend(r for r in scan.records if r[0] > applied_upto)
+        self._next = max(last_pos, applied_upto) + 1
+        self.durable = self._next - 1
+        self.trim(applied_upto)
+        if self._segments:
+            tail = self._segments[-1]
+            self._fd = os.open(tail.path, os.O_WRONLY | os.O_APPEND)
+        return pending
+
+    def _truncate(self, path: Path, size: int) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if size <= len(MAGIC):
+                os.ftruncate(fd, 0)
+                os.write(fd, MAGIC)
+            else:
+                os.ftruncate(fd, size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- writing --------------------------------------------------------------------------
+
+    def append(self, payload: bytes) -> int:
+        """Queue one record; returns its position (durable once :meth:`sync` has passed it)."""
+        if len(payload) > MAX_RECORD_BYTES:
+            raise LedgerError(f"ledger event too large for the journal ({len(payload)} bytes)")
+        with self._buf_lock:
+            pos = self._next
+            self._next = pos + 1
+            self._buf.append(encode_record(pos, payload))
+        return pos
+
+    @property
+    def last_position(self) -> int:
+        return self._next - 1
+
+    def sync(self) -> int:
+        """Write what was appended and sync it; returns the last durable position. An
+        :class:`OSError` leaves the journal ``broken`` (the caller stops using it)."""
+        with self._buf_lock:
+            buf, self._buf = self._buf, []
+            upto = self._next - 1
+        if not buf:
+            return self.durable
+        if self.broken is not None:
+            raise OSError(self.broken)
+        try:
+            with self._seg_lock:
+                first_pos = _HEAD.unpack_from(buf[0])[2]
+                tail = self._segments[-1] if self._segments else None
+                if tail is None or self._fd < 0 or tail.size >= self._segment_bytes:
+                    tail = self._new_segment(first_pos)
+                data = b"".join(buf)
+                view = memoryview(data)
+                while view.nbytes:
+                    n = os.write(self._fd, view)
+                    view = view[n:]
+                if self._fsync:
+                    os.fdatasync(self._fd)
+                tail.size += len(data)
+                tail.last = upto
+        except OSError as err:
+            self.broken = f"{type(err).__name__}: {err.strerror or err}"
+            raise
+        self.syncs += 1
+        self.durable = upto
+        return upto
+
+    def _new_segment(self, first_pos: int) -> _Segment:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        path = self.directory / f"{_PREFIX}{first_pos:020d}{_SUFFIX}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        os.write(fd, MAGIC)
+        if self._fsync:
+            os.fdatasync(fd)
+            self._sync_dir()
+        self._fd = fd
+        seg = _Segment(path, first_pos, first_pos - 1, len(MAGIC))
+        self._segments.append(seg)
+        return seg
+
+    def _sync_dir(self) -> None:
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def trim(self, applied_upto: int) -> None:
+        """Delete the segments every record of which the chain holds (but the one being
+        written, unless it too is wholly applied and nothing more was appended)."""
+        with self._seg_lock:
+            keep: list[_Segment] = []
+            for i, seg in enumerate(self._segments):
+                active = i == len(self._segments) - 1
+                if seg.last <= applied_upto and not active:
+                    with contextlib.suppress(FileNotFoundError):
+                        seg.path.unlink()
+                else:
+                    keep.append(seg)
+            self._segments = keep
+
+    def pending_bytes(self) -> int:
+        with self._seg_lock:
+            return sum(s.size for s in self._segments)
+
+    def close(self, applied_upto: int) -> None:
+        """Close; when the chain holds every record, delete the segments too (a clean stop
+        leaves an empty journal)."""
+        with self._seg_lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            clean = applied_upto >= self._next - 1 and not self._buf
+            if clean:
+                for seg in self._segments:
+                    with contextlib.suppress(FileNotFoundError):
+                        seg.path.unlink()
+                self._segments = []
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+# -- events as journal payloads --------------------------------------------------------------
+
+_PLAIN = (
+    "tenant",
+    "actor",
+    "request_id",
+    "key_digest",
+    "tier",
+    "nbytes",
+    "reason",
+    "decision_id",
+    "policy_revision",
+    "principal",
+)
+_ENTRY_PLAIN = (
+    "tenant",
+    "owner",
+    "scope_user",
+    "model",
+    "size",
+    "key_id",
+    "key_version",
+    "request_id",
+    "decision_id",
+    "policy_revision",
+)
+
+
+def encode_event(event: Event) -> bytes:
+    """An event as compact JSON that :func:`decode_event` turns back into an equal event.
+    Raises :class:`LedgerError` for what JSON cannot carry exactly (NaN, non-str keys)."""
+    e = event
+    d: dict[str, Any] = {"kind": str(e.kind), "at": e.occurred_at.isoformat()}
+    for name in _PLAIN:
+        v = getattr(e, name)
+        if v is not None:
+            d[name] = v
+    if e.outcome is not None:
+        d["outcome"] = str(e.outcome)
+    if e.attrs:
+        d["attrs"] = dict(e.attrs)
+    if e.payload is not None:
+        d["payload"] = dict(e.payload)
+    if e.entry is not None:
+        d["entry"] = _encode_entry(e.entry)
+    try:
+        return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as err:
+        raise LedgerError(f"event cannot be journaled: {err}") from None
+
+
+def _encode_entry(c: EntryChange) -> dict[str, Any]:
+    d: dict[str, Any] = {"key_digest": c.key_digest, "state": str(c.state)}
+    for name in _ENTRY_PLAIN:
+        v = getattr(c, name)
+        if v is not None:
+            d[name] = v
+    if c.scope is not None:
+        d["scope"] = str(c.scope)
+    if c.sensitivity is not None:
+        d["sensitivity"] = str(c.sensitivity)
+    if c.tiers is not None:
+        d["tiers"] = list(c.tiers)
+    if c.expires_at is not None:
+        d["expires_at"] = c.expires_at.isoformat()
+    return d
+
+
+def decode_event(payload: bytes) -> Event:
+    """The event :func:`encode_event` wrote. Raises :class:`LedgerError` if it is not one."""
+    try:
+        d = json.loads(payload)
+        entry = d.get("entry")
+        return Event(
+            kind=EventKind(d["kind"]),
+            occurred_at=datetime.fromisoformat(d["at"]),
+            outcome=Outcome(d["outcome"]) if "outcome" in d else None,
+            attrs=d.get("attrs", {}),
+            payload=d.get("payload"),
+            entry=_decode_entry(entry) if entry is not None else None,
+            **{name: d[name] for name in _PLAIN if name in d},
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise LedgerError(f"a journal record is not a ledger event: {type(err).__name__}") from None
+
+
+def _decode_entry(d: dict[str, Any]) -> EntryChange:
+    expires = d.get("expires_at")
+    tiers = d.get("tiers")
+    return EntryChange(
+        key_digest=d["key_digest"],
+        state=EntryState(d["state"]),
+        scope=Scope(d["scope"]) if "scope" in d else None,
+        sensitivity=Sensitivity(d["sensitivity"]) if "sensitivity" in d else None,
+        tiers=tuple(tiers) if tiers is not None else None,
+        expires_at=datetime.fromisoformat(expires) if expires is not None else None,
+        **{name: d[name] for name in _ENTRY_PLAIN if name in d},
+    )
