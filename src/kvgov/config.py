@@ -63,6 +63,14 @@ class LedgerSettings(_Section):
     lazy_max_delay_ms: float = Field(default=25.0, ge=0.0, le=10_000.0)
     #: seconds between automatic checkpoints while serving; 0 disables them
     checkpoint_interval_s: float = Field(default=60.0, ge=0.0)
+    #: the sidecar acknowledges a put once its event is fsynced to a local journal and commits
+    #: the journal to the database in large batches behind it (``docs/ledger.md``, "The local
+    #: journal"); off: a put waits for its event's database commit
+    journal: bool = True
+    #: the journal's directory (local disk, one per sidecar); empty: ``<data_dir>/ledger-journal``
+    journal_dir: Path | None = None
+    #: a journal segment is closed at this size; segments the chain holds are deleted
+    journal_segment_mib: int = Field(default=64, ge=1, le=4096)
 
 
 class PolicySettings(_Section):
@@ -247,6 +255,10 @@ class Settings(BaseSettings):
     @property
     def pseudonym_key_path(self) -> Path:
         return self.ledger.pseudonym_key_path or self.data_dir / "pseudonym.key"
+
+    @property
+    def journal_path(self) -> Path:
+        return self.ledger.journal_dir or self.data_dir / "ledger-journal"
 
     @property
     def kek_path(self) -> Path:

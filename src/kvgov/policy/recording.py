@@ -11,9 +11,10 @@ already a keyed-HMAC pseudonym, and the input itself is represented by its diges
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from kvgov.errors import LedgerError
-from kvgov.ledger.events import Appended, Event, EventSink, JSONValue
+from kvgov.ledger.events import Event, EventSink, JSONValue, QueuedEventSink
 from kvgov.logging import get_logger
 from kvgov.policy.interfaces import Decision, PolicyInput
 from kvgov.types import EventKind, Outcome
@@ -60,7 +61,7 @@ class EventDecisionRecorder:
     """Hands decisions to an :class:`EventSink` (the ledger writer).
 
     With ``durable=False`` (the default) a decision counts as recorded once the writer has
-    queued it (the writer's queue is the durability point the data plane already relies on);
+    queued it (into its local journal when it has one, so it survives a crash of the process);
     with ``durable=True`` it waits for the commit. A full queue raises
     :class:`kvgov.errors.LedgerBackpressureError`, which the caching engine turns into a deny
     for allows.
@@ -75,11 +76,14 @@ class EventDecisionRecorder:
         if self.durable:
             await self.sink.append(event)
             return
-        future = self.sink.submit(event)
+        if isinstance(self.sink, QueuedEventSink):  # into the local journal, when there is one
+            future = self.sink.submit_queued(event)
+        else:
+            future = self.sink.submit(event)
         future.add_done_callback(_log_failure)
 
 
-def _log_failure(future: asyncio.Future[Appended]) -> None:
+def _log_failure(future: asyncio.Future[Any]) -> None:
     if future.cancelled():
         return
     exc = future.exception()

@@ -260,6 +260,7 @@ async def build_sidecar(
         from kvgov.keys.kek import FileKekProvider, generate_kek_file
         from kvgov.ledger.chain import generate_signing_key_file, load_signing_key
         from kvgov.ledger.db import make_engine, upgrade
+        from kvgov.ledger.journal import Journal
         from kvgov.ledger.writer import LedgerWriter
         from kvgov.proxy.dataplane.restore import load_index
 
@@ -274,6 +275,14 @@ async def build_sidecar(
                 batch_max_events=settings.ledger.batch_max_events,
                 queue_max_events=settings.ledger.queue_max_events,
                 lazy_max_delay_ms=settings.ledger.lazy_max_delay_ms,
+                journal=(
+                    Journal(
+                        settings.journal_path,
+                        segment_bytes=settings.ledger.journal_segment_mib << 20,
+                    )
+                    if settings.ledger.journal
+                    else None
+                ),
             )
             await writer.start()
             sink = writer
@@ -333,6 +342,14 @@ async def build_sidecar(
         lambda: float(pipeline.pool.in_use_bytes),
         lambda: float(writer.queue_depth if writer is not None else 0),
     )
+    journal = writer.journal if writer is not None else None
+    if writer is not None and journal is not None:
+        ledger = writer
+        metrics.watch_journal(
+            lambda: float(max(0, journal.last_position - ledger.applied_upto)),
+            lambda: float(journal.pending_bytes()),
+            lambda: float(ledger.stats.journal_failures),
+        )
     sidecar_id = settings.chain_id
     server = WireServer(
         pipeline,

@@ -65,6 +65,19 @@ class DataPlaneMetrics:
         self.ledger_queue = Gauge(
             "kvgov_ledger_queue_depth", "Events waiting for the ledger writer", registry=r
         )
+        self.journal_unapplied = Gauge(
+            "kvgov_ledger_journal_unapplied_events",
+            "Events in the local ledger journal that the database does not hold yet",
+            registry=r,
+        )
+        self.journal_bytes = Gauge(
+            "kvgov_ledger_journal_bytes", "Bytes of local ledger journal segments", registry=r
+        )
+        self.journal_failures = Gauge(
+            "kvgov_ledger_journal_failures",
+            "Local ledger journal failures since start (1: set aside, puts wait for commits)",
+            registry=r,
+        )
 
     def count_op(self, op: str, listener: str, outcome: str) -> None:
         """``ops{op,listener,outcome} += 1``, with the labelled child looked up once (the
@@ -79,3 +92,14 @@ class DataPlaneMetrics:
         """Sample gauges at scrape time."""
         self.pool_bytes.set_function(pool_in_use)
         self.ledger_queue.set_function(ledger_depth)
+
+    def watch_journal(
+        self,
+        unapplied: Callable[[], float],
+        nbytes: Callable[[], float],
+        failures: Callable[[], float],
+    ) -> None:
+        """Sample the ledger journal's gauges at scrape time."""
+        self.journal_unapplied.set_function(unapplied)
+        self.journal_bytes.set_function(nbytes)
+        self.journal_failures.set_function(failures)

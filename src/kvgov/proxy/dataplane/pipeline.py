@@ -31,7 +31,7 @@ from kvgov.connectors.tiers.chain import TierChain
 from kvgov.errors import KvgovError, LedgerBackpressureError, ProtocolError
 from kvgov.keys.keyring import Keyring
 from kvgov.keys.sealed import SealedHeader, SealWriter, sealed_size, segment_count
-from kvgov.ledger.events import Event, EventSink, LazyEventSink
+from kvgov.ledger.events import Event, EventSink, LazyEventSink, QueuedEventSink
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.policy.interfaces import Decision, DecisionRecorder, PolicyEngine
 from kvgov.proxy.dataplane.buffers import BufferPool, Lease, size_class
@@ -112,6 +112,7 @@ class Pipeline:
         # the sink when it can hold events back (an isinstance check against a runtime
         # Protocol walks its attributes: once here, not per event)
         self._lazy_sink = sink if isinstance(sink, LazyEventSink) else None
+        self._queued_sink = sink if isinstance(sink, QueuedEventSink) else None
 
     # -- policy & ledger -----------------------------------------------------------------------
 
@@ -364,6 +365,8 @@ class Pipeline:
         if self.sink is None:
             raise KvgovError("no ledger sink")
         try:
+            if self._queued_sink is not None:  # acknowledged once journaled
+                return self._queued_sink.submit_queued(event)
             return self.sink.submit(event)
         except LedgerBackpressureError:
             done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()

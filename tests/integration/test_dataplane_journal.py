@@ -1,0 +1,122 @@
+"""The sidecar acknowledges puts from its local ledger journal (the default): over real
+sockets, with Postgres unable to commit, puts are acknowledged and served; once Postgres can,
+every event lands and a clean stop leaves the journal empty. With ``ledger.journal`` off, a put
+waits for its commit."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from kvgov.config import Settings
+from kvgov.ledger.models import LedgerEvent
+from kvgov.proxy.app import Sidecar
+from kvgov.types import EventKind
+from kvgov.wire import RequestContext, WireClient
+from kvgov.wire.codec import WireConnectionError
+from tests.integration.live import running_sidecar
+
+pytestmark = pytest.mark.postgres
+
+KEY = "meta-llama/Llama-3.1-8B@1@0@{:016x}@bfloat16@tenant%demo@user%u42"
+
+
+def settings(tmp: Path, pg_url: str, **ledger: object) -> Settings:
+    return Settings(
+        data_dir=tmp / "data",
+        database={"url": pg_url},
+        dataplane={"host": "127.0.0.1", "port": 0, "lm_port": 0, "buffer_pool_bytes": 64 << 20},
+        tiers={"chain": ["memory"]},
+        ledger=ledger,
+    )
+
+
+def puts(sc: Sidecar, n: int, *, timeout: float = 10.0) -> list[bool]:
+    ctx = RequestContext(request_id="req-j", user="u42")
+    with WireClient(
+        f"tcp://127.0.0.1:{sc.server.tcp_port}", engine_id="vllm-demo-0", timeout=timeout
+    ) as client:
+        return [
+            a.ok
+            for a in client.put_many([(KEY.format(i), bytes([i]) * 4096) for i in range(n)], ctx)
+        ]
+
+
+def get(sc: Sidecar, i: int) -> bytes | None:
+    ctx = RequestContext(request_id="req-j", user="u42")
+    with WireClient(
+        f"tcp://127.0.0.1:{sc.server.tcp_port}", engine_id="vllm-demo-0", timeout=10
+    ) as client:
+        hit = client.get(KEY.format(i), ctx)
+        return None if hit is None else hit[0]
+
+
+def puts_recorded(sc: Sidecar) -> int:
+    with Session(sc.engine) as s:
+        return int(
+            s.scalar(
+                select(func.count())
+                .select_from(LedgerEvent)
+                .where(LedgerEvent.kind == EventKind.KV_PUT)
+            )
+            or 0
+        )
+
+
+def hold_chain(pg_url: str, chain_id: str) -> psycopg.Connection[tuple[object, ...]]:
+    """A connection holding the chain's lock: the sidecar's writer cannot commit meanwhile."""
+    conn = psycopg.connect(pg_url.replace("postgresql+psycopg://", "postgresql://", 1))
+    conn.execute("SELECT 1 FROM chains WHERE chain_id = %s FOR UPDATE", (chain_id,))
+    return conn
+
+
+async def test_puts_are_acknowledged_from_the_journal_while_postgres_cannot_commit(
+    tmp_path: Path, pg_url: str
+) -> None:
+    s = settings(tmp_path, pg_url)
+    loop = asyncio.get_running_loop()
+    async with running_sidecar(s) as sc:
+        await loop.run_in_executor(None, puts, sc, 1)  # warm: keys, policy decision
+        assert sc.writer is not None
+        await sc.writer.flush()
+        holder = hold_chain(pg_url, s.chain_id)
+        try:
+            acks = await loop.run_in_executor(None, puts, sc, 8)
+            assert acks == [True] * 8
+            assert puts_recorded(sc) == 1  # acknowledged, not yet in Postgres
+            assert await loop.run_in_executor(None, get, sc, 5) == bytes([5]) * 4096
+            journal = s.journal_path
+            assert any(p.stat().st_size > 8 for p in journal.glob("journal-*.log"))
+            reg = sc.metrics.registry
+            assert (reg.get_sample_value("kvgov_ledger_journal_unapplied_events") or 0) >= 8
+            assert (reg.get_sample_value("kvgov_ledger_journal_bytes") or 0) > 8
+            assert reg.get_sample_value("kvgov_ledger_journal_failures") == 0
+        finally:
+            holder.rollback()
+            holder.close()
+        await sc.writer.flush()
+        assert puts_recorded(sc) == 9  # the warm-up's and the eight
+    assert list(s.journal_path.glob("journal-*.log")) == []  # a clean stop: all applied
+
+
+async def test_without_the_journal_a_put_waits_for_its_commit(tmp_path: Path, pg_url: str) -> None:
+    s = settings(tmp_path, pg_url, journal=False)
+    loop = asyncio.get_running_loop()
+    async with running_sidecar(s) as sc:
+        await loop.run_in_executor(None, puts, sc, 1)
+        assert sc.writer is not None and sc.writer.journal is None
+        await sc.writer.flush()
+        holder = hold_chain(pg_url, s.chain_id)
+        try:
+            with pytest.raises(WireConnectionError, match="timed out"):  # no ack meanwhile
+                await loop.run_in_executor(None, lambda: puts(sc, 1, timeout=1.0))
+        finally:
+            holder.rollback()
+            holder.close()
+        await sc.writer.flush()
+    assert not s.journal_path.exists()
