@@ -71,6 +71,10 @@ class LedgerSettings(_Section):
     journal_dir: Path | None = None
     #: a journal segment is closed at this size; segments the chain holds are deleted
     journal_segment_mib: int = Field(default=64, ge=1, le=4096)
+    #: journal the events nothing waits on too (gets, misses, exists, evictions, expiries), so
+    #: a crash loses none of them; off, they are durable within ``lazy_max_delay_ms`` (gets
+    #: measured ~4% faster on a 2-vCPU VM)
+    journal_lazy_events: bool = True
 
 
 class PolicySettings(_Section):

@@ -58,6 +58,8 @@ CHILD = textwrap.dedent(
             entry = EntryChange(key_digest=f"{i:064x}", state=EntryState.LIVE, tenant="acme")
             acks.append(writer.submit_queued(Event(kind=EventKind.KV_PUT, tenant="acme",
                                                    request_id=f"r{i}", nbytes=i, entry=entry)))
+            # a read nothing waits on: journaled too, synced with the puts
+            writer.submit_lazy(Event(kind=EventKind.KV_GET, tenant="acme", request_id=f"g{i}"))
         await asyncio.gather(*acks)
         print(f"acked {len(acks)}", flush=True)
         await asyncio.sleep(3600)  # until killed
@@ -162,9 +164,9 @@ def test_acknowledged_events_survive_kill_9_before_postgres_has_them(
             return replayed, writer.applied_upto
 
         replayed, applied = asyncio.run(restart())
-        assert replayed == n
-        assert applied == n
-        assert count(engine, "victim") == n  # every acknowledged event, once
+        assert replayed == 2 * n
+        assert applied == 2 * n
+        assert count(engine, "victim") == 2 * n  # every acknowledged event and read, once
         with engine.connect() as conn:
             got = set(
                 conn.execute(
@@ -172,15 +174,15 @@ def test_acknowledged_events_survive_kill_9_before_postgres_has_them(
                 ).scalars()
             )
             entries = conn.execute(sa.select(sa.func.count()).select_from(CacheEntry)).scalar()
-        assert got == {f"r{i}" for i in range(n)}
+        assert got == {f"r{i}" for i in range(n)} | {f"g{i}" for i in range(n)}
         assert entries == n  # the index changes the events carry came with them
-        assert mark(engine, "victim") == n
+        assert mark(engine, "victim") == 2 * n
         assert verify(engine).ok
         assert list(journal_dir.glob("journal-*.log")) == []  # a clean stop empties it
 
         again = asyncio.run(restart())  # nothing left to replay: no event twice
-        assert again == (0, n)
-        assert count(engine, "victim") == n
+        assert again == (0, 2 * n)
+        assert count(engine, "victim") == 2 * n
     finally:
         if child.poll() is None:
             child.kill()
@@ -206,16 +208,19 @@ async def test_queued_events_commit_in_large_batches_and_move_the_mark(
     assert verify(engine).ok
 
 
+@pytest.mark.parametrize("lazy_journaled", [True, False])
 async def test_a_batch_mixing_queued_and_other_events_moves_the_mark(
-    engine: sa.Engine, tmp_path: Path
+    engine: sa.Engine, tmp_path: Path, lazy_journaled: bool
 ) -> None:
-    writer = await started(engine, tmp_path / "j")
+    writer = await started(engine, tmp_path / "j", journal_lazy_events=lazy_journaled)
     acks = [writer.submit_queued(put(0)), writer.submit_queued(put(1))]
     lazy = writer.submit_lazy(Event(kind=EventKind.KV_GET, tenant="acme"))
-    urgent = writer.submit(Event(kind=EventKind.SIDECAR_STARTED))
+    urgent = writer.submit(Event(kind=EventKind.SIDECAR_STARTED))  # never journaled
     await asyncio.gather(*acks)
     assert (await urgent).seq == 4 and (await lazy).seq == 3
-    assert mark(engine, "node") == 2
+    assert mark(engine, "node") == (3 if lazy_journaled else 2)
+    assert writer.journal is not None
+    assert writer.journal.last_position == (3 if lazy_journaled else 2)
     await writer.close()
 
 

@@ -10,7 +10,7 @@ writer commits the journal to Postgres in large batches behind it.
 On disk: a directory of segment files ``journal-<first position>.log``, each an 8-byte magic
 then records::
 
-    u32 length | u32 crc32(length, position, payload) | u64 position | payload (JSON event)
+    u32 length | u32 crc32(length, position, payload) | u64 position | payload (the event)
 
 Positions count every record ever journaled for the chain, one by one, across segments and
 restarts. Postgres holds the chain's mark (``ledger_journal_marks.applied_upto``), moved in the
@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
+import marshal
 import os
 import struct
 import threading
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -321,100 +322,182 @@ class Journal:
 
 
 # -- events as journal payloads --------------------------------------------------------------
+#
+# A payload is ``marshal`` of a flat tuple: the fields by position, enums as their values,
+# times as integer microseconds since the epoch (UTC). ``marshal`` of str, int, float, bool,
+# None, list, dict and tuple is what the journal needs at ~1/5 of JSON's cost per event (the
+# encoding runs on the event loop for every journaled event: ~5 us vs ~25 us on the 2-vCPU VM
+# here). Its format is CPython's own, stable for these types since Python 3.4; a journal is
+# read back by the process that wrote it or its restart, and each record is checksummed.
+# :func:`decode_event` checks every field's type: a record that is not an event is refused.
 
-_PLAIN = (
+_CODEC_VERSION = 1
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_US = timedelta(microseconds=1)
+_TEXT = (
     "tenant",
     "actor",
     "request_id",
     "key_digest",
     "tier",
-    "nbytes",
     "reason",
     "decision_id",
     "policy_revision",
     "principal",
 )
-_ENTRY_PLAIN = (
+_ENTRY_TEXT = (
     "tenant",
     "owner",
     "scope_user",
     "model",
-    "size",
     "key_id",
-    "key_version",
     "request_id",
     "decision_id",
     "policy_revision",
 )
 
 
+def _micros(moment: datetime) -> int:
+    return (moment - _EPOCH) // _US
+
+
 def encode_event(event: Event) -> bytes:
-    """An event as compact JSON that :func:`decode_event` turns back into an equal event.
-    Raises :class:`LedgerError` for what JSON cannot carry exactly (NaN, non-str keys)."""
+    """An event as a payload that :func:`decode_event` turns back into an equal event.
+    Raises :class:`LedgerError` for what cannot be carried exactly."""
     e = event
-    d: dict[str, Any] = {"kind": str(e.kind), "at": e.occurred_at.isoformat()}
-    for name in _PLAIN:
-        v = getattr(e, name)
-        if v is not None:
-            d[name] = v
-    if e.outcome is not None:
-        d["outcome"] = str(e.outcome)
-    if e.attrs:
-        d["attrs"] = dict(e.attrs)
-    if e.payload is not None:
-        d["payload"] = dict(e.payload)
-    if e.entry is not None:
-        d["entry"] = _encode_entry(e.entry)
+    c = e.entry
+    entry = None
+    if c is not None:
+        entry = (
+            c.key_digest,
+            c.state.value,
+            c.tenant,
+            c.owner,
+            c.scope_user,
+            c.model,
+            c.key_id,
+            c.request_id,
+            c.decision_id,
+            c.policy_revision,
+            None if c.scope is None else c.scope.value,
+            None if c.sensitivity is None else c.sensitivity.value,
+            c.size,
+            c.key_version,
+            c.tiers,
+            None if c.expires_at is None else _micros(c.expires_at),
+        )
+    fields = (
+        _CODEC_VERSION,
+        e.kind.value,
+        _micros(e.occurred_at),
+        e.tenant,
+        e.actor,
+        e.request_id,
+        e.key_digest,
+        e.tier,
+        e.reason,
+        e.decision_id,
+        e.policy_revision,
+        e.principal,
+        e.nbytes,
+        None if e.outcome is None else e.outcome.value,
+        dict(e.attrs) if e.attrs else None,
+        None if e.payload is None else dict(e.payload),
+        entry,
+    )
     try:
-        return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
-    except (TypeError, ValueError) as err:
+        return marshal.dumps(fields)
+    except ValueError:  # a subclass of str, int, dict...: carry plain values
+        try:
+            return marshal.dumps(_plain(fields))
+        except (TypeError, ValueError) as err:
+            raise LedgerError(f"event cannot be journaled: {err}") from None
+    except TypeError as err:
         raise LedgerError(f"event cannot be journaled: {err}") from None
 
 
-def _encode_entry(c: EntryChange) -> dict[str, Any]:
-    d: dict[str, Any] = {"key_digest": c.key_digest, "state": str(c.state)}
-    for name in _ENTRY_PLAIN:
-        v = getattr(c, name)
-        if v is not None:
-            d[name] = v
-    if c.scope is not None:
-        d["scope"] = str(c.scope)
-    if c.sensitivity is not None:
-        d["sensitivity"] = str(c.sensitivity)
-    if c.tiers is not None:
-        d["tiers"] = list(c.tiers)
-    if c.expires_at is not None:
-        d["expires_at"] = c.expires_at.isoformat()
-    return d
+def _plain(value: Any) -> Any:
+    """``value`` with subclasses of the JSON-like types turned into the types themselves."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
 
 
 def decode_event(payload: bytes) -> Event:
     """The event :func:`encode_event` wrote. Raises :class:`LedgerError` if it is not one."""
     try:
-        d = json.loads(payload)
-        entry = d.get("entry")
+        # our own checksummed records, in a 0700 directory beside the sidecar's keys; every
+        # field is type-checked below
+        t = marshal.loads(payload)  # noqa: S302
+        if type(t) is not tuple or len(t) != 17 or t[0] != _CODEC_VERSION:
+            raise ValueError("not a version-1 event tuple")
+        texts = dict(zip(_TEXT, t[3:12], strict=True))
+        _check_texts(texts.values())
+        nbytes, attrs, extra = t[12], t[14], t[15]
+        _check_int(nbytes)
+        if attrs is not None and type(attrs) is not dict:
+            raise TypeError("attrs")
+        if extra is not None and type(extra) is not dict:
+            raise TypeError("payload")
         return Event(
-            kind=EventKind(d["kind"]),
-            occurred_at=datetime.fromisoformat(d["at"]),
-            outcome=Outcome(d["outcome"]) if "outcome" in d else None,
-            attrs=d.get("attrs", {}),
-            payload=d.get("payload"),
-            entry=_decode_entry(entry) if entry is not None else None,
-            **{name: d[name] for name in _PLAIN if name in d},
+            kind=EventKind(t[1]),
+            occurred_at=_EPOCH + t[2] * _US,
+            nbytes=nbytes,
+            outcome=None if t[13] is None else Outcome(t[13]),
+            attrs=attrs or {},
+            payload=extra,
+            entry=None if t[16] is None else _decode_entry(t[16]),
+            **texts,
         )
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
+    except (ValueError, KeyError, TypeError, EOFError, OverflowError) as err:
         raise LedgerError(f"a journal record is not a ledger event: {type(err).__name__}") from None
 
 
-def _decode_entry(d: dict[str, Any]) -> EntryChange:
-    expires = d.get("expires_at")
-    tiers = d.get("tiers")
+def _check_texts(values: Iterable[object]) -> None:
+    if any(v is not None and type(v) is not str for v in values):
+        raise TypeError("a text field is not text")
+
+
+def _check_int(value: object) -> None:
+    if value is not None and type(value) is not int:
+        raise TypeError("a count is not an integer")
+
+
+def _decode_entry(t: object) -> EntryChange:
+    if type(t) is not tuple or len(t) != 16:
+        raise ValueError("not an entry change")
+    texts = dict(zip(_ENTRY_TEXT, t[2:10], strict=True))
+    _check_texts((t[0], *texts.values()))
+    size, version, tiers, expires = t[12], t[13], t[14], t[15]
+    _check_int(size)
+    _check_int(version)
+    _check_int(expires)
+    if tiers is not None:
+        if type(tiers) is not tuple:
+            raise TypeError("tiers")
+        _check_texts(tiers)
     return EntryChange(
-        key_digest=d["key_digest"],
-        state=EntryState(d["state"]),
-        scope=Scope(d["scope"]) if "scope" in d else None,
-        sensitivity=Sensitivity(d["sensitivity"]) if "sensitivity" in d else None,
-        tiers=tuple(tiers) if tiers is not None else None,
-        expires_at=datetime.fromisoformat(expires) if expires is not None else None,
-        **{name: d[name] for name in _ENTRY_PLAIN if name in d},
+        key_digest=t[0],
+        state=EntryState(t[1]),
+        scope=None if t[10] is None else Scope(t[10]),
+        sensitivity=None if t[11] is None else Sensitivity(t[11]),
+        size=size,
+        key_version=version,
+        tiers=tiers,
+        expires_at=None if expires is None else _EPOCH + expires * _US,
+        **texts,
     )

@@ -17,9 +17,11 @@ is full, or on close. Lazy events are therefore durable within that window, not 
 Journal: with a :class:`~kvgov.ledger.journal.Journal`, :meth:`LedgerWriter.submit_queued`
 (a put's acknowledgement) resolves once the event is fsynced to the local journal, and the
 event itself waits for company like a lazy one: Postgres gets large batches, each moving the
-chain's journal mark in its own transaction. On start, journal records after the mark are
-replayed first. If the journal fails (disk full, I/O error), it is set aside and every waiter
-falls back to waiting for the commit: durability never rests on a failed write.
+chain's journal mark in its own transaction. Lazy events are journaled too
+(``journal_lazy_events``), nobody waiting: a crash then loses none of them either. On start,
+journal records after the mark are replayed first. If the journal fails (disk full, I/O
+error), it is set aside and every waiter falls back to waiting for the commit: durability never
+rests on a failed write.
 
 Failures are never acknowledged and never silently dropped: a transient database error retries
 the batch with backoff (callers keep waiting); a batch the database refuses is split so that
@@ -134,6 +136,7 @@ class LedgerWriter:
         description: str | None = None,
         lazy_max_delay_ms: float = 25.0,
         journal: Journal | None = None,
+        journal_lazy_events: bool = True,
     ) -> None:
         if not chain_id or any(c in chain_id for c in "\r\n") or len(chain_id) > 255:
             raise LedgerError("chain id must be 1..255 characters without line breaks")
@@ -183,6 +186,8 @@ class LedgerWriter:
         self._jwaiters: deque[tuple[int, asyncio.Future[None], asyncio.Future[Appended]]] = deque()
         self._jwake = asyncio.Event()
         self._jtask: asyncio.Task[None] | None = None
+        #: journal lazy events too (nothing waits on them; durable at the next sync)
+        self._lazy_journal = journal_lazy_events
         self._jexecutor = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgov-journal")
             if journal is not None
@@ -345,8 +350,31 @@ class LedgerWriter:
 
     def submit_lazy(self, event: Event) -> asyncio.Future[Appended]:
         """Queue an event nothing waits on: it may linger up to ``lazy_max_delay_ms`` to share
-        a commit (its future still resolves once it is committed)."""
-        return self.submit(event, urgent=False)
+        a commit (its future still resolves once it is committed). With a journal it is also
+        journaled (synced at once, nobody waiting), so a crash does not lose it."""
+        journaled = self._journal_event(event) if self._lazy_journal else None
+        return self.submit(event, urgent=False, _journaled=journaled)
+
+    def _journal_event(self, event: Event) -> tuple[Prepared, int] | None:
+        """Append ``event`` to the journal if it is up (None otherwise, or if the ledger would
+        refuse the event: the writer then refuses it as it would without a journal)."""
+        journal = self.journal
+        if (
+            journal is None
+            or journal.broken is not None
+            or self._jtask is None
+            or self._closing
+            or len(self._queue) >= self._queue_max
+        ):
+            return None
+        try:
+            prepared = prepare(event)
+            payload = encode_event(event)
+        except LedgerError:
+            return None
+        pos = journal.append(payload)
+        self._jwake.set()
+        return prepared, pos
 
     async def append(self, event: Event) -> Appended:
         while len(self._queue) >= self._queue_max and not self._closing:
@@ -380,7 +408,7 @@ class LedgerWriter:
         loop = asyncio.get_running_loop()
         waiters = self._jwaiters
         while True:
-            if not waiters:
+            if journal.last_position <= journal.durable:  # nothing appended since the last sync
                 if self._closing:
                     return
                 self._jwake.clear()

@@ -283,6 +283,7 @@ async def build_sidecar(
                     if settings.ledger.journal
                     else None
                 ),
+                journal_lazy_events=settings.ledger.journal_lazy_events,
             )
             await writer.start()
             sink = writer
