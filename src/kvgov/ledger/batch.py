@@ -31,7 +31,7 @@ from kvgov.ledger.chain import (
     normalize_json,
     payload_digest,
 )
-from kvgov.ledger.events import Appended, Event
+from kvgov.ledger.events import EVENT_TEXT_FIELDS, Appended, Event
 from kvgov.ledger.indexes import apply_indexes, pg_index_statements, plan_indexes
 from kvgov.ledger.models import (
     Chain,
@@ -53,17 +53,6 @@ from kvgov.ledger.pgfast import (
 
 _SALT_BYTES = 16
 _ATTRS = EVENT_COLUMNS.index("attrs")
-_TEXT_FIELDS = (
-    "tenant",
-    "actor",
-    "request_id",
-    "key_digest",
-    "tier",
-    "reason",
-    "decision_id",
-    "policy_revision",
-    "principal",
-)
 
 
 @dataclass(slots=True)
@@ -107,7 +96,7 @@ def prepare(event: Event) -> Prepared:
     ]
     joined = "".join(texts)
     if "\x00" in joined:
-        for name in _TEXT_FIELDS:
+        for name in EVENT_TEXT_FIELDS:
             value = getattr(event, name)
             if value is not None and "\x00" in value:
                 raise LedgerError(f"event field {name} contains a NUL character")

@@ -77,6 +77,20 @@ class Event:
     occurred_at: datetime = field(default_factory=utcnow)
 
 
+#: the :class:`Event` fields that hold text (all optional), in the order they are declared
+EVENT_TEXT_FIELDS = (
+    "tenant",
+    "actor",
+    "request_id",
+    "key_digest",
+    "tier",
+    "reason",
+    "decision_id",
+    "policy_revision",
+    "principal",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Appended:
     """Where an event landed: its chain and position."""

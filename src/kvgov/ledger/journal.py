@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgov.errors import LedgerError
-from kvgov.ledger.events import EntryChange, Event
+from kvgov.ledger.events import EVENT_TEXT_FIELDS, EntryChange, Event
 from kvgov.logging import get_logger
 from kvgov.types import EntryState, EventKind, Outcome, Scope, Sensitivity
 
@@ -334,17 +334,6 @@ class Journal:
 _CODEC_VERSION = 1
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
-_TEXT = (
-    "tenant",
-    "actor",
-    "request_id",
-    "key_digest",
-    "tier",
-    "reason",
-    "decision_id",
-    "policy_revision",
-    "principal",
-)
 _ENTRY_TEXT = (
     "tenant",
     "owner",
@@ -445,7 +434,7 @@ def decode_event(payload: bytes) -> Event:
         t = marshal.loads(payload)  # noqa: S302
         if type(t) is not tuple or len(t) != 17 or t[0] != _CODEC_VERSION:
             raise ValueError("not a version-1 event tuple")
-        texts = dict(zip(_TEXT, t[3:12], strict=True))
+        texts = dict(zip(EVENT_TEXT_FIELDS, t[3:12], strict=True))
         _check_texts(texts.values())
         nbytes, attrs, extra = t[12], t[14], t[15]
         _check_int(nbytes)
