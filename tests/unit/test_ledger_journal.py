@@ -142,6 +142,21 @@ def test_one_process_per_journal(tmp_path: Path) -> None:
     Journal(tmp_path).open(0)  # free again
 
 
+def test_another_chains_journal_is_refused_while_it_holds_records(tmp_path: Path) -> None:
+    j = Journal(tmp_path)
+    j.open(0, chain_id="node-a")
+    j.append(b"a's event")
+    j.sync()
+    j.close(applied_upto=0)  # a crash: the record is not in node-a's chain yet
+    with pytest.raises(LedgerError, match="belongs to chain 'node-a'") as caught:
+        Journal(tmp_path).open(0, chain_id="node-b")
+    assert caught.value.hint is not None and "journal_dir" in caught.value.hint
+    again = Journal(tmp_path)
+    assert again.open(0, chain_id="node-a") == [(1, b"a's event")]  # still there for node-a
+    again.close(applied_upto=1)  # committed: the directory is empty
+    assert Journal(tmp_path).open(0, chain_id="node-b") == []  # and free for another chain
+
+
 def test_an_unusable_directory_is_a_clear_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -57,6 +57,7 @@ _LEN_POS = struct.Struct(">IQ")
 MAX_RECORD_BYTES = 1 << 20
 _PREFIX, _SUFFIX = "journal-", ".log"
 _LOCK_NAME = "lock"
+_OWNER_NAME = "chain"
 
 
 def _crc(length: int, pos: int, payload: bytes | memoryview) -> int:
@@ -136,11 +137,12 @@ class Journal:
 
     # -- start ----------------------------------------------------------------------------
 
-    def open(self, applied_upto: int) -> list[tuple[int, bytes]]:
+    def open(self, applied_upto: int, *, chain_id: str = "") -> list[tuple[int, bytes]]:
         """Lock the directory, read every segment and return the records after
         ``applied_upto`` (the chain's mark), in order. Segments wholly applied are deleted;
         a torn tail of the last one is cut off. Raises :class:`LedgerError` if the directory
-        is another process's or a record that is not the last does not read back."""
+        is another process's or another chain's (its positions count that chain's records),
+        or a record that is not the last does not read back."""
         d = self.directory
         try:
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -159,6 +161,7 @@ class Journal:
                 f"the ledger journal at {d} is in use by another process",
                 hint="each sidecar needs its own data_dir (or ledger.journal_dir)",
             ) from err
+        self._check_owner(chain_id)
         paths = sorted(d.glob(f"{_PREFIX}*{_SUFFIX}"))
         pending: list[tuple[int, bytes]] = []
         expect: int | None = None
@@ -202,6 +205,36 @@ class Journal:
             tail = self._segments[-1]
             self._fd = os.open(tail.path, os.O_WRONLY | os.O_APPEND)
         return pending
+
+    def _check_owner(self, chain_id: str) -> None:
+        """The directory's chain, written on first use: replaying one chain's records into
+        another would record them twice (their positions count the first chain's mark)."""
+        owner = self.directory / _OWNER_NAME
+        try:
+            found: str | None = owner.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            found = None
+        if found != chain_id and not any(self.directory.glob(f"{_PREFIX}*{_SUFFIX}")):
+            found = None  # nothing to replay: the directory is free for this chain
+        if found is None:
+            tmp = owner.with_suffix(".tmp")
+            tmp.write_text(chain_id, encoding="utf-8")
+            with tmp.open("rb") as f:
+                os.fsync(f.fileno())
+            tmp.replace(owner)
+            if self._fsync:
+                self._sync_dir()
+            return
+        if found != chain_id:
+            self.close(applied_upto=-1)
+            raise LedgerError(
+                f"the ledger journal at {self.directory} belongs to chain {found!r},"
+                f" not {chain_id!r}",
+                hint=(
+                    "start once with that ledger.chain_id to commit what it holds (a clean"
+                    " stop empties it), or give this chain its own ledger.journal_dir"
+                ),
+            )
 
     def _truncate(self, path: Path, size: int) -> None:
         fd = os.open(path, os.O_RDWR)

@@ -225,7 +225,10 @@ class LedgerWriter:
         """Queue the journal's records after the chain's mark (acknowledged events a crash
         kept from Postgres), ahead of anything new."""
         loop = asyncio.get_running_loop()
-        records = await loop.run_in_executor(self._executor, journal.open, self.applied_upto)
+        records = await loop.run_in_executor(
+            self._executor,
+            functools.partial(journal.open, self.applied_upto, chain_id=self.chain_id),
+        )
         for pos, payload in records:
             event = decode_event(payload)
             fut: asyncio.Future[Appended] = loop.create_future()
