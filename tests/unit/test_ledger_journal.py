@@ -110,9 +110,12 @@ def test_segments_the_chain_holds_are_deleted(tmp_path: Path) -> None:
     j.trim(3)  # records 1-2 are held; 3 is, 4 not yet
     assert [s.name[8:-4].lstrip("0") for s in segments(tmp_path)] == ["3", "5"]
     j.trim(6)
-    assert len(segments(tmp_path)) == 1  # the one being written stays
+    assert segments(tmp_path) == []  # the one being written too: nothing applied lingers
+    assert j.append(b"next") == 7
+    j.sync()  # into a new segment
+    assert [s.name[8:-4].lstrip("0") for s in segments(tmp_path)] == ["7"]
     j.close(applied_upto=6)
-    assert segments(tmp_path) == []
+    assert Journal(tmp_path).open(6) == [(7, b"next")]
 
 
 def test_reopening_deletes_what_the_mark_covers(tmp_path: Path) -> None:

@@ -319,13 +319,17 @@ class Journal:
             os.close(fd)
 
     def trim(self, applied_upto: int) -> None:
-        """Delete the segments every record of which the chain holds (but the one being
-        written, unless it too is wholly applied and nothing more was appended)."""
+        """Delete the segments every record of which the chain holds, the one being written
+        too (the next sync starts a new one): applied records do not linger on disk, and an
+        idle sidecar's journal is empty."""
         with self._seg_lock:
             keep: list[_Segment] = []
+            last = len(self._segments) - 1
             for i, seg in enumerate(self._segments):
-                active = i == len(self._segments) - 1
-                if seg.last <= applied_upto and not active:
+                if seg.last <= applied_upto:
+                    if i == last and self._fd >= 0:
+                        os.close(self._fd)
+                        self._fd = -1
                     with contextlib.suppress(FileNotFoundError):
                         seg.path.unlink()
                 else:
