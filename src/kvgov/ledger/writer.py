@@ -197,7 +197,9 @@ class LedgerWriter:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Register the chain (or check its key on restart), read its head, start batching."""
+        """Register the chain (or check its key on restart), read its head, start batching.
+        With a journal, its records after the chain's mark are committed before this
+        returns."""
         if self._task is not None:
             return
         loop = asyncio.get_running_loop()
@@ -212,6 +214,10 @@ class LedgerWriter:
             self._jtask = asyncio.create_task(
                 self._run_journal(self.journal), name=f"kvgov-ledger-journal:{self.chain_id}"
             )
+            if self.stats.journal_replayed:
+                # what the replayed events change (the cache-entry index) is in the database
+                # before anyone reads it to start from
+                await self.flush()
         log.info(
             "ledger.writer.started",
             extra={

@@ -399,6 +399,12 @@ async def run_sidecar(settings: Settings) -> None:
 
     from kvgov.proxy.api.app import create_control_app
 
+    # handlers first: a SIGTERM while the sidecar starts (it serves before the control plane
+    # is up) stops it gracefully once started, instead of killing it mid-way
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     sidecar = await build_sidecar(settings)
     await sidecar.start()
     if sidecar.engine is not None:
@@ -413,10 +419,6 @@ async def run_sidecar(settings: Settings) -> None:
         create_control_app(sidecar), host=api.host, port=api.port, log_config=None, lifespan="off"
     )
     web = _control_server_class()(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     web_task = asyncio.create_task(web.serve())
     await stop.wait()
     log.info("sidecar.stopping")
