@@ -1,4 +1,4 @@
-"""``kvgov audit``: sign chain heads and re-verify the whole ledger.
+"""``kvgov audit``: sign chain heads, re-verify the whole ledger, read the local journal.
 
 ``audit verify`` exits 0 when every chain and checkpoint verifies and 1 otherwise, printing
 the first bad position of each broken chain (``--json`` for the full report).
@@ -84,6 +84,58 @@ def register(app: typer.Typer) -> None:
             if not report.chains:
                 echo("ledger is empty")
         if not report.ok:
+            raise typer.Exit(EXIT_FAILED)
+
+    @group.command("journal")
+    def journal_cmd(
+        ctx: typer.Context,
+        directory: Path | None = typer.Option(
+            None, "--dir", help="Journal directory (default: ledger.journal_dir)."
+        ),
+        as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    ) -> None:
+        """Show the local ledger journal (read-only): its chain, segments, damage, and how
+        many records the database does not hold yet. Exit 1 if a start would refuse it."""
+        from sqlalchemy import select
+
+        from kvgov.ledger.db import make_engine
+        from kvgov.ledger.journal import inspect_journal
+        from kvgov.ledger.models import JournalMark
+
+        s = settings(ctx)
+        where = directory or s.journal_path
+        if not where.is_dir():
+            echo(f"no ledger journal at {where}")
+            return
+        report = inspect_journal(where)
+        mark: int | None = None
+        if report.chain_id is not None:
+            engine = make_engine(s.database_url)
+            try:
+                with engine.connect() as conn:
+                    mark = conn.execute(
+                        select(JournalMark.applied_upto).where(
+                            JournalMark.chain_id == report.chain_id
+                        )
+                    ).scalar()
+            finally:
+                engine.dispose()
+        unapplied = [p for p in report.records if mark is None or p > mark]
+        if as_json:
+            emit_json({**report.to_dict(), "mark": mark, "unapplied": len(unapplied)})
+        else:
+            state = "in use by a running sidecar" if report.in_use else "not in use"
+            echo(f"journal {report.directory}: chain {report.chain_id!r}, {state}")
+            for seg in report.segments:
+                span = f"records {seg.first}-{seg.last}" if seg.records else "no records"
+                line = f"  {seg.name}: {span} ({seg.records}), {seg.nbytes} bytes"
+                echo(line + (f"; DAMAGED: {seg.damage}" if seg.damage else ""))
+            if not report.segments:
+                echo("  empty: the database holds every journaled event")
+            echo(f"database mark: {mark}; records after it: {len(unapplied)}")
+            if report.blocks_start:
+                echo("a sidecar start would refuse this journal: see docs/ledger.md")
+        if report.blocks_start:
             raise typer.Exit(EXIT_FAILED)
 
     app.add_typer(group, name="audit")

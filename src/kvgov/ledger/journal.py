@@ -114,6 +114,94 @@ def _scan(data: bytes, expect_first: int | None) -> _Scan:
     return _Scan(records, off, None)
 
 
+@dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    """One segment as :func:`inspect_journal` read it."""
+
+    name: str
+    first: int
+    last: int
+    records: int
+    nbytes: int
+    #: why reading stopped before the end of the file (None: read to its end)
+    damage: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class JournalReport:
+    directory: str
+    #: the chain the journal belongs to (None: never used)
+    chain_id: str | None
+    #: a process holds the journal's lock (a running sidecar)
+    in_use: bool
+    segments: list[SegmentInfo]
+
+    @property
+    def records(self) -> list[int]:
+        """Positions of the records that read back (in order)."""
+        return [p for s in self.segments for p in range(s.first, s.last + 1) if s.records]
+
+    @property
+    def blocks_start(self) -> bool:
+        """Damage a start refuses: anywhere but in the last segment."""
+        return any(s.damage is not None for s in self.segments[:-1])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "directory": self.directory,
+            "chain_id": self.chain_id,
+            "in_use": self.in_use,
+            "blocks_start": self.blocks_start,
+            "segments": [
+                {
+                    "name": s.name,
+                    "first": s.first,
+                    "last": s.last,
+                    "records": s.records,
+                    "bytes": s.nbytes,
+                    "damage": s.damage,
+                }
+                for s in self.segments
+            ],
+        }
+
+
+def inspect_journal(directory: Path) -> JournalReport:
+    """Read a journal directory without changing it (no lock taken, nothing cut off): what
+    ``kvgov audit journal`` shows an operator, for instance before moving a damaged segment
+    aside."""
+    owner = directory / _OWNER_NAME
+    chain_id = owner.read_text(encoding="utf-8") if owner.exists() else None
+    in_use = False
+    lock = directory / _LOCK_NAME
+    if lock.exists():
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            in_use = True
+        finally:
+            os.close(fd)  # closing the descriptor drops a lock taken here
+    segments: list[SegmentInfo] = []
+    expect: int | None = None
+    for path in sorted(directory.glob(f"{_PREFIX}*{_SUFFIX}")):
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:  # deleted meanwhile by the running sidecar
+            continue
+        scan = _scan(data, expect)
+        if scan.records:
+            first, last = scan.records[0][0], scan.records[-1][0]
+            expect = last + 1
+        else:
+            first = int(path.name[len(_PREFIX) : -len(_SUFFIX)] or 0)
+            last = first - 1
+        segments.append(
+            SegmentInfo(path.name, first, last, len(scan.records), len(data), scan.damage)
+        )
+    return JournalReport(str(directory), chain_id, in_use, segments)
+
+
 class Journal:
     """One chain's journal directory. ``open`` first (it returns what to replay)."""
 
@@ -175,9 +263,10 @@ class Journal:
                     raise LedgerError(
                         f"ledger journal segment {path.name} is damaged: {scan.damage}",
                         hint=(
-                            "acknowledged ledger events may be in it: keep a copy for the audit"
-                            " trail, then move it and every later segment out of "
-                            f"{d} to start (their events are then missing from the chain)"
+                            "acknowledged ledger events may be in it: `kvgov audit journal`"
+                            " shows what reads back; keep a copy for the audit trail, then move"
+                            f" it and every later segment out of {d} to start (their events"
+                            " are then missing from the chain)"
                         ),
                     )
                 log.warning(
