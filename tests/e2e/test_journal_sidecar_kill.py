@@ -9,12 +9,10 @@ the ledger) knows the chunks, and they are served byte for byte from the filesys
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -26,63 +24,24 @@ from sqlalchemy import create_engine, text
 
 from kvgov.wire.client import WireClient
 from kvgov.wire.messages import RequestContext
+from tests.e2e.served import serve, serve_env
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 CTX = RequestContext(request_id="req-journal", user="alice", tenant="acme")
 
 
 @pytest.fixture
 def env(pg_url: str) -> Iterator[dict[str, str]]:
     data_dir = Path(tempfile.mkdtemp(prefix="kvj-"))  # short: the Unix socket lives here
-    policy = json.loads((ROOT / "src/kvgov/policy/rego/data.json").read_text())
-    policy["tenants"] = {"acme": {"enabled": True, "engines": ["*"]}}
-    (data_dir / "policy-data.json").write_text(json.dumps(policy))
-    out = {k: v for k, v in os.environ.items() if not k.startswith("KVGOV_")}
-    out.update(
-        {
-            "KVGOV_DATA_DIR": str(data_dir),
-            "KVGOV_DATABASE__URL": pg_url,
-            "KVGOV_LOG_LEVEL": "warning",
-            "KVGOV_DATAPLANE__HOST": "",
-            "KVGOV_DATAPLANE__UNIX_PATH": str(data_dir / "data.sock"),
-            "KVGOV_DATAPLANE__LM_PORT": "-1",
-            "KVGOV_API__PORT": "0",
-            "KVGOV_POLICY__DATA_FILE": str(data_dir / "policy-data.json"),
-            "KVGOV_TIERS__CHAIN": '["memory", "filesystem"]',
-            "KVGOV_TIERS__FILESYSTEM_FSYNC": "false",
-        }
-    )
-    yield out
+    yield serve_env(pg_url, data_dir, KVGOV_TIERS__CHAIN='["memory", "filesystem"]')
     shutil.rmtree(data_dir, ignore_errors=True)
-
-
-def serve(env: dict[str, str]) -> subprocess.Popen[bytes]:
-    sock = Path(env["KVGOV_DATAPLANE__UNIX_PATH"])
-    sock.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvgov", "serve"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 60
-    while not sock.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            err = proc.stderr.read().decode() if proc.stderr is not None else ""
-            raise RuntimeError(f"kvgov serve did not start: {err[-2000:]}")
-        time.sleep(0.05)
-    return proc
 
 
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
     if proc.poll() is None:
         proc.send_signal(sig)
     proc.wait(60)
-    if proc.stderr is not None:
-        proc.stderr.close()
 
 
 def key(i: int) -> str:

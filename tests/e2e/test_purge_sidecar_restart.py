@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,16 +28,9 @@ from sqlalchemy import create_engine, text
 
 from kvgov.wire.client import WireClient
 from kvgov.wire.messages import EvictRequest, RequestContext
+from tests.e2e.served import serve, serve_env
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _VllmStandIn(http.server.BaseHTTPRequestHandler):
@@ -79,29 +71,15 @@ def vllm() -> Iterator[str]:
 @pytest.fixture
 def env(pg_url: str, vllm: str) -> Iterator[dict[str, str]]:
     data_dir = Path(tempfile.mkdtemp(prefix="kvr-"))  # short: the Unix socket lives here
-    policy = json.loads((ROOT / "src/kvgov/policy/rego/data.json").read_text())
-    policy["tenants"] = {"acme": {"enabled": True, "engines": ["*"]}}
-    (data_dir / "policy-data.json").write_text(json.dumps(policy))
-    out = {k: v for k, v in os.environ.items() if not k.startswith("KVGOV_")}
-    out.update(
-        {
-            "KVGOV_DATA_DIR": str(data_dir),
-            "KVGOV_DATABASE__URL": pg_url,
-            "KVGOV_LOG_LEVEL": "warning",
-            "KVGOV_DATAPLANE__HOST": "",
-            "KVGOV_DATAPLANE__UNIX_PATH": str(data_dir / "data.sock"),
-            "KVGOV_DATAPLANE__LM_PORT": "-1",
-            "KVGOV_POLICY__DATA_FILE": str(data_dir / "policy-data.json"),
-            "KVGOV_TIERS__FILESYSTEM_FSYNC": "false",
-            "KVGOV_API__PORT": str(_free_port()),
-            "KVGOV_PURGE__POLL_INTERVAL_S": "0.1",
-            "KVGOV_PURGE__STEP_LEASE_S": "2",
-            "KVGOV_PURGE__JOB_TIMEOUT_S": "90",
-            "KVGOV_PURGE__HTTP_TIMEOUT_S": "60",
-            "KVGOV_PURGE__VLLM_ENGINES": json.dumps([vllm]),
-        }
+    yield serve_env(
+        pg_url,
+        data_dir,
+        KVGOV_PURGE__POLL_INTERVAL_S="0.1",
+        KVGOV_PURGE__STEP_LEASE_S="2",
+        KVGOV_PURGE__JOB_TIMEOUT_S="90",
+        KVGOV_PURGE__HTTP_TIMEOUT_S="60",
+        KVGOV_PURGE__VLLM_ENGINES=json.dumps([vllm]),
     )
-    yield out
     shutil.rmtree(data_dir, ignore_errors=True)
 
 
@@ -114,24 +92,6 @@ def _kvgov(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
         timeout=180,
         check=False,
     )
-
-
-def _serve(env: dict[str, str]) -> subprocess.Popen[bytes]:
-    sock = Path(env["KVGOV_DATAPLANE__UNIX_PATH"])
-    sock.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvgov", "serve"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while not sock.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("kvgov serve did not start")
-        time.sleep(0.05)
-    return proc
 
 
 def _wait(predicate: object, timeout_s: float, what: str) -> None:
@@ -150,7 +110,7 @@ def _keys(user: str) -> list[str]:
 def test_sigkill_mid_purge_then_restart_completes(env: dict[str, str], pg_url: str) -> None:
     db = create_engine(pg_url)
     endpoint = f"unix://{env['KVGOV_DATAPLANE__UNIX_PATH']}"
-    proc = _serve(env)
+    proc = serve(env)
     try:
         with WireClient(endpoint, engine_id="engine-1") as client:
             for user in ("alice", "bob"):
@@ -194,7 +154,7 @@ def test_sigkill_mid_purge_then_restart_completes(env: dict[str, str], pg_url: s
     assert [s for label, s in states.items() if label.startswith("engines@")] == ["pending"]
 
     _VllmStandIn.release.set()  # the stand-in answers at once from now on
-    proc = _serve(env)
+    proc = serve(env)
     try:
 
         def finished() -> bool:
@@ -252,7 +212,7 @@ def test_engine_that_does_not_acknowledge_makes_the_purge_incomplete(
         stuck.wait(30)
         return []
 
-    proc = _serve(env)
+    proc = serve(env)
     good = WireClient(endpoint, engine_id="engine-good")
     silent = WireClient(endpoint, engine_id="engine-silent")
     try:
