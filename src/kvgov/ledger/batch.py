@@ -31,7 +31,7 @@ from kvgov.ledger.chain import (
     normalize_json,
     payload_digest,
 )
-from kvgov.ledger.events import EVENT_TEXT_FIELDS, Appended, Event, event_texts
+from kvgov.ledger.events import EVENT_TEXT_FIELDS, Appended, Event
 from kvgov.ledger.indexes import apply_indexes, pg_index_statements, plan_indexes
 from kvgov.ledger.models import (
     Chain,
@@ -79,7 +79,23 @@ _ALL_SCALARS = repeat(_SCALARS)
 def prepare(event: Event) -> Prepared:
     """Check and normalise one event. Raises :class:`LedgerError` for what cannot be stored."""
     e = event
-    texts = [t for t in event_texts(e) if t is not None]
+    # EVENT_TEXT_FIELDS, read one by one: on the event loop for every journaled event, and
+    # attribute reads cost half of an attrgetter's call (measured, Python 3.11)
+    texts = [
+        t
+        for t in (
+            e.tenant,
+            e.actor,
+            e.request_id,
+            e.key_digest,
+            e.tier,
+            e.reason,
+            e.decision_id,
+            e.policy_revision,
+            e.principal,
+        )
+        if t is not None
+    ]
     joined = "".join(texts)
     if "\x00" in joined:
         for name in EVENT_TEXT_FIELDS:

@@ -15,7 +15,6 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from operator import attrgetter
 from typing import Any, Protocol, runtime_checkable
 
 from kvgov.types import EntryState, EventKind, Outcome, Scope, Sensitivity
@@ -90,8 +89,6 @@ EVENT_TEXT_FIELDS = (
     "policy_revision",
     "principal",
 )
-#: ``event_texts(event)``: the tuple of those fields' values (one C-level call)
-event_texts = attrgetter(*EVENT_TEXT_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)

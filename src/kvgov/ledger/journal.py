@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgov.errors import LedgerError
-from kvgov.ledger.events import EVENT_TEXT_FIELDS, EntryChange, Event, event_texts
+from kvgov.ledger.events import EVENT_TEXT_FIELDS, EntryChange, Event
 from kvgov.logging import get_logger
 from kvgov.types import EntryState, EventKind, Outcome, Scope, Sensitivity
 
@@ -505,7 +505,16 @@ def encode_event(event: Event) -> bytes:
         _CODEC_VERSION,
         e.kind.value,
         _micros(e.occurred_at),
-        *event_texts(e),
+        # EVENT_TEXT_FIELDS, in its order (read one by one: cheaper than an attrgetter)
+        e.tenant,
+        e.actor,
+        e.request_id,
+        e.key_digest,
+        e.tier,
+        e.reason,
+        e.decision_id,
+        e.policy_revision,
+        e.principal,
         e.nbytes,
         None if e.outcome is None else e.outcome.value,
         dict(e.attrs) if e.attrs else None,
