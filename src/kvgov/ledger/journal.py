@@ -60,6 +60,19 @@ _LOCK_NAME = "lock"
 _OWNER_NAME = "chain"
 
 
+def _segment_paths(directory: Path) -> list[Path]:
+    return sorted(directory.glob(f"{_PREFIX}*{_SUFFIX}"))
+
+
+def _span(path: Path, scan: _Scan) -> tuple[int, int]:
+    """A segment's first and last positions: its records', or, with none, the one its name
+    gives and the one before."""
+    if scan.records:
+        return scan.records[0][0], scan.records[-1][0]
+    first = int(path.name[len(_PREFIX) : -len(_SUFFIX)] or 0)
+    return first, first - 1
+
+
 def _crc(length: int, pos: int, payload: bytes | memoryview) -> int:
     return zlib.crc32(payload, zlib.crc32(_LEN_POS.pack(length, pos)))
 
@@ -184,18 +197,15 @@ def inspect_journal(directory: Path) -> JournalReport:
             os.close(fd)  # closing the descriptor drops a lock taken here
     segments: list[SegmentInfo] = []
     expect: int | None = None
-    for path in sorted(directory.glob(f"{_PREFIX}*{_SUFFIX}")):
+    for path in _segment_paths(directory):
         try:
             data = path.read_bytes()
         except FileNotFoundError:  # deleted meanwhile by the running sidecar
             continue
         scan = _scan(data, expect)
+        first, last = _span(path, scan)
         if scan.records:
-            first, last = scan.records[0][0], scan.records[-1][0]
             expect = last + 1
-        else:
-            first = int(path.name[len(_PREFIX) : -len(_SUFFIX)] or 0)
-            last = first - 1
         segments.append(
             SegmentInfo(path.name, first, last, len(scan.records), len(data), scan.damage)
         )
@@ -250,7 +260,7 @@ class Journal:
                 hint="each sidecar needs its own data_dir (or ledger.journal_dir)",
             ) from err
         self._check_owner(chain_id)
-        paths = sorted(d.glob(f"{_PREFIX}*{_SUFFIX}"))
+        paths = _segment_paths(d)
         pending: list[tuple[int, bytes]] = []
         expect: int | None = None
         last_pos = 0
@@ -278,14 +288,11 @@ class Journal:
                     },
                 )
                 self._truncate(path, max(scan.good_bytes, len(MAGIC)))
-            first = int(path.name[len(_PREFIX) : -len(_SUFFIX)] or 0)
+            first, last = _span(path, scan)
             if scan.records:
-                first = scan.records[0][0]
-                expect = scan.records[-1][0] + 1
-                last_pos = scan.records[-1][0]
-            seg_last = scan.records[-1][0] if scan.records else first - 1
+                expect, last_pos = last + 1, last
             size = max(scan.good_bytes, len(MAGIC))
-            self._segments.append(_Segment(path, first, seg_last, size))
+            self._segments.append(_Segment(path, first, last, size))
             pending.extend(r for r in scan.records if r[0] > applied_upto)
         self._next = max(last_pos, applied_upto) + 1
         self.durable = self._next - 1
@@ -303,7 +310,7 @@ class Journal:
             found: str | None = owner.read_text(encoding="utf-8")
         except FileNotFoundError:
             found = None
-        if found != chain_id and not any(self.directory.glob(f"{_PREFIX}*{_SUFFIX}")):
+        if found != chain_id and not _segment_paths(self.directory):
             found = None  # nothing to replay: the directory is free for this chain
         if found is None:
             tmp = owner.with_suffix(".tmp")

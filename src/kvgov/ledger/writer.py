@@ -361,12 +361,18 @@ class LedgerWriter:
         """Queue an event nothing waits on: it may linger up to ``lazy_max_delay_ms`` to share
         a commit (its future still resolves once it is committed). With a journal it is also
         journaled (synced at once, nobody waiting), so a crash does not lose it."""
-        journaled = self._journal_event(event) if self._lazy_journal else None
+        journaled = None
+        if self._lazy_journal:
+            try:
+                journaled = self._journal_event(event)
+            except LedgerError:  # the batch refuses it, as it would without a journal
+                journaled = None
         return self.submit(event, urgent=False, _journaled=journaled)
 
     def _journal_event(self, event: Event) -> tuple[Prepared, int] | None:
-        """Append ``event`` to the journal if it is up (None otherwise, or if the ledger would
-        refuse the event: the writer then refuses it as it would without a journal)."""
+        """Append ``event`` to the journal and return it prepared, with its position; None if
+        the journal is not taking events (absent, failed, closing, queue full). Raises
+        :class:`LedgerError` for an event the ledger would refuse (nothing is journaled)."""
         journal = self.journal
         if (
             journal is None
@@ -376,12 +382,8 @@ class LedgerWriter:
             or len(self._queue) >= self._queue_max
         ):
             return None
-        try:
-            prepared = prepare(event)
-            payload = encode_event(event)
-        except LedgerError:
-            return None
-        pos = journal.append(payload)
+        prepared = prepare(event)
+        pos = journal.append(encode_event(event))
         self._jwake.set()
         return prepared, pos
 
@@ -395,20 +397,13 @@ class LedgerWriter:
         local journal (the event then waits for company like a lazy one), or, without a
         working journal, committed. Raises :class:`LedgerError` for an event the ledger could
         never store, :class:`~kvgov.errors.LedgerBackpressureError` when the queue is full."""
-        journal = self.journal
-        if journal is None or journal.broken is not None or self._jtask is None:
+        journaled = self._journal_event(event)  # a refusal raises now, before any ack
+        if journaled is None:  # no journal takes it: closed or full (submit raises), or failed
             return self.submit(event)
-        if self._closing:
-            raise LedgerError("ledger writer is closed")
-        if len(self._queue) >= self._queue_max:  # before anything is journaled
-            return self.submit(event)  # raises LedgerBackpressureError
-        prepared = prepare(event)  # refused now, not after the acknowledgement
-        pos = journal.append(encode_event(event))
-        commit = self.submit(event, urgent=False, _journaled=(prepared, pos))
+        commit = self.submit(event, urgent=False, _journaled=journaled)
         commit.add_done_callback(_log_unwritten)
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._jwaiters.append((pos, ack, commit))
-        self._jwake.set()
+        self._jwaiters.append((journaled[1], ack, commit))
         return ack
 
     async def _run_journal(self, journal: Journal) -> None:

@@ -70,14 +70,16 @@ class EventDecisionRecorder:
     def __init__(self, sink: EventSink, *, durable: bool = False) -> None:
         self.sink = sink
         self.durable = durable
+        # checked once: an isinstance against a runtime Protocol walks its attributes
+        self._queued = sink if isinstance(sink, QueuedEventSink) else None
 
     async def record(self, inp: PolicyInput, decision: Decision) -> None:
         event = decision_event(inp, decision)
         if self.durable:
             await self.sink.append(event)
             return
-        if isinstance(self.sink, QueuedEventSink):  # into the local journal, when there is one
-            future = self.sink.submit_queued(event)
+        if self._queued is not None:  # into the local journal, when there is one
+            future = self._queued.submit_queued(event)
         else:
             future = self.sink.submit(event)
         future.add_done_callback(_log_failure)
