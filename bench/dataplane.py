@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import signal
 import socket
@@ -61,7 +62,10 @@ def settings_for(tmp: Path, db_url: str, *, governance: bool) -> Any:
         database={"url": db_url},
         dataplane={
             "port": 0,
+            # the shipped example policy names lm-demo for demo ("*" does not admit lm://)
             "lm_port": 0,
+            "lm_engine_id": "lm-demo",
+            "lm_tenants": ["demo"],
             "governance": governance,
             "buffer_pool_bytes": 512 * MIB,
         },
@@ -109,8 +113,13 @@ def sidecar_process(
             proc.wait()
 
 
-def key(i: int, size: int) -> str:
-    return f"bench-model@1@0@{i:016x}{size:x}@bfloat16@tenant%demo@user%u1"
+#: each run stores fresh keys: a put of a live key is kept (acknowledged, not rewritten), and
+#: timing those would not measure a put
+_RUNS = itertools.count(1)
+
+
+def key(i: int, size: int, run: int = 0) -> str:
+    return f"bench-model@1@0@{run:x}{i:016x}{size:x}@bfloat16@tenant%demo@user%u1"
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -176,18 +185,20 @@ def run_wire(port: int, pid: int, size: int, n: int, depth: int) -> WireRun:
     data = os.urandom(size)
     bufs = [memoryview(bytearray(size)) for _ in range(depth)]
     ctx = RequestContext(request_id="bench", user="u1")
+    run = next(_RUNS)
     with WireClient(f"tcp://127.0.0.1:{port}", engine_id="bench", pool_size=1) as client:
-        client.put(key(10**6, size), data, ctx)  # warm: keys, buffers, policy cache
-        client.get_into(key(10**6, size), bufs[0], ctx)
+        client.put(key(10**6, size, run), data, ctx)  # warm: keys, buffers, policy cache
+        client.get_into(key(10**6, size, run), bufs[0], ctx)
 
         def puts() -> None:
-            acks = client.put_stream(((key(i, size), data) for i in range(n)), ctx, depth=depth)
+            items = ((key(i, size, run), data) for i in range(n))
+            acks = client.put_stream(items, ctx, depth=depth)
             if not all(a.ok for a in acks):
                 raise RuntimeError("put refused")
 
         def gets() -> None:
             for start in range(0, n, depth):
-                keys = [key(i, size) for i in range(start, min(n, start + depth))]
+                keys = [key(i, size, run) for i in range(start, min(n, start + depth))]
                 slots = iter(bufs)
 
                 def alloc(result: GetResult, slots: Iterator[memoryview] = slots) -> memoryview:
@@ -267,16 +278,16 @@ def run_lm(port: int, size: int, n: int) -> tuple[float, float]:
     data = os.urandom(size)
     buf = memoryview(bytearray(size))
     shape = torch.Size([2, size // (2 * 256 * 2 * 64), 256, 128])
+    run = next(_RUNS) << 40
+    tags = {"lmcache.tag.tenant": "demo"}
     keys = [
-        CacheEngineKey(
-            "bench", 1, 0, i * 7919 + size, torch.bfloat16, {"lmcache.tag.tenant": "demo"}
-        )
-        for i in range(n)
+        CacheEngineKey("bench", 1, 0, run + i * 7919 + size, torch.bfloat16, tags) for i in range(n)
     ]
+    warm = CacheEngineKey("bench", 1, 0, run + (1 << 39), torch.bfloat16, tags)
     client = LmClient(port)
     try:
-        client.put(keys[0], data, shape)
-        client.get_into(keys[0], buf)
+        client.put(warm, data, shape)
+        client.get_into(warm, buf)
         tput = timed(lambda: [client.put(k, data, shape) for k in keys] and None)
         # PUT has no reply: a GET of the last key waits until the server processed them all
         tput += timed(lambda: client.get_into(keys[-1], buf) and None)

@@ -416,11 +416,25 @@ def lmcache_server(port: int | None = None) -> Iterator[str]:
 # --- a real kvgov sidecar ---------------------------------------------------------------------
 
 
+#: the engine id a test's ``lm://`` listener is declared as (:func:`lm_env`)
+LM_ENGINE = "lm-engine"
+
+
+def lm_env(tenants: list[str]) -> dict[str, str]:
+    """``KVGOV_*`` settings that turn the ``lm://`` listener on (a free port) for ``tenants``."""
+    return {
+        "KVGOV_DATAPLANE__LM_PORT": "0",
+        "KVGOV_DATAPLANE__LM_ENGINE_ID": LM_ENGINE,
+        "KVGOV_DATAPLANE__LM_TENANTS": json.dumps(tenants),
+    }
+
+
 def policy_data(tenants: list[str], base: Path | None = None) -> dict[str, Any]:
-    """The shipped policy data document with ``tenants`` enabled for every engine."""
+    """The shipped policy data document with ``tenants`` enabled for every engine (and for
+    the ``lm://`` listener when it is declared as :data:`LM_ENGINE`: ``"*"`` does not admit it)."""
     base = base or Path(__file__).resolve().parents[1] / "src/kvgov/policy/rego/data.json"
     data: dict[str, Any] = json.loads(base.read_text())
-    data["tenants"] = {t: {"enabled": True, "engines": ["*"]} for t in tenants}
+    data["tenants"] = {t: {"enabled": True, "engines": ["*", LM_ENGINE]} for t in tenants}
     data["revision"] = "test-" + "-".join(tenants)
     return data
 

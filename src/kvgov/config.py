@@ -29,6 +29,8 @@ from kvgov.errors import ConfigError
 from kvgov.types import Environment
 
 _MIB = 1024 * 1024
+#: addresses that reach only this host (a pod's own network namespace, in Kubernetes)
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 TierName = Literal["memory", "filesystem", "redis"]
 _DEFAULT_CHAIN: tuple[TierName, ...] = ("memory", "filesystem")
@@ -124,13 +126,20 @@ class DataPlaneSettings(_Section):
     port: int = Field(default=7070, ge=0, le=65535)
     #: kvgov wire protocol on a Unix socket; empty disables it
     unix_path: Path | None = None
-    #: LMCache ``lm://`` compatibility listener; port 0 picks a free port, -1 disables it
+    #: LMCache ``lm://`` compatibility listener (``docs/operations.md``, "Running lm://
+    #: safely"): off (-1) unless configured; port 0 picks a free port. The protocol has no
+    #: handshake, so whoever can connect speaks as ``lm_engine_id`` for ``lm_tenants``
     lm_host: str = "127.0.0.1"
-    lm_port: int = Field(default=7071, ge=-1, le=65535)
-    #: tenant assumed for ``lm://`` keys that carry no tenant tag (empty: such keys are denied)
+    lm_port: int = Field(default=-1, ge=-1, le=65535)
+    #: the engine identity the listener stands for (required when it is on): the policy must
+    #: name it in a tenant's ``engines`` (``"*"`` does not admit it)
+    lm_engine_id: str = Field(default="", max_length=128)
+    #: the tenants the listener may serve (required when it is on); keys of any other tenant
+    #: are denied before the policy is asked
+    lm_tenants: list[str] = Field(default_factory=list)
+    #: tenant assumed for ``lm://`` keys that carry no tenant tag (empty: such keys are denied);
+    #: must be one of ``lm_tenants``
     lm_default_tenant: str = ""
-    #: engine identity recorded for ``lm://`` connections (the protocol has no handshake)
-    lm_engine_id: str = "lm-anonymous"
     #: engine tokens: ``{"token": "engine-id"}``. Empty in development accepts any engine id.
     engine_tokens: dict[str, SecretStr] = Field(default_factory=dict)
     max_frame_bytes: int = Field(default=256 * _MIB, ge=_MIB)
@@ -148,6 +157,24 @@ class DataPlaneSettings(_Section):
     inline_crypto_bytes: int | None = Field(default=None, ge=0)
     #: ``False`` switches policy, encryption and the ledger off: for benchmarks only
     governance: bool = True
+
+    def lm_problems(self) -> list[str]:
+        """What is missing to turn the ``lm://`` listener on (in every environment)."""
+        if self.lm_port < 0:
+            return []
+        problems = []
+        if not self.lm_engine_id:
+            problems.append(
+                "dataplane.lm_engine_id must name the engine the lm:// listener stands for "
+                "(the protocol has no handshake; list that id in your policy's tenant engines)"
+            )
+        if not self.lm_tenants:
+            problems.append(
+                "dataplane.lm_tenants must list the tenants the lm:// listener may serve"
+            )
+        if self.lm_default_tenant and self.lm_default_tenant not in self.lm_tenants:
+            problems.append("dataplane.lm_default_tenant must be one of dataplane.lm_tenants")
+        return problems
 
 
 class ApiSettings(_Section):
@@ -217,6 +244,9 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _unsafe_combinations(self) -> Settings:
+        problems = self.dataplane.lm_problems()
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.environment is Environment.PRODUCTION:
             problems = list(self.production_problems())
             if problems:
@@ -238,6 +268,12 @@ class Settings(BaseSettings):
             problems.append("keys.kek_path must point at a provisioned key-encryption key")
         if self.database.url.startswith("sqlite") or not self.database.url:
             problems.append("production needs a Postgres ledger (database.url)")
+        dp = self.dataplane
+        if dp.lm_port >= 0 and dp.lm_host not in LOOPBACK_HOSTS:
+            problems.append(
+                f"dataplane.lm_host={dp.lm_host} exposes the handshake-less lm:// listener "
+                "beyond this host: bind it to 127.0.0.1 (the engine in the same pod)"
+            )
         return problems
 
     # -- derived paths ---------------------------------------------------------------------

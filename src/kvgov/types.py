@@ -41,6 +41,8 @@ class EventKind(StrEnum):
 
     # data plane
     KV_PUT = "kv:put"
+    #: a put of a key that is live (or being stored): acknowledged, nothing rewritten
+    KV_PUT_KEPT = "kv:put:kept"
     KV_GET = "kv:get"  # a hit that served bytes: the provenance edge
     KV_MISS = "kv:miss"
     KV_EXISTS = "kv:exists"

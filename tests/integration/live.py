@@ -16,6 +16,10 @@ from kvgov.policy.embedded import EmbeddedPolicyEngine
 from kvgov.proxy.app import Sidecar, build_sidecar
 from kvgov.proxy.dataplane.plans import INLINE_ALL, INLINE_CRYPTO_BYTES
 
+#: the ``lm://`` listener on a free port, standing for the shipped example policy's ``lm-demo``
+#: engine (``"*"`` does not admit the handshake-less listener: demo names it), for demo only
+LM_ON = {"lm_port": 0, "lm_engine_id": "lm-demo", "lm_tenants": ["demo"]}
+
 #: values of ``dataplane.inline_crypto_bytes`` for a fixture's ``params``: large chunks in the
 #: crypto pool and a sender thread (what a sidecar with more than two CPUs does), or on the
 #: event loop (two CPUs or fewer)

@@ -36,7 +36,7 @@ from kvgov.proxy.dataplane.plans import GetPlan
 from kvgov.types import EventKind, Outcome
 from kvgov.wire import RequestContext, WireClient
 from kvgov.wire.codec import WireError
-from tests.integration.live import CRYPTO_PATHS, recv_exact, running_sidecar
+from tests.integration.live import CRYPTO_PATHS, LM_ON, recv_exact, running_sidecar
 
 T = TypeVar("T")
 MIB = 1 << 20
@@ -59,7 +59,7 @@ async def sidecar(
         dataplane={
             "host": "127.0.0.1",
             "port": 0,
-            "lm_port": 0,
+            **LM_ON,
             "buffer_pool_bytes": 64 * MIB,
             "inline_crypto_bytes": request.param,
         },

@@ -31,7 +31,7 @@ from kvgov.wire.codec import (
     decode_meta,
     encode_frame,
 )
-from tests.integration.live import recv_exact
+from tests.integration.live import LM_ON, recv_exact
 
 pytestmark = pytest.mark.postgres
 
@@ -127,7 +127,7 @@ async def test_stop_drains_an_lm_put_in_flight(tmp_path: Path, pg_url: str) -> N
     settings = Settings(
         data_dir=tmp_path / "data",
         database={"url": pg_url},
-        dataplane={"host": "127.0.0.1", "port": 0, "lm_port": 0, "buffer_pool_bytes": 64 * MIB},
+        dataplane={"host": "127.0.0.1", "port": 0, **LM_ON, "buffer_pool_bytes": 64 * MIB},
         tiers={"chain": ["memory"]},
     )
     sc = await build_sidecar(
@@ -160,4 +160,4 @@ async def test_stop_drains_an_lm_put_in_flight(tmp_path: Path, pg_url: str) -> N
             ).all()
     finally:
         engine.dispose()
-    assert [tuple(r) for r in rows] == [("kv:put", "lm:lm-anonymous", len(value))]
+    assert [tuple(r) for r in rows] == [("kv:put", "lm:lm-demo", len(value))]

@@ -50,7 +50,7 @@ from kvgov.wire.codec import (
     encode_frame,
 )
 from tests.conftest import create_pg_database, drop_pg_database
-from tests.integration.live import recv_exact
+from tests.integration.live import LM_ON, recv_exact
 
 pytestmark = pytest.mark.postgres
 
@@ -156,7 +156,7 @@ def _live(data_dir: Path, *, max_frame: int, pool: int, rego: bool = True) -> It
             dataplane={
                 "host": "127.0.0.1",
                 "port": 0,
-                "lm_port": 0,
+                **LM_ON,
                 "max_frame_bytes": max_frame,
                 "buffer_pool_bytes": pool,
             },

@@ -19,7 +19,7 @@ from kvgov.proxy.app import Sidecar
 from kvgov.types import EventKind
 from kvgov.wire import RequestContext, WireClient
 from kvgov.wire.codec import WireConnectionError
-from tests.integration.live import running_sidecar
+from tests.integration.live import LM_ON, running_sidecar
 
 pytestmark = pytest.mark.postgres
 
@@ -30,21 +30,20 @@ def settings(tmp: Path, pg_url: str, **ledger: object) -> Settings:
     return Settings(
         data_dir=tmp / "data",
         database={"url": pg_url},
-        dataplane={"host": "127.0.0.1", "port": 0, "lm_port": 0, "buffer_pool_bytes": 64 << 20},
+        dataplane={"host": "127.0.0.1", "port": 0, **LM_ON, "buffer_pool_bytes": 64 << 20},
         tiers={"chain": ["memory"]},
         ledger=ledger,
     )
 
 
-def puts(sc: Sidecar, n: int, *, timeout: float = 10.0) -> list[bool]:
+def puts(sc: Sidecar, n: int, *, first: int = 0, timeout: float = 10.0) -> list[bool]:
+    """Put keys ``first .. first+n-1`` (new keys: a live one would be kept, not recorded)."""
     ctx = RequestContext(request_id="req-j", user="u42")
     with WireClient(
         f"tcp://127.0.0.1:{sc.server.tcp_port}", engine_id="vllm-demo-0", timeout=timeout
     ) as client:
-        return [
-            a.ok
-            for a in client.put_many([(KEY.format(i), bytes([i]) * 4096) for i in range(n)], ctx)
-        ]
+        items = [(KEY.format(i), bytes([i]) * 4096) for i in range(first, first + n)]
+        return [a.ok for a in client.put_many(items, ctx)]
 
 
 def get(sc: Sidecar, i: int) -> bytes | None:
@@ -81,7 +80,7 @@ async def test_puts_are_acknowledged_from_the_journal_while_postgres_cannot_comm
     s = settings(tmp_path, pg_url)
     loop = asyncio.get_running_loop()
     async with running_sidecar(s) as sc:
-        await loop.run_in_executor(None, puts, sc, 1)  # warm: keys, policy decision
+        await loop.run_in_executor(None, lambda: puts(sc, 1, first=100))  # warm: keys, policy
         assert sc.writer is not None
         await sc.writer.flush()
         holder = hold_chain(pg_url, s.chain_id)
@@ -109,7 +108,7 @@ async def test_without_the_journal_a_put_waits_for_its_commit(tmp_path: Path, pg
     s = settings(tmp_path, pg_url, journal=False)
     loop = asyncio.get_running_loop()
     async with running_sidecar(s) as sc:
-        await loop.run_in_executor(None, puts, sc, 1)
+        await loop.run_in_executor(None, lambda: puts(sc, 1, first=100))
         assert sc.writer is not None and sc.writer.journal is None
         await sc.writer.flush()
         holder = hold_chain(pg_url, s.chain_id)

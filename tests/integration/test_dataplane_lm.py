@@ -41,7 +41,7 @@ SHAPE = torch.Size([2, 2, 256, 64])  # [kv, layers, tokens, hidden], bf16: 128 K
 @pytest.fixture
 def sidecar(tmp_path: Path, pg_url: str) -> Iterator[h.SidecarThread]:
     env = h.sidecar_env(tmp_path / "data", tenants=["demo", "globex"], database_url=pg_url)
-    env["KVGOV_DATAPLANE__LM_PORT"] = "0"
+    env.update(h.lm_env(["demo", "globex"]))
     sc = h.SidecarThread(env).start()
     try:
         yield sc
@@ -118,7 +118,7 @@ def test_put_get_exists_through_lmcaches_own_connector(
     with sidecar.session() as s:
         puts = s.scalars(select(LedgerEvent).where(LedgerEvent.kind == EventKind.KV_PUT)).all()
         assert [e.request_id for e in puts] == [None]  # lm:// carries no request: unattributed
-        assert [e.principal for e in puts] == ["lm:lm-anonymous"]
+        assert [e.principal for e in puts] == ["lm:lm-engine"]
 
 
 def test_tenant_tags_are_honoured(sidecar: h.SidecarThread, connector: Connector) -> None:

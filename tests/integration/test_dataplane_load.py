@@ -103,8 +103,10 @@ class Worker(threading.Thread):
                     if not ack.ok:
                         self.errors.append(f"put {ack.error} {ack.reason}")
                         continue
-                    self.written[slot] = value
-                    self.ops["put"] += 1
+                    # a live key keeps its first bytes (a second put is acknowledged, not
+                    # rewritten, and recorded as kept): an engine then reads the first bytes
+                    self.ops["kept" if slot in self.written else "put"] += 1
+                    self.written.setdefault(slot, value)
                 elif roll < 0.8:
                     hit = client.get(key, ctx)
                     expected = self.written.get(slot)
@@ -227,6 +229,7 @@ def test_sixteen_clients_mixed_load(tmp_path: Path, pg_url: str) -> None:
 
     counts = _ledger_counts(pg_url)
     assert counts.get(EventKind.KV_PUT, 0) == ops["put"]
+    assert counts.get(EventKind.KV_PUT_KEPT, 0) == ops["kept"]
     assert counts.get(EventKind.KV_GET, 0) == ops["get"]
     assert counts.get(EventKind.KV_MISS, 0) == ops["miss"]
     assert counts.get(EventKind.KV_EXISTS, 0) == ops["exists"]

@@ -16,7 +16,7 @@ import pytest
 from kvgov.config import Settings
 from kvgov.proxy.app import Sidecar
 from kvgov.wire import RequestContext, WireClient
-from tests.integration.live import CRYPTO_PATHS, running_sidecar
+from tests.integration.live import CRYPTO_PATHS, LM_ON, running_sidecar
 
 pytestmark = pytest.mark.postgres
 
@@ -39,7 +39,7 @@ async def sidecar(
         dataplane={
             "host": "127.0.0.1",
             "port": 0,
-            "lm_port": 0,
+            **LM_ON,
             "buffer_pool_bytes": 128 * MIB,
             "inline_crypto_bytes": request.param,
         },

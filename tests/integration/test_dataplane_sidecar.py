@@ -22,6 +22,7 @@ from kvgov.policy.embedded import EmbeddedPolicyEngine
 from kvgov.proxy.app import Sidecar, build_sidecar
 from kvgov.types import EventKind
 from kvgov.wire import ErrorCode, RequestContext, WireClient
+from tests.integration.live import LM_ON
 
 pytestmark = pytest.mark.postgres
 
@@ -37,7 +38,7 @@ def _settings(tmp: Path, pg_url: str) -> Settings:
     return Settings(
         data_dir=tmp / "data",
         database={"url": pg_url},
-        dataplane={"host": "127.0.0.1", "port": 0, "lm_port": 0, "buffer_pool_bytes": 64 << 20},
+        dataplane={"host": "127.0.0.1", "port": 0, **LM_ON, "buffer_pool_bytes": 64 << 20},
         tiers={"chain": ["memory", "filesystem"], "filesystem_fsync": False},
     )
 

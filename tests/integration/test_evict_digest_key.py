@@ -27,7 +27,7 @@ from kvgov.config import Settings
 from kvgov.proxy.app import Sidecar
 from kvgov.wire import EvictRequest, RequestContext, WireClient
 from kvgov.wire.codec import HEADER_SIZE, FrameType, decode_header, encode_frame
-from tests.integration.live import running_sidecar
+from tests.integration.live import LM_ON, running_sidecar
 
 T = TypeVar("T")
 MIB = 1 << 20
@@ -45,7 +45,7 @@ async def sidecar(tmp_path: Path, sqlite_url: str) -> AsyncIterator[Sidecar]:
         dataplane={
             "host": "127.0.0.1",
             "port": 0,
-            "lm_port": 0,
+            **LM_ON,
             "lm_default_tenant": "demo",
             "buffer_pool_bytes": 16 * MIB,
             "engine_tokens": {TOKEN: "engine-1"},

@@ -122,7 +122,7 @@ def test_input_document_shape() -> None:
         "operation": "put",
         "tenant": "acme",
         "key": {"tenant": "acme", "user": None, "model": "llama"},
-        "actor": {"user": "u1", "engine": "vllm-acme-0"},
+        "actor": {"user": "u1", "engine": "vllm-acme-0", "listener": None},
         "request": {"id": "r1", "sensitivity": "internal"},
         "tier": "memory",
         "entry": {"owner": "o", "scope_user": None, "sensitivity": "internal"},

@@ -48,7 +48,7 @@ _SCOPES = frozenset(scope.value for scope in Scope)
 _INPUT_KEYS = frozenset({"operation", "tenant", "key", "actor", "request", "tier", "entry"})
 _SUB_FIELDS: dict[str, tuple[str, ...]] = {
     "key": ("tenant", "user", "model"),
-    "actor": ("user", "engine"),
+    "actor": ("user", "engine", "listener"),
     "request": ("id", "sensitivity"),
     "entry": ("owner", "scope_user", "sensitivity"),
 }
@@ -80,6 +80,9 @@ class PolicyInput:
     sensitivity: Sensitivity | str | None = None
     tier: str | None = None
     entry: EntryFacts | None = None
+    #: the door the operation came through: ``kvgov`` (an authenticated engine connection) or
+    #: ``lm`` (LMCache's handshake-less protocol, which ``"*"`` engine lists do not admit)
+    listener: str | None = None
     #: structural problems found by :meth:`from_document` (the engine denies on any)
     problems: tuple[str, ...] = ()
 
@@ -96,7 +99,7 @@ class PolicyInput:
             "operation": _plain(self.operation),
             "tenant": self.tenant,
             "key": {"tenant": self.key_tenant, "user": self.key_user, "model": self.model},
-            "actor": {"user": self.actor_user, "engine": self.engine},
+            "actor": {"user": self.actor_user, "engine": self.engine, "listener": self.listener},
             "request": {"id": self.request_id, "sensitivity": _plain(self.sensitivity)},
             "tier": self.tier,
             "entry": entry,
@@ -161,6 +164,7 @@ class PolicyInput:
             sensitivity=text(request.get("sensitivity"), "request.sensitivity"),
             tier=text(doc.get("tier"), "tier"),
             entry=entry,
+            listener=text(actor.get("listener"), "actor.listener"),
         )
         return replace(inp, problems=tuple(problems)) if problems else inp
 
@@ -219,6 +223,7 @@ def input_problems(inp: PolicyInput) -> tuple[str, ...]:
         "request_id",
         "sensitivity",
         "tier",
+        "listener",
     ):
         value = getattr(inp, name)
         if value is not None and not isinstance(value, str):

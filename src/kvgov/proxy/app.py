@@ -69,7 +69,9 @@ class Sidecar:
         if dp.lm_port >= 0:
             from kvgov.proxy.dataplane.lm import LmServer
 
-            self.lm_server = LmServer(self.pipeline, engine_id=dp.lm_engine_id)
+            self.lm_server = LmServer(
+                self.pipeline, engine_id=dp.lm_engine_id, tenants=dp.lm_tenants
+            )
             await self.lm_server.start(dp.lm_host, dp.lm_port)
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvgov-ttl-sweeper"))
         from kvgov.proxy.purge.sidecar import attach_purge

@@ -51,6 +51,7 @@ _shape_ok if {
 	type_name(input.key.model) in _str_or_null
 	type_name(input.actor.user) in _str_or_null
 	type_name(input.actor.engine) in _str_or_null
+	type_name(object.get(_actor, "listener", null)) in _str_or_null
 	type_name(input.request.id) in _str_or_null
 	type_name(input.request.sensitivity) in _str_or_null
 	_entry_shape_ok
@@ -92,7 +93,7 @@ _invalid contains "invalid_input:entry" if {
 _invalid contains sprintf("invalid_input:%s.%s", [doc, name]) if {
 	some doc, names in {
 		"key": ["tenant", "user", "model"],
-		"actor": ["user", "engine"],
+		"actor": ["user", "engine", "listener"],
 		"request": ["id", "sensitivity"],
 		"entry": ["owner", "scope_user", "sensitivity"],
 	}
@@ -130,11 +131,23 @@ _tenant_denials contains "tenant_disabled" if {
 	not object.get(tenant, "enabled", false) == true
 }
 
-_engine_allowed if {
+_engine_named if {
 	is_string(_actor.engine)
 	_actor.engine != ""
 	some allowed_engine in object.get(tenant, "engines", [])
-	allowed_engine in {_actor.engine, "*"}
+	allowed_engine == _actor.engine
+}
+
+# the lm:// listener has no handshake: it is admitted only where a tenant names its engine id
+_handshake_less if object.get(_actor, "listener", null) == "lm"
+
+_engine_allowed if _engine_named
+
+_engine_allowed if {
+	is_string(_actor.engine)
+	_actor.engine != ""
+	not _handshake_less
+	"*" in object.get(tenant, "engines", [])
 }
 
 _tenant_denials contains "engine_not_allowed" if {

@@ -41,7 +41,7 @@ _base := {
 	"operation": "put",
 	"tenant": "acme",
 	"key": {"tenant": "acme", "user": null, "model": "m"},
-	"actor": {"user": "u1", "engine": "e1"},
+	"actor": {"user": "u1", "engine": "e1", "listener": "kvgov"},
 	"request": {"id": "r1", "sensitivity": "internal"},
 	"tier": null,
 	"entry": null,
@@ -91,6 +91,35 @@ test_wildcard_engine_allowed if {
 	d := _decide({"tenant": "globex", "key": {"tenant": "globex"}, "actor": {"engine": "any"}})
 	d.allowed == true
 }
+
+# the lm:// listener has no handshake: "*" does not admit it, a tenant must name its engine id
+test_wildcard_does_not_admit_the_lm_listener if {
+	_denied(
+		{
+			"tenant": "globex", "key": {"tenant": "globex"},
+			"actor": {"user": null, "engine": "any", "listener": "lm"},
+		},
+		"engine_not_allowed",
+	)
+}
+
+test_named_lm_engine_allowed if {
+	d := _decide({"actor": {"user": null, "engine": "e1", "listener": "lm"}})
+	d.allowed == true
+}
+
+# without an acting user (lm://) a user-tagged key is refused, whatever its class
+test_lm_listener_never_touches_user_scoped_keys if {
+	_denied(
+		{
+			"key": {"tenant": "acme", "user": "u1", "model": "m"},
+			"actor": {"user": null, "engine": "e1", "listener": "lm"},
+		},
+		"user_scope_mismatch",
+	)
+}
+
+test_listener_must_be_a_string if _denied({"actor": {"user": "u1", "engine": "e1", "listener": 7}}, "invalid_input:actor.listener")
 
 # --- key tenant -------------------------------------------------------------------------
 

@@ -3,8 +3,9 @@
 The key string carries ``tenant``/``user`` tags (set server-side by the gateway); the request
 context may name the tenant and acting user too. They must agree: a context tenant or user that
 differs from the key's tag is a denial, as is a key without a tenant (unless a default tenant is
-configured for ``lm://``). User ids are pseudonymised here, on arrival; nothing downstream sees
-a raw user id.
+configured for ``lm://``), or a tenant outside the identity's declared list (``lm://``). The
+``lm://`` listener has no acting user: the policy then refuses every user-scoped key. User ids
+are pseudonymised here, on arrival; nothing downstream sees a raw user id.
 """
 
 from __future__ import annotations
@@ -24,10 +25,18 @@ class Identity:
     """An authenticated engine connection."""
 
     engine: str
-    #: what the ledger records as the principal, e.g. ``engine:vllm-0`` or ``lm:lm-anonymous``
+    #: what the ledger records as the principal, e.g. ``engine:vllm-0`` or ``lm:lm-demo``
     principal: str
-    #: True for the ``lm://`` listener: no handshake, no request context
+    #: True for the ``lm://`` listener: no handshake, no request context, no acting user
     unattributed: bool = False
+    #: the only tenants this identity may act for, checked before the policy (None: the
+    #: policy alone decides; the ``lm://`` listener's declared ``dataplane.lm_tenants``)
+    tenants: frozenset[str] | None = None
+
+    @property
+    def listener(self) -> str:
+        """What the policy input calls the door this identity came through."""
+        return "lm" if self.unattributed else "kvgov"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +82,13 @@ def resolve(
         return None, Denied("no_tenant", identity, ctx)
     digest = pseudonymizer.key_digest(raw_key)
     key_user = pseudonymizer.user(tenant, key.user) if key.user else None
-    actor = pseudonymizer.user(tenant, ctx.user) if ctx.user else key_user
+    if identity.unattributed:  # nobody vouches for a user here: user-scoped data stays shut
+        actor = None
+    else:
+        actor = pseudonymizer.user(tenant, ctx.user) if ctx.user else key_user
     who = Who(identity, ctx, key, digest, tenant, actor, key_user)
+    if identity.tenants is not None and tenant not in identity.tenants:
+        return who, Denied("tenant_not_served", identity, ctx)
     if ctx.tenant is not None and ctx.tenant != tenant:
         return who, Denied("tenant_mismatch", identity, ctx)
     if key.user is not None and ctx.user is not None and ctx.user != key.user:
@@ -87,6 +101,7 @@ def build_input(who: Who, op: Operation, entry: EntryMeta | None) -> PolicyInput
         operation=op,
         tenant=who.ctx.tenant or who.tenant,
         engine=who.identity.engine,
+        listener=who.identity.listener,
         key_tenant=who.key.tenant,
         key_user=who.key_user,
         model=who.key.model,

@@ -4,7 +4,10 @@
 Requests are 186 bytes (``iiiiiiiii150s``: command, length, fmt, dtype, location, shape0..3,
 key), replies 36 bytes (``iiiiiiiii``: code, length, fmt, dtype, shape0..3, location), native
 byte order. PUT has no reply; GET, EXIST and HEALTH do. There is no handshake and no request
-context: operations are attributed to ``settings.dataplane.lm_engine_id`` only. The fmt, dtype,
+context: whoever connects speaks as the declared engine ``dataplane.lm_engine_id``, for the
+declared ``dataplane.lm_tenants`` only, with no acting user (so never for user-scoped keys);
+the policy admits that engine only where a tenant names it (``"*"`` does not). The listener
+is off unless configured (``docs/operations.md``, "Running lm:// safely"). The fmt, dtype,
 shape and location a PUT carried are stored with the entry and returned by GET.
 
 A PUT is sealed and stored by the connection's storer task while the next request is read
@@ -21,12 +24,13 @@ import contextlib
 import logging
 import struct
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
-from kvgov.errors import KvgovError
+from kvgov.errors import ConfigError, KvgovError
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol
 from kvgov.proxy.dataplane.identity import Identity
-from kvgov.proxy.dataplane.pipeline import Pipeline, PutPlan, StoredPut
+from kvgov.proxy.dataplane.pipeline import Kept, Pipeline, PutPlan, StoredPut
 from kvgov.types import Operation
 from kvgov.wire.messages import EMPTY_CONTEXT
 
@@ -41,9 +45,17 @@ log = logging.getLogger("kvgov.dataplane.lm")
 
 
 class LmServer:
-    def __init__(self, pipeline: Pipeline, *, engine_id: str) -> None:
+    """The listener: every connection speaks as one declared engine identity, for the declared
+    tenants only (``dataplane.lm_engine_id``, ``dataplane.lm_tenants``)."""
+
+    def __init__(self, pipeline: Pipeline, *, engine_id: str, tenants: Iterable[str]) -> None:
+        if not engine_id:
+            raise ConfigError("the lm:// listener needs dataplane.lm_engine_id")
+        served = frozenset(tenants)
+        if not served:
+            raise ConfigError("the lm:// listener needs dataplane.lm_tenants")
         self.pipeline = pipeline
-        self.identity = Identity(engine_id, f"lm:{engine_id}", unattributed=True)
+        self.identity = Identity(engine_id, f"lm:{engine_id}", unattributed=True, tenants=served)
         self.connections: set[LmConnection] = set()
         self._server: asyncio.Server | None = None
         self.port: int | None = None
@@ -161,6 +173,10 @@ class LmConnection(StreamProtocol):
         plan = None
         if denied is None and who is not None:
             got = await pipeline.plan_put(who, length, meta)
+            if isinstance(got, Kept):  # live already: not rewritten
+                pipeline.metrics.count_op("put", self.listener, "kept")
+                await self.discard(length)
+                return
             if isinstance(got, PutPlan):
                 plan = got
             else:

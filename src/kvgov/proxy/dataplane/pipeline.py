@@ -4,7 +4,8 @@ decode (done by the listener) -> identity (key tags, request context, engine; us
 pseudonymised) -> policy (cached fast path first) -> seal/open (segment by segment, in a small
 thread pool, into pooled buffers) -> tier store (the policy's tiers and TTL) -> ledger event.
 
-A put is planned before its bytes arrive (:meth:`Pipeline.plan_put`): the listener receives
+A put is planned before its bytes arrive (:meth:`Pipeline.plan_put`; a put of a key that is live
+or being stored is :class:`Kept`: acknowledged, its bytes discarded): the listener receives
 each segment straight into the plan's buffer and calls :meth:`PutPlan.segment_done`, which seals
 it in place while the next segment is on the wire. :meth:`Pipeline.store_put` then writes the
 tiers, makes the entry visible and queues its ``kv:put`` event; :meth:`Pipeline.settle_put`
@@ -42,6 +43,7 @@ from kvgov.proxy.dataplane.plans import (
     INLINE_CRYPTO_BYTES,
     Found,
     GetPlan,
+    Kept,
     PutPlan,
     StoredPut,
     segments_per_job,
@@ -50,7 +52,7 @@ from kvgov.proxy.dataplane.records import entry_gone, evict_event, put_event
 from kvgov.types import EntryState, EventKind, Operation, Outcome, Scope
 from kvgov.wire.messages import RequestContext
 
-__all__ = ["Found", "GetPlan", "Pipeline", "PutPlan", "StoredPut"]
+__all__ = ["Found", "GetPlan", "Kept", "Pipeline", "PutPlan", "StoredPut"]
 
 log = logging.getLogger("kvgov.dataplane")
 
@@ -100,6 +102,8 @@ class Pipeline:
         self.default_tenant = default_tenant or None
         self.clock = clock
         self._background: set[asyncio.Task[None]] = set()
+        #: digests of puts planned and not yet stored or dropped (a second put of one is kept)
+        self._storing: set[str] = set()
 
     @property
     def sink(self) -> EventSink | None:
@@ -204,7 +208,7 @@ class Pipeline:
 
     async def plan_put(
         self, who: Who, length: int, item_meta: Mapping[str, Any], lease: Lease | None = None
-    ) -> PutPlan | Denied:
+    ) -> PutPlan | Denied | Kept:
         """Decide, then lay out where the put's bytes go. ``lease``: a buffer taken for it in
         advance (at least :meth:`lease_bound`; the plan owns it from here, denied or not)."""
         try:
@@ -216,12 +220,17 @@ class Pipeline:
 
     async def _plan_put(
         self, who: Who, length: int, item_meta: Mapping[str, Any], given: Lease | None
-    ) -> PutPlan | Denied:
+    ) -> PutPlan | Denied | Kept:
         decision = await self._decide(who, Operation.PUT, None)
         if decision is not None and not decision.allowed:
             if given is not None:
                 given.release()
             return Denied(decision.reason or "denied", who.identity, who.ctx, decision)
+        kept = self._kept(who, decision)
+        if kept is not None:
+            if given is not None:
+                given.release()
+            return kept
         allowed = decision.tiers if decision is not None else self.tiers.names
         if not any(name in self.tiers.names for name in allowed):
             if given is not None:
@@ -276,6 +285,7 @@ class Pipeline:
             lease.release()
             raise
         per_job = segments_per_job(self.segment_size)
+        self._storing.add(who.digest)
         return PutPlan(
             who,
             lease,
@@ -288,7 +298,36 @@ class Pipeline:
             per_job,
             reserved=reserved,
             inline_bytes=self.inline_crypto_bytes,
+            on_done=self._storing.discard,
         )
+
+    def _kept(self, who: Who, decision: Decision | None) -> Kept | None:
+        """A put of a key that is live, or being stored by another put, is acknowledged
+        without rewriting it: cached bytes are immutable while live (a key is a function of
+        its token prefix, so an honest second writer has the same bytes, and a dishonest one
+        must not replace them). Recorded as ``kv:put:kept``."""
+        entry = self.index.get(who.digest)
+        if entry is not None and entry.expired(self.clock()):
+            entry = None  # the sweeper's to drop; the new put replaces it
+        if entry is None and who.digest not in self._storing:
+            return None
+        reason = "live" if entry is not None else "being_stored"
+        if self.governance:
+            event = self._event(
+                EventKind.KV_PUT_KEPT,
+                who,
+                outcome=Outcome.OK,
+                reason=reason,
+                decision_id=decision.decision_id if decision else None,
+                policy_revision=decision.policy_revision if decision else None,
+            )
+            try:
+                self._submit_lazy(event)
+            except LedgerBackpressureError:
+                self._record_soon(event)
+            except KvgovError as exc:
+                log.error("dataplane.event.unrecorded", extra={"error": exc.code})
+        return Kept(who, reason)
 
     async def store_put(self, plan: PutPlan) -> StoredPut:
         """Finish sealing, write the tiers, make the entry visible and queue its ``kv:put``

@@ -96,6 +96,8 @@ class PutPlan:
     done: bool = False
     #: the fastest tier's buffer the value is written into (None: stored from the lease)
     reserved: Reserved | None = None
+    #: told the key's digest once the plan is done with (stored or dropped)
+    on_done: Callable[[str], None] | None = None
 
     def segment_done(self, index: int, pool: Executor) -> None:
         """Segment ``index`` has fully arrived: seal it, here for a chunk up to
@@ -146,6 +148,9 @@ class PutPlan:
         """Release the buffers (no job may use them any more); an unstored reservation goes
         back to its tier."""
         self.done = True
+        if self.on_done is not None:
+            self.on_done(self.who.digest)
+            self.on_done = None
         if self.reserved is not None:
             self.reserved.cancel()
             self.reserved = None
@@ -173,6 +178,15 @@ def open_segments(reader: SealReader, windows: list[tuple[int, memoryview]]) -> 
     """A pool job: open ``windows`` of a sealed chunk in place."""
     for index, window in windows:
         reader.open_segment(index, window)
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A put not stored because its key is live (``reason="live"``) or being stored by another
+    put (``"being_stored"``): acknowledged, its bytes read and dropped, nothing rewritten."""
+
+    who: Who
+    reason: str
 
 
 @dataclass(slots=True)

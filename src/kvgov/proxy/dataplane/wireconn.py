@@ -31,7 +31,7 @@ from kvgov.errors import KvgovError
 from kvgov.proxy.dataplane.buffers import Lease, size_class
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, start_opening
 from kvgov.proxy.dataplane.identity import Identity
-from kvgov.proxy.dataplane.pipeline import Found, GetPlan, PutPlan, StoredPut
+from kvgov.proxy.dataplane.pipeline import Found, GetPlan, Kept, PutPlan, StoredPut
 from kvgov.types import Operation
 from kvgov.wire.codec import (
     HEADER_SIZE,
@@ -282,6 +282,11 @@ class WireConnection(StreamProtocol):
                 plan = None
                 if denied is None and who is not None:
                     got = await pipeline.plan_put(who, item.length, item.meta, lease)
+                    if isinstance(got, Kept):  # live already: acknowledged, not rewritten
+                        await self.discard(item.length)
+                        results.append({"code": 0})
+                        pipeline.metrics.count_op("put", self.listener, "kept")
+                        continue
                     if isinstance(got, PutPlan):
                         plan = got
                     else:
@@ -401,9 +406,10 @@ class WireConnection(StreamProtocol):
         it = iter(outcomes)
         replies = []
         for r in job.results:
-            if r is not None:
+            if r is not None:  # denied, or kept (counted when it was read)
                 replies.append(r)
-                pipeline.metrics.count_op("put", self.listener, "denied")
+                if r["code"]:
+                    pipeline.metrics.count_op("put", self.listener, "denied")
                 continue
             outcome = next(it)
             if outcome is not None:

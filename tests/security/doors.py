@@ -1,0 +1,140 @@
+"""What the attack tests share: a production-like governed sidecar (Postgres ledger, real Rego
+policy, keyring, memory + filesystem tiers) with a policy data document of three tenants, a
+raw ``lm://`` client, and the kvgov wire client of an authenticated engine.
+
+Tenants in :func:`policy_data`: ``demo`` admits every engine (``"*"``), ``acme`` names its
+engines (``vllm-acme`` and the ``lm://`` engine ``lm-acme``), ``globex`` names ``vllm-globex``,
+``initech`` names ``vllm-initech`` and ``lm-acme``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from kvgov.config import Settings
+from kvgov.ledger.models import LedgerEvent
+from kvgov.proxy.app import Sidecar, build_sidecar
+from kvgov.types import EventKind
+from kvgov.wire import WireClient
+from tests.integration.live import recv_exact
+
+T = TypeVar("T")
+
+LM_REQUEST = struct.Struct("=iiiiiiiii150s")
+LM_REPLY = struct.Struct("=iiiiiiiii")
+LM_PUT, LM_GET, LM_EXIST = 1, 2, 3
+MODEL = "meta-llama/Llama-3.1-8B"
+TOKENS = {"tok-acme": "vllm-acme", "tok-globex": "vllm-globex", "tok-demo": "vllm-demo"}
+
+
+def policy_data() -> dict[str, Any]:
+    base = Path(__file__).resolve().parents[2] / "src/kvgov/policy/rego/data.json"
+    data: dict[str, Any] = json.loads(base.read_text())
+    data["tenants"] = {
+        "demo": {"enabled": True, "engines": ["*"]},
+        "acme": {"enabled": True, "engines": ["vllm-acme", "lm-acme"]},
+        "globex": {"enabled": True, "engines": ["vllm-globex"]},
+        # an operator's policy that also names the lm:// engine here
+        "initech": {"enabled": True, "engines": ["vllm-initech", "lm-acme"]},
+    }
+    data["revision"] = "security-doors"
+    return data
+
+
+def key(chunk: int, tenant: str, user: str | None = None) -> str:
+    tags = f"@tenant%{tenant}" + (f"@user%{user}" if user else "")
+    return f"{MODEL}@1@0@{chunk:x}@bfloat16{tags}"
+
+
+def settings(tmp_path: Path, pg_url: str, **dataplane: Any) -> Settings:
+    data_file = tmp_path / "policy-data.json"
+    data_file.write_text(json.dumps(policy_data()))
+    kek = provisioned_kek(tmp_path / "kek.key")
+    return Settings(
+        environment="production",
+        data_dir=tmp_path / "data",
+        database={"url": pg_url},
+        keys={"kek_path": kek},
+        policy={"data_file": data_file},
+        dataplane={
+            "host": "127.0.0.1",
+            "port": 0,
+            "engine_tokens": TOKENS,
+            "buffer_pool_bytes": 64 << 20,
+            **dataplane,
+        },
+        tiers={"chain": ["memory", "filesystem"], "filesystem_fsync": False},
+    )
+
+
+def provisioned_kek(path: Path) -> Path:
+    """A KEK file as an operator provisions it (production refuses an auto-generated one)."""
+    if not path.exists():
+        from kvgov.keys.kek import generate_kek_file
+
+        generate_kek_file(path)
+        path.write_text(path.read_text().replace(" auto-generated", " provisioned", 1))
+    return path
+
+
+@asynccontextmanager
+async def sidecar(tmp_path: Path, pg_url: str, **dataplane: Any) -> AsyncIterator[Sidecar]:
+    """A started sidecar whose policy is built from its settings (the data document above)."""
+    sc = await build_sidecar(settings(tmp_path, pg_url, **dataplane))
+    await sc.start()
+    try:
+        yield sc
+    finally:
+        await sc.stop()
+
+
+async def run(fn: Callable[..., T], *args: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+def engine(sc: Sidecar, token: str) -> WireClient:
+    return WireClient(
+        f"tcp://127.0.0.1:{sc.server.tcp_port}", engine_id="ignored", token=token, timeout=10
+    )
+
+
+def events(sc: Sidecar, kind: EventKind) -> list[LedgerEvent]:
+    with Session(sc.engine) as s:
+        return list(s.scalars(select(LedgerEvent).where(LedgerEvent.kind == kind)).all())
+
+
+class LmClient:
+    """A raw ``lm://`` client: what any local process can send (no handshake, no token)."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _head(self, command: int, raw_key: str, length: int = 0) -> bytes:
+        return LM_REQUEST.pack(command, length, 1, 3, 0, 1, 1, 1, length, raw_key.encode())
+
+    def put(self, raw_key: str, value: bytes) -> None:
+        self.sock.sendall(self._head(LM_PUT, raw_key, len(value)) + value)
+
+    def exists(self, raw_key: str) -> bool:
+        self.sock.sendall(self._head(LM_EXIST, raw_key))
+        return LM_REPLY.unpack(recv_exact(self.sock, LM_REPLY.size))[0] == 200
+
+    def get(self, raw_key: str) -> bytes | None:
+        self.sock.sendall(self._head(LM_GET, raw_key))
+        head = LM_REPLY.unpack(recv_exact(self.sock, LM_REPLY.size))
+        if head[0] != 200:
+            return None
+        return recv_exact(self.sock, head[1])
