@@ -106,7 +106,11 @@ def test_restricted_request_stores_nothing_and_the_denial_is_recorded(
                 LedgerEvent.kind == EventKind.KV_PUT.value, LedgerEvent.request_id == "req-r"
             )
         ).all()
-    assert len(denied) == 2  # one per chunk
+    # one put per chunk; b's lookup is denied too (the policy decides before anything looks
+    # at what is stored)
+    assert [e.attrs["operation"] for e in denied].count("put") == 2
+    assert {e.attrs["operation"] for e in denied} == {"put", "exists"}
+    assert all(e.reason == "not_cacheable:restricted" for e in denied)
     assert stored == []
     assert all(e.tenant == "acme" for e in denied)
 

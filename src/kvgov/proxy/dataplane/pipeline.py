@@ -449,13 +449,23 @@ class Pipeline:
     # -- get / exists / remove -----------------------------------------------------------------
 
     async def _readable(self, who: Who, op: Operation) -> tuple[EntryMeta | None, Decision | None]:
-        """The entry if it is live, unexpired and readable by ``who``; records denials."""
+        """The entry if it is live, unexpired and readable by ``who``; records denials.
+
+        The policy decides on the request before anything looks at whether the key is
+        stored: a probe it denies (another tenant's key, an engine the tenant does not name)
+        is answered, recorded and counted the same whether the key is there or not. An entry
+        that is there is then judged again by what was recorded at put (its sensitivity and
+        scope user), which only a requester the first decision admitted can reach."""
+        asked = await self._decide(who, op, None)
+        if asked is not None and not asked.allowed:
+            await self.deny(who, Denied(asked.reason or "denied", who.identity, who.ctx, asked), op)
+            return None, None
         entry = self.index.get(who.digest)
         if entry is None:
-            return None, None
+            return None, asked
         if entry.expired(self.clock()):
             await self.expire(who.digest)
-            return None, None
+            return None, asked
         if entry.tenant != who.tenant:
             await self.deny(who, Denied("tenant_mismatch", who.identity, who.ctx), op)
             return None, None

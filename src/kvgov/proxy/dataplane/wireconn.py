@@ -516,6 +516,8 @@ class WireConnection(StreamProtocol):
             if denied is not None or who is None:
                 if denied is not None:
                     await pipeline.deny(who, denied, op)
+                # answered and counted like a miss (the denial has its own counter)
+                pipeline.metrics.count_op(op.value, self.listener, "miss")
                 out.append(False)
                 continue
             found = await (pipeline.exists(who) if op is Operation.EXISTS else pipeline.remove(who))
