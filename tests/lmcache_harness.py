@@ -561,10 +561,12 @@ class SidecarThread:
     def pseudonym(self, tenant: str, user: str) -> str:
         return str(self.sidecar.pipeline.pseudonymizer.user(tenant, user))
 
-    def evict(self, digests: list[str], timeout_s: float = 10.0) -> list[Any]:
-        """Send EVICT for the entries with those key digests to every connected engine; the
-        per-engine results."""
-        return list(self.call(self.sidecar.server.evict_on_engines(digests, timeout_s)))
+    def evict(self, digests: list[str], tenant: str, timeout_s: float = 10.0) -> list[Any]:
+        """Send EVICT for the entries of ``tenant`` with those key digests to the connected
+        engines that may hold its data; the per-engine results."""
+        return list(
+            self.call(self.sidecar.server.evict_on_engines(digests, timeout_s, tenant=tenant))
+        )
 
     def stop(self) -> None:
         if self.sidecar is not None:

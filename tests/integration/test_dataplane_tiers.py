@@ -251,7 +251,7 @@ async def test_evict_reaches_a_registered_engine_and_its_ack_comes_back(
         assert all(a.ok for a in acks)
         assert await _run(channel.connected.wait, 10)
         digests = [sc.pipeline.pseudonymizer.key_digest(_key(h)) for h in ("aa", "bb")]
-        results = await sc.evict_on_engines(digests, 5.0)
+        results = await sc.evict_on_engines(digests, 5.0, tenant="demo")
         assert len(results) == 1
         assert results[0].engine == "vllm-demo-7"
         assert results[0].acked is True
@@ -261,7 +261,7 @@ async def test_evict_reaches_a_registered_engine_and_its_ack_comes_back(
         assert channel.evictions == 1
 
         # digests of entries nobody holds: acknowledged, nothing removed
-        results = await sc.evict_on_engines(["0" * 64, "f" * 64], 5.0)
+        results = await sc.evict_on_engines(["0" * 64, "f" * 64], 5.0, tenant="demo")
         assert [(r.engine, r.acked, r.removed, r.error) for r in results] == [
             ("vllm-demo-7", True, 0, None)
         ]
@@ -276,7 +276,7 @@ async def test_evict_reaches_a_registered_engine_and_its_ack_comes_back(
         head = decode_header(await _run(silent.recv, 24))
         assert head.type is FrameType.HELLO
         await _run(silent.recv, head.meta_len)
-        results = await sc.evict_on_engines(digests[:1], 0.5)
+        results = await sc.evict_on_engines(digests[:1], 0.5, tenant="demo")
         by_engine = {r.engine: r for r in results}
         assert by_engine["vllm-demo-7"].acked is True
         assert by_engine["vllm-mute"].acked is False

@@ -173,7 +173,7 @@ async def test_a_client_control_channel_evicts_by_digest_with_the_key_it_was_giv
         assert client.info is not None
         digest = sidecar.pipeline.pseudonymizer.key_digest(KEY)
         # the ledger's digest, not the key, is all the sidecar needs to name the entry
-        [result] = await sidecar.evict_on_engines([digest], 5.0)
+        [result] = await sidecar.evict_on_engines([digest], 5.0, tenant="demo")
         assert (result.engine, result.acked, result.removed, result.error) == (
             "engine-1",
             True,
@@ -183,7 +183,7 @@ async def test_a_client_control_channel_evicts_by_digest_with_the_key_it_was_giv
         assert held == {KEY.replace("1f2c", "9e9e")}
         assert requests[0].digests == {digest}
         # unknown digests: acknowledged, nothing removed, nothing touched
-        [again] = await sidecar.evict_on_engines(["a" * 64, digest], 5.0)
+        [again] = await sidecar.evict_on_engines(["a" * 64, digest], 5.0, tenant="demo")
         assert (again.acked, again.removed, again.error) == (True, 0, None)
         assert held == {KEY.replace("1f2c", "9e9e")}
     finally:
@@ -204,7 +204,7 @@ async def test_evict_without_a_digest_key_is_an_error_ack_not_a_success(
     channel = client.control(lambda r: called.append(r) or [], reconnect_delay=0.1)
     try:
         assert await _run(channel.connected.wait, 10)
-        [result] = await sidecar.evict_on_engines(["b" * 64], 5.0)
+        [result] = await sidecar.evict_on_engines(["b" * 64], 5.0, tenant="demo")
         assert (result.acked, result.removed, result.error) == (True, 0, "no_digest_key")
         assert called == []
     finally:

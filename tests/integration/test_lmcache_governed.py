@@ -252,7 +252,7 @@ def test_evict_removes_the_keys_from_the_engine_local_cpu_tier(sidecar: h.Sideca
         assert e.local_cpu_hits(toks, ids) == 3 * G.chunk
         digests = [sidecar.key_digest(k) for k in e.key_strings(toks, ids)]
 
-        results = sidecar.evict(digests[1:])  # the 2nd and 3rd chunk, named by digest
+        results = sidecar.evict(digests[1:], "acme")  # the 2nd and 3rd chunk, named by digest
         assert [(r.engine, r.acked, r.removed, r.error) for r in results] == [
             ("engine-test", True, 2, None)
         ]
@@ -260,5 +260,5 @@ def test_evict_removes_the_keys_from_the_engine_local_cpu_tier(sidecar: h.Sideca
         assert e.local_cpu_hits(other, ids) == G.chunk  # other keys untouched
 
         # evicting entries the engine does not hold acknowledges nothing
-        again = sidecar.evict(digests[1:])
+        again = sidecar.evict(digests[1:], "acme")
         assert [(r.acked, r.removed) for r in again] == [(True, 0)]

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -215,9 +215,12 @@ class Sidecar:
             self.engine.dispose()
         log.info("sidecar.stopped")
 
-    async def evict_on_engines(self, keys: list[str], timeout_s: float) -> list[Any]:
-        """EVICT the entries (key digests) on every connected engine's control connection."""
-        return await self.server.evict_on_engines(keys, timeout_s)
+    async def evict_on_engines(
+        self, keys: list[str], timeout_s: float, *, tenant: str, holders: Collection[str] = ()
+    ) -> list[Any]:
+        """EVICT the entries (key digests) on the control connections of the engines that
+        may hold ``tenant``'s data (:meth:`WireServer.evict_on_engines`)."""
+        return await self.server.evict_on_engines(keys, timeout_s, tenant=tenant, holders=holders)
 
 
 def heartbeat_interval_s(settings: Settings) -> float:

@@ -1,5 +1,6 @@
 """The kvgov wire protocol server (``docs/protocol.md``) over TCP and/or a Unix socket: the
-listeners, engine authentication (HELLO) and the EVICT fan-out to engines' control connections.
+listeners, engine authentication (HELLO) and the EVICT fan-out to the control connections of
+the engines that may hold the purged tenant's data.
 Each socket is served by a :class:`~kvgov.proxy.dataplane.wireconn.WireConnection`.
 """
 
@@ -12,12 +13,13 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import SecretStr
 
+from kvgov.policy.interfaces import PolicyInput
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.pipeline import Pipeline
 from kvgov.proxy.dataplane.wireconn import (
@@ -26,6 +28,7 @@ from kvgov.proxy.dataplane.wireconn import (
     EngineEvictResult,
     WireConnection,
 )
+from kvgov.types import Operation
 from kvgov.wire.codec import ErrorCode, WireError
 from kvgov.wire.digest import KeyDigester
 
@@ -109,13 +112,46 @@ class WireServer:
             await srv.wait_closed()
 
     async def evict_on_engines(
-        self, digests: Sequence[str], timeout_s: float
+        self,
+        digests: Sequence[str],
+        timeout_s: float,
+        *,
+        tenant: str,
+        holders: Collection[str] = (),
     ) -> list[EngineEvictResult]:
-        """Send EVICT(digests) on every control connection and wait for the ACKs: each engine
-        removes the entries whose key digests are named (the ledger's ``key_digest``s)."""
-        controls = list(self.controls)
+        """Send EVICT(digests) on the control connections of the engines that may hold
+        ``tenant``'s data, and wait for the ACKs: each removes the entries whose key digests
+        are named (the ledger's ``key_digest``s). Those engines are the ones the policy admits
+        for the tenant and ``holders`` (engine ids the ledger saw store or read its data,
+        e.g. before the tenant was disabled); no other engine learns the digests."""
+        verdicts: dict[str, bool] = {}
+        controls = []
+        for conn in list(self.controls):
+            engine = conn.identity.engine if conn.identity is not None else None
+            if engine is None:
+                continue
+            if engine not in verdicts:
+                verdicts[engine] = engine in holders or await self._admitted(engine, tenant)
+            if verdicts[engine]:
+                controls.append(conn)
         results = await asyncio.gather(*(c.evict(digests, timeout_s) for c in controls))
         return list(results)
+
+    async def _admitted(self, engine: str, tenant: str) -> bool:
+        """Whether the policy lets ``engine`` act for ``tenant`` at all (a remove of one of
+        its keys: tenant and engine rules, no data rules)."""
+        policy = self.pipeline.policy
+        if policy is None:  # ungoverned (benchmarks): no tenants to keep apart
+            return True
+        inp = PolicyInput(
+            operation=Operation.REMOVE,
+            tenant=tenant,
+            engine=engine,
+            key_tenant=tenant,
+            listener="kvgov",
+        )
+        decision = policy.decide_cached(inp) or await policy.decide(inp)
+        return decision.allowed
 
     def authenticate(self, meta: Mapping[str, Any], conn: WireConnection) -> Identity:
         engine = meta.get("engine")

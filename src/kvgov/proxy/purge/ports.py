@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -179,15 +179,29 @@ class EngineEviction:
 
 
 class EngineEvictor(Protocol):
-    async def evict(self, key_digests: Sequence[str], timeout_s: float) -> list[EngineEviction]:
-        """Send EVICT for those entries to every connected engine; one result per engine."""
+    async def evict(
+        self,
+        tenant: str,
+        key_digests: Sequence[str],
+        timeout_s: float,
+        holders: Collection[str] = (),
+    ) -> list[EngineEviction]:
+        """Send EVICT for those entries of ``tenant`` to the connected engines that may hold
+        its data (the policy admits them for it, or they are among ``holders``: engine ids
+        the ledger saw store or read it); one result per engine connection."""
         ...
 
 
 class NoEngines:
     """The evictor of a process that has no engine connections (the CLI, a test)."""
 
-    async def evict(self, key_digests: Sequence[str], timeout_s: float) -> list[EngineEviction]:
+    async def evict(
+        self,
+        tenant: str,
+        key_digests: Sequence[str],
+        timeout_s: float,
+        holders: Collection[str] = (),
+    ) -> list[EngineEviction]:
         return []
 
 

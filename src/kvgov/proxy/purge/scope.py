@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from kvgov.ledger.models import CacheEntry, EventPayload, LedgerEvent, UserRef
 from kvgov.ledger.repository import user_entries
-from kvgov.types import EntryState
+from kvgov.types import EntryState, EventKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +44,25 @@ def scoped_entries(s: Session, tenant: str, subject: str | None) -> list[ScopedE
     return [
         ScopedEntry(digest, state, tuple(tiers or ()), size) for digest, state, tiers, size in rows
     ]
+
+
+#: what ``Identity.principal`` records for an authenticated engine connection
+ENGINE_PRINCIPAL = "engine:"
+
+
+def engines_that_held(s: Session, tenant: str) -> set[str]:
+    """Engine ids the ledger saw store or read ``tenant``'s data (their local tiers may hold
+    copies), through ``ix_ledger_events_tenant_kind``."""
+    rows = s.execute(
+        select(LedgerEvent.principal)
+        .where(
+            LedgerEvent.tenant == tenant,
+            LedgerEvent.kind.in_([EventKind.KV_PUT, EventKind.KV_GET]),
+            LedgerEvent.principal.like(ENGINE_PRINCIPAL + "%"),
+        )
+        .distinct()
+    )
+    return {p[len(ENGINE_PRINCIPAL) :] for (p,) in rows if p}
 
 
 def _event_filter(tenant: str, subject: str | None) -> ColumnElement[bool]:

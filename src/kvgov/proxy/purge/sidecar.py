@@ -8,7 +8,9 @@ sidecar's purge steps use:
   shredded data keys are dropped too);
 - its in-memory entry index, from which purged entries are dropped *before* the tiers are
   touched;
-- ``WireServer.evict_on_engines`` to send EVICT to every connected engine and wait for ACKs.
+- ``WireServer.evict_on_engines`` to send EVICT to the connected engines that may hold the
+  purged tenant's data (the policy admits them for it, or the ledger saw them store or read
+  it) and wait for their ACKs.
 
 EVICT names entries by the ledger's key digests alone: each engine recognises them among its
 own local keys with the key-digest key it got on its control connection, so a purge reaches
@@ -17,7 +19,7 @@ the engines' local tiers whatever this process has seen since it (re)started.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvgov.proxy.purge.build import make_service, writer_checkpointer
@@ -33,7 +35,14 @@ class _Index(Protocol):
 
 
 class _Server(Protocol):
-    async def evict_on_engines(self, digests: Sequence[str], timeout_s: float) -> list[Any]: ...
+    async def evict_on_engines(
+        self,
+        digests: Sequence[str],
+        timeout_s: float,
+        *,
+        tenant: str,
+        holders: Collection[str] = (),
+    ) -> list[Any]: ...
 
 
 class SidecarEngines:
@@ -47,8 +56,16 @@ class SidecarEngines:
         for digest in key_digests:
             self._index.pop(digest)
 
-    async def evict(self, key_digests: Sequence[str], timeout_s: float) -> list[EngineEviction]:
-        results = await self._server.evict_on_engines(sorted(set(key_digests)), timeout_s)
+    async def evict(
+        self,
+        tenant: str,
+        key_digests: Sequence[str],
+        timeout_s: float,
+        holders: Collection[str] = (),
+    ) -> list[EngineEviction]:
+        results = await self._server.evict_on_engines(
+            sorted(set(key_digests)), timeout_s, tenant=tenant, holders=holders
+        )
         return [
             EngineEviction(
                 engine=str(r.engine), acked=bool(r.acked), removed=int(r.removed), error=r.error

@@ -162,8 +162,12 @@ async def _keys(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
 
 async def _engines(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
     entries = await ctx.db(lambda s: scope.scoped_entries(s, job.tenant, job.subject))
+    holders = await ctx.db(lambda s: scope.engines_that_held(s, job.tenant))
     results = await ctx.evictor.evict(
-        [e.key_digest for e in entries], ctx.settings.purge.engine_ack_timeout_s
+        job.tenant,
+        [e.key_digest for e in entries],
+        ctx.settings.purge.engine_ack_timeout_s,
+        holders,
     )
     # an ACK that reports an error (the engine could not look or could not match) did not evict
     acked = [r.to_dict() for r in results if r.acked and r.error is None]
