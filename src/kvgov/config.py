@@ -182,6 +182,13 @@ class ApiSettings(_Section):
     port: int = Field(default=7080, ge=0, le=65535)
     #: require bearer tokens on the REST API (refused off in production)
     auth: bool = True
+    #: serve ``/metrics`` without a token. Off: it needs an auditor or admin token that is not
+    #: tenant-scoped (the counts move with every tenant's traffic). Its labels never name a
+    #: tenant, user or key; open it only where the port is fenced off (a network policy)
+    metrics_public: bool = False
+    #: serve the OpenAPI document and its pages (``/openapi.json``, ``/docs``, ``/redoc``);
+    #: unset: in development only
+    docs: bool | None = None
 
 
 class PurgeSettings(_Section):

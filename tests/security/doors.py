@@ -57,6 +57,7 @@ def key(chunk: int, tenant: str, user: str | None = None) -> str:
 
 
 def settings(tmp_path: Path, pg_url: str, **dataplane: Any) -> Settings:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     data_file = tmp_path / "policy-data.json"
     data_file.write_text(json.dumps(policy_data()))
     kek = provisioned_kek(tmp_path / "kek.key")

@@ -286,6 +286,20 @@ async def _require_global_admin(
     return principal
 
 
+async def require_fleet_reader(
+    request: Request,
+    ctx: Context,
+    principal: Annotated[Principal, Depends(authenticate)],
+) -> Principal:
+    """Auditors and admins that are not tenant-scoped: fleet-wide figures (``/metrics``)."""
+    if principal.role not in (Role.AUDITOR, Role.ADMIN):
+        raise ForbiddenError(f"role {principal.role.value!r} may not use this endpoint")
+    if principal.tenant is not None:
+        raise ForbiddenError("fleet-wide figures need a token that is not tenant-scoped")
+    await record_admin_access(ctx, request, principal)
+    return principal
+
+
 #: auditors and admins (every read route)
 Reader = Annotated[Principal, Depends(require(Role.AUDITOR))]
 #: admins only (purges, keys)
