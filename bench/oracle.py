@@ -29,7 +29,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -80,23 +79,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
 
-    import psycopg
+    from tests.pgroles import role_database
     from tests.security import doors
 
+    from kvgov.ledger.db import upgrade
     from kvgov.proxy.app import build_sidecar
     from kvgov.wire import RequestContext
 
-    name = f"kvgov_bench_{uuid.uuid4().hex[:8]}"
-    admin = "postgresql://postgres@127.0.0.1:5432/postgres"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    db_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
     runner = LoopThread()
     try:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, role_database() as db:
+            upgrade(db.owner_url, runtime_role=db.runtime)  # production: a runtime role
             settings = doors.settings(
                 Path(tmp),
-                db_url,
+                doors.ProdDatabase(db.runtime_url, db.runtime),
                 lm_port=0,
                 lm_engine_id="lm-acme",
                 lm_tenants=["acme"],
@@ -114,8 +110,6 @@ def main() -> None:
                 runner.call(sc.stop())
     finally:
         runner.close()
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def run_probes(sc: Any, rounds: int, doors: Any, context: Any) -> None:

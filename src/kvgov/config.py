@@ -44,11 +44,40 @@ class _Section(BaseModel):
 
 
 class DatabaseSettings(_Section):
-    #: SQLAlchemy URL. ``postgresql+psycopg://user@host/db`` for Postgres; empty means
-    #: ``sqlite:///<data_dir>/ledger.db``.
-    url: str = ""
+    """Two roles (``docs/database.md``): the sidecar and the CLI connect as a runtime role that
+    can append to the ledger but not change its schema; ``kvgov db upgrade`` migrates as the
+    owner. Each URL comes from the setting or from a file (a mounted Secret), never both; a URL
+    may hold a password, so it is a secret and never logged."""
+
+    #: the runtime role's SQLAlchemy URL (``postgresql+psycopg://user:pw@host/db``); empty, with
+    #: no ``url_file``, means ``sqlite:///<data_dir>/ledger.db``
+    url: SecretStr = SecretStr("")
+    #: a file holding the runtime URL (read when used; surrounding whitespace ignored)
+    url_file: Path | None = None
+    #: the owner role's URL, for ``kvgov db upgrade`` (and a development sidecar's own
+    #: migration); empty, with no ``migration_url_file``, means the runtime URL
+    migration_url: SecretStr = SecretStr("")
+    migration_url_file: Path | None = None
+    #: the role ``kvgov db upgrade`` grants the runtime privileges to (a group role the
+    #: runtime login is a member of, or that login itself); empty: no grants
+    runtime_role: str = Field(default="", pattern=r"^([a-z_][a-z0-9_$]{0,62})?$")
     pool_size: int = Field(default=5, ge=1, le=100)
     echo: bool = False
+    #: migrations: longest wait for a table lock (a sidecar's open transaction) before the
+    #: upgrade fails, rather than holding every sidecar's writes queued behind it; 0: no limit
+    migration_lock_timeout_s: float = Field(default=10.0, ge=0.0)
+    #: migrations: longest run of one statement; 0: no limit
+    migration_statement_timeout_s: float = Field(default=600.0, ge=0.0)
+    #: how long ``kvgov db upgrade`` waits for another process's upgrade to finish; 0: no limit
+    migration_wait_s: float = Field(default=900.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _one_source_each(self) -> DatabaseSettings:
+        if self.url.get_secret_value() and self.url_file is not None:
+            raise ValueError("set database.url or database.url_file, not both")
+        if self.migration_url.get_secret_value() and self.migration_url_file is not None:
+            raise ValueError("set database.migration_url or database.migration_url_file, not both")
+        return self
 
 
 class LedgerSettings(_Section):
@@ -273,8 +302,14 @@ class Settings(BaseSettings):
             problems.append("no engine tokens: any process could act as an engine")
         if self.keys.kek_path is None:
             problems.append("keys.kek_path must point at a provisioned key-encryption key")
-        if self.database.url.startswith("sqlite") or not self.database.url:
-            problems.append("production needs a Postgres ledger (database.url)")
+        url = self.database.url.get_secret_value()
+        if url.startswith("sqlite") or not (url or self.database.url_file):
+            problems.append("production needs a Postgres ledger (database.url or url_file)")
+        if not self.database.runtime_role:
+            problems.append(
+                "database.runtime_role is empty: sidecars must connect as a role that does not"
+                " own the ledger's tables (docs/database.md)"
+            )
         dp = self.dataplane
         if dp.lm_port >= 0 and dp.lm_host not in LOOPBACK_HOSTS:
             problems.append(
@@ -287,9 +322,34 @@ class Settings(BaseSettings):
 
     @property
     def database_url(self) -> str:
-        if self.database.url:
-            return self.database.url
-        return f"sqlite:///{(self.data_dir / 'ledger.db').as_posix()}"
+        """The runtime role's URL (``database.url`` or ``url_file``; else the SQLite default)."""
+        db = self.database
+        url = self._url(db.url, db.url_file, "database.url_file")
+        return url or f"sqlite:///{(self.data_dir / 'ledger.db').as_posix()}"
+
+    @property
+    def migration_database_url(self) -> str:
+        """The owner role's URL, for migrations (``database.migration_url`` or its file; else
+        the runtime URL: one role for both)."""
+        db = self.database
+        url = self._url(db.migration_url, db.migration_url_file, "database.migration_url_file")
+        return url or self.database_url
+
+    def _url(self, value: SecretStr, path: Path | None, name: str) -> str:
+        """A URL setting's value, or the content of its file (read now: a rotated Secret is
+        picked up by the next process). Errors name the file, never what it holds."""
+        if path is None:
+            return value.get_secret_value()
+        try:
+            url = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ConfigError(f"cannot read {name} {path}: {reason}") from None
+        if not url:
+            raise ConfigError(f"{name} {path} is empty", hint="it must hold the database URL")
+        if self.environment is Environment.PRODUCTION and url.startswith("sqlite"):
+            raise ConfigError(f"{name} {path} names SQLite: production needs a Postgres ledger")
+        return url
 
     @property
     def is_postgres(self) -> bool:

@@ -1,11 +1,13 @@
 """``kvgov serve`` in a subprocess, for end-to-end tests: the environment of a sidecar on a
 given Postgres database with tenant ``acme`` enabled for every engine, data plane on a Unix
-socket in its own short-named data directory, and a start that waits for that socket."""
+socket in its own short-named data directory, a start that waits for that socket and a
+graceful stop; and any other ``kvgov`` command run to completion (:func:`kvgov`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -65,3 +67,26 @@ def serve(env: dict[str, str]) -> subprocess.Popen[bytes]:
             raise RuntimeError(f"kvgov serve did not start: {log.read_text()[-2000:]}")
         time.sleep(0.05)
     return proc
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 30) -> int:
+    """SIGTERM (a graceful stop: drain, flush the ledger, final checkpoint), SIGKILL after
+    ``grace_s``; the exit status."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def kvgov(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``kvgov ARGS`` to completion with ``env``; its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvgov", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from kvgov.ledger.models import CacheEntry
 from kvgov.proxy.dataplane.index import parse_envelope
 from kvgov.types import EntryState
 from tests import lmcache_harness as h
+from tests.e2e import served
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.postgres, pytest.mark.slow]
 
@@ -60,15 +60,7 @@ def sidecar(data_dir: Path, pg_url: str) -> Iterator[h.SidecarThread]:
 
 def kvgov(sc: h.SidecarThread, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGOV_")}
-    env.update(sc.env)
-    return subprocess.run(
-        [sys.executable, "-m", "kvgov", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    return served.kvgov(env | sc.env, *args)
 
 
 def _store(engine: h.Engine, toks: list[int], ids: dict[str, str], seed: int) -> None:

@@ -15,8 +15,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,7 +26,8 @@ from sqlalchemy import create_engine, text
 
 from kvgov.wire.client import WireClient
 from kvgov.wire.messages import EvictRequest, RequestContext
-from tests.e2e.served import serve, serve_env
+from tests.e2e.served import kvgov as _kvgov
+from tests.e2e.served import serve, serve_env, stop
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -81,17 +80,6 @@ def env(pg_url: str, vllm: str) -> Iterator[dict[str, str]]:
         KVGOV_PURGE__VLLM_ENGINES=json.dumps([vllm]),
     )
     shutil.rmtree(data_dir, ignore_errors=True)
-
-
-def _kvgov(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvgov", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
 
 
 def _wait(predicate: object, timeout_s: float, what: str) -> None:
@@ -185,12 +173,7 @@ def test_sigkill_mid_purge_then_restart_completes(env: dict[str, str], pg_url: s
         audit = _kvgov(env, "audit", "verify")
         assert audit.returncode == 0, audit.stdout + audit.stderr
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         db.dispose()
 
 
@@ -238,9 +221,4 @@ def test_engine_that_does_not_acknowledge_makes_the_purge_incomplete(
         good_ctl.close()
         good.close()
         silent.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)

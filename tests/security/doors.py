@@ -15,6 +15,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -56,7 +57,16 @@ def key(chunk: int, tenant: str, user: str | None = None) -> str:
     return f"{MODEL}@1@0@{chunk:x}@bfloat16{tags}"
 
 
-def settings(tmp_path: Path, pg_url: str, **dataplane: Any) -> Settings:
+@dataclass(frozen=True)
+class ProdDatabase:
+    """A migrated ledger database and the runtime role a production sidecar connects as (the
+    ``prod_db`` fixture, ``tests/security/conftest.py``)."""
+
+    url: str
+    runtime_role: str
+
+
+def settings(tmp_path: Path, db: ProdDatabase, **dataplane: Any) -> Settings:
     tmp_path.mkdir(parents=True, exist_ok=True)
     data_file = tmp_path / "policy-data.json"
     data_file.write_text(json.dumps(policy_data()))
@@ -64,7 +74,7 @@ def settings(tmp_path: Path, pg_url: str, **dataplane: Any) -> Settings:
     return Settings(
         environment="production",
         data_dir=tmp_path / "data",
-        database={"url": pg_url},
+        database={"url": db.url, "runtime_role": db.runtime_role},
         keys={"kek_path": kek},
         policy={"data_file": data_file},
         dataplane={
@@ -89,9 +99,9 @@ def provisioned_kek(path: Path) -> Path:
 
 
 @asynccontextmanager
-async def sidecar(tmp_path: Path, pg_url: str, **dataplane: Any) -> AsyncIterator[Sidecar]:
+async def sidecar(tmp_path: Path, db: ProdDatabase, **dataplane: Any) -> AsyncIterator[Sidecar]:
     """A started sidecar whose policy is built from its settings (the data document above)."""
-    sc = await build_sidecar(settings(tmp_path, pg_url, **dataplane))
+    sc = await build_sidecar(settings(tmp_path, db, **dataplane))
     await sc.start()
     try:
         yield sc

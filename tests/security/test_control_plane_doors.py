@@ -29,8 +29,10 @@ pytestmark = pytest.mark.postgres
 
 
 @asynccontextmanager
-async def control(tmp_path: Path, pg_url: str, **api: Any) -> AsyncIterator[httpx.AsyncClient]:
-    settings = doors.settings(tmp_path, pg_url)
+async def control(
+    tmp_path: Path, prod_db: doors.ProdDatabase, **api: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    settings = doors.settings(tmp_path, prod_db)
     if api:
         settings = settings.model_copy(update={"api": ApiSettings(**api)})
     from kvgov.proxy.app import build_sidecar
@@ -54,8 +56,8 @@ def token(client: httpx.AsyncClient, role: Role, tenant: str | None = None) -> d
     return {"Authorization": f"Bearer {raw}"}
 
 
-async def test_metrics_need_a_fleet_wide_token(tmp_path: Path, pg_url: str) -> None:
-    async with control(tmp_path, pg_url) as c:
+async def test_metrics_need_a_fleet_wide_token(tmp_path: Path, prod_db: doors.ProdDatabase) -> None:
+    async with control(tmp_path, prod_db) as c:
         assert (await c.get("/metrics")).status_code == 401
         scoped = await c.get("/metrics", headers=token(c, Role.AUDITOR, tenant="acme"))
         assert scoped.status_code == 403  # one tenant's auditor sees no fleet-wide counts
@@ -67,22 +69,26 @@ async def test_metrics_need_a_fleet_wide_token(tmp_path: Path, pg_url: str) -> N
         assert "acme" not in ok.text  # and never a tenant label
 
 
-async def test_metrics_public_opens_them_on_purpose(tmp_path: Path, pg_url: str) -> None:
-    async with control(tmp_path, pg_url, metrics_public=True) as c:
+async def test_metrics_public_opens_them_on_purpose(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    async with control(tmp_path, prod_db, metrics_public=True) as c:
         assert (await c.get("/metrics")).status_code == 200
 
 
-async def test_probes_answer_with_a_status_and_nothing_else(tmp_path: Path, pg_url: str) -> None:
-    async with control(tmp_path, pg_url) as c:
+async def test_probes_answer_with_a_status_and_nothing_else(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    async with control(tmp_path, prod_db) as c:
         health = await c.get("/healthz")
         ready = await c.get("/readyz")
         assert (health.status_code, health.json()) == (200, {"status": "ok"})
         assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
 
 
-async def test_api_docs_are_off_in_production(tmp_path: Path, pg_url: str) -> None:
-    async with control(tmp_path, pg_url) as c:
+async def test_api_docs_are_off_in_production(tmp_path: Path, prod_db: doors.ProdDatabase) -> None:
+    async with control(tmp_path, prod_db) as c:
         for path in ("/docs", "/redoc", "/openapi.json"):
             assert (await c.get(path)).status_code == 404, path
-    async with control(tmp_path / "again", pg_url, docs=True) as c:
+    async with control(tmp_path / "again", prod_db, docs=True) as c:
         assert (await c.get("/openapi.json")).status_code == 200

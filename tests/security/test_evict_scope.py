@@ -36,8 +36,10 @@ class Engine:
         return []
 
 
-async def test_a_globex_purge_sends_nothing_to_an_acme_engine(tmp_path: Path, pg_url: str) -> None:
-    async with doors.sidecar(tmp_path, pg_url) as sc:
+async def test_a_globex_purge_sends_nothing_to_an_acme_engine(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    async with doors.sidecar(tmp_path, prod_db) as sc:
         acme, globex = engine(sc, "tok-acme"), engine(sc, "tok-globex")
         watchers = {"acme": Engine(acme), "globex": Engine(globex)}
         channels = [

@@ -46,7 +46,11 @@ def test_lm_listener_is_off_by_default() -> None:
 def test_turning_lm_on_needs_an_engine_and_its_tenants(tmp_path: Path) -> None:
     for build in (
         lambda: Settings(dataplane={"lm_port": 0}),
-        lambda: doors.settings(tmp_path, "postgresql+psycopg://x@127.0.0.1/x", lm_port=0),
+        lambda: doors.settings(
+            tmp_path,
+            doors.ProdDatabase("postgresql+psycopg://x@127.0.0.1/x", "kvgov_rt"),
+            lm_port=0,
+        ),
     ):
         with pytest.raises((ValidationError, ConfigError)) as err:
             build()
@@ -57,15 +61,19 @@ def test_turning_lm_on_needs_an_engine_and_its_tenants(tmp_path: Path) -> None:
 
 def test_production_refuses_lm_on_a_non_loopback_address(tmp_path: Path) -> None:
     with pytest.raises((ValidationError, ConfigError)) as err:
-        doors.settings(tmp_path, "postgresql+psycopg://x@127.0.0.1/x", **_lm(lm_host="0.0.0.0"))
+        doors.settings(
+            tmp_path,
+            doors.ProdDatabase("postgresql+psycopg://x@127.0.0.1/x", "kvgov_rt"),
+            **_lm(lm_host="0.0.0.0"),
+        )
     assert "dataplane.lm_host" in str(err.value)
     # development may bind it wider (a test rig, a single-user box)
     dev = Settings(dataplane=_lm(lm_host="0.0.0.0"))
     assert dev.dataplane.lm_host == "0.0.0.0"
 
 
-async def test_lm_never_reads_user_scoped_data(tmp_path: Path, pg_url: str) -> None:
-    async with doors.sidecar(tmp_path, pg_url, **_lm()) as sc:
+async def test_lm_never_reads_user_scoped_data(tmp_path: Path, prod_db: doors.ProdDatabase) -> None:
+    async with doors.sidecar(tmp_path, prod_db, **_lm()) as sc:
         secret = os.urandom(50_000)
         raw = key(1, "acme", user="alice")
         acme = engine(sc, "tok-acme")
@@ -91,11 +99,11 @@ async def test_lm_never_reads_user_scoped_data(tmp_path: Path, pg_url: str) -> N
 
 
 async def test_a_star_engines_list_does_not_admit_the_lm_engine(
-    tmp_path: Path, pg_url: str
+    tmp_path: Path, prod_db: doors.ProdDatabase
 ) -> None:
     """demo admits ``"*"``: every kvgov-wire engine, but not the handshake-less listener, even
     when the operator lists demo among its tenants."""
-    async with doors.sidecar(tmp_path, pg_url, **_lm(lm_tenants=["acme", "demo"])) as sc:
+    async with doors.sidecar(tmp_path, prod_db, **_lm(lm_tenants=["acme", "demo"])) as sc:
         value = os.urandom(20_000)
         raw = key(3, "demo")
         demo = engine(sc, "tok-demo")
@@ -115,10 +123,12 @@ async def test_a_star_engines_list_does_not_admit_the_lm_engine(
             demo.close()
 
 
-async def test_lm_serves_only_its_declared_tenants(tmp_path: Path, pg_url: str) -> None:
+async def test_lm_serves_only_its_declared_tenants(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
     """The policy admits ``lm-acme`` for acme and initech; declared for acme only, it is
     refused for initech (the listener checks its own list before the policy)."""
-    async with doors.sidecar(tmp_path, pg_url, **_lm(lm_tenants=["acme"])) as sc:
+    async with doors.sidecar(tmp_path, prod_db, **_lm(lm_tenants=["acme"])) as sc:
         assert sc.lm_server is not None
         lm = LmClient(sc.lm_server.port)
         try:
@@ -134,8 +144,10 @@ async def test_lm_serves_only_its_declared_tenants(tmp_path: Path, pg_url: str) 
         assert any(e.principal == "lm:lm-acme" and e.tenant == "initech" for e in denied)
 
 
-async def test_lm_put_cannot_replace_what_an_engine_stored(tmp_path: Path, pg_url: str) -> None:
-    async with doors.sidecar(tmp_path, pg_url, **_lm()) as sc:
+async def test_lm_put_cannot_replace_what_an_engine_stored(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    async with doors.sidecar(tmp_path, prod_db, **_lm()) as sc:
         original = os.urandom(30_000)
         raw = key(7, "acme")
         acme = engine(sc, "tok-acme")

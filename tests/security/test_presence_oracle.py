@@ -69,9 +69,9 @@ class Observed:
 
 
 async def test_wire_probe_of_another_tenant_looks_the_same_present_or_absent(
-    tmp_path: Path, pg_url: str
+    tmp_path: Path, prod_db: doors.ProdDatabase
 ) -> None:
-    async with doors.sidecar(tmp_path, pg_url) as sc:
+    async with doors.sidecar(tmp_path, prod_db) as sc:
         globex, acme = engine(sc, "tok-globex"), engine(sc, "tok-acme")
         try:
             present, absent = key(10, "globex"), key(11, "globex")
@@ -95,12 +95,12 @@ async def test_wire_probe_of_another_tenant_looks_the_same_present_or_absent(
 
 
 async def test_lm_probe_of_another_tenant_looks_the_same_present_or_absent(
-    tmp_path: Path, pg_url: str
+    tmp_path: Path, prod_db: doors.ProdDatabase
 ) -> None:
     lm_settings: dict[str, Any] = {"lm_port": 0, "lm_engine_id": "lm-acme"}
     if "lm_tenants" in DataPlaneSettings.model_fields:
         lm_settings["lm_tenants"] = ["acme"]
-    async with doors.sidecar(tmp_path, pg_url, **lm_settings) as sc:
+    async with doors.sidecar(tmp_path, prod_db, **lm_settings) as sc:
         globex = engine(sc, "tok-globex")
         assert sc.lm_server is not None
         lm = LmClient(sc.lm_server.port)

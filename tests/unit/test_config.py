@@ -82,8 +82,86 @@ def test_production_refuses_unsafe_combinations() -> None:
 def test_production_accepts_a_safe_configuration(tmp_path: Path) -> None:
     s = load_settings(
         environment="production",
-        database={"url": "postgresql+psycopg://kvgov@db/kvgov"},
+        database={"url": "postgresql+psycopg://kvgov@db/kvgov", "runtime_role": "kvgov_runtime"},
         keys={"kek_path": str(tmp_path / "kek.key")},
         dataplane={"engine_tokens": {"t0ken-value": "engine-a"}},
     )
     assert s.production_problems() == []
+
+
+def test_production_needs_a_runtime_role(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"database\.runtime_role is empty"):
+        load_settings(
+            environment="production",
+            database={"url": "postgresql+psycopg://kvgov@db/kvgov"},
+            keys={"kek_path": str(tmp_path / "kek.key")},
+            dataplane={"engine_tokens": {"t0ken-value": "engine-a"}},
+        )
+
+
+PASSWORD = "pa55-w0rd-never-shown"
+
+
+def test_database_urls_from_files_and_the_migration_fallback(tmp_path: Path) -> None:
+    runtime = tmp_path / "runtime-url"
+    runtime.write_text(f"postgresql+psycopg://kvgov_rt:{PASSWORD}@db/kvgov\n")
+    s = load_settings(database={"url_file": str(runtime)})
+    assert s.database_url == f"postgresql+psycopg://kvgov_rt:{PASSWORD}@db/kvgov"
+    assert s.is_postgres
+    assert s.migration_database_url == s.database_url  # one role for both unless told
+    owner = tmp_path / "owner-url"
+    owner.write_text(f"postgresql+psycopg://kvgov_owner:{PASSWORD}@db/kvgov")
+    s = load_settings(database={"url_file": str(runtime), "migration_url_file": str(owner)})
+    assert s.migration_database_url == f"postgresql+psycopg://kvgov_owner:{PASSWORD}@db/kvgov"
+    runtime.write_text("postgresql+psycopg://rotated@db/kvgov")  # read when used
+    assert s.database_url == "postgresql+psycopg://rotated@db/kvgov"
+    s = load_settings(database={"migration_url": "postgresql+psycopg://owner@db/kvgov"})
+    assert s.database_url.startswith("sqlite:///")
+    assert s.migration_database_url == "postgresql+psycopg://owner@db/kvgov"
+
+
+def test_database_url_and_its_file_are_exclusive(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"database\.url or database\.url_file, not both"):
+        load_settings(database={"url": "postgresql://a@b/c", "url_file": str(tmp_path / "u")})
+    with pytest.raises(ConfigError, match=r"migration_url or database\.migration_url_file"):
+        load_settings(database={"migration_url": "postgresql://a@b/c", "migration_url_file": "/x"})
+
+
+def test_unreadable_or_empty_url_file_stops_with_a_hint(tmp_path: Path) -> None:
+    s = load_settings(database={"url_file": str(tmp_path / "absent")})
+    with pytest.raises(ConfigError, match=r"cannot read database\.url_file .*absent"):
+        _ = s.database_url
+    empty = tmp_path / "empty"
+    empty.write_text("  \n")
+    s = load_settings(database={"migration_url_file": str(empty)})
+    with pytest.raises(ConfigError, match="is empty"):
+        _ = s.migration_database_url
+
+
+def test_production_refuses_sqlite_from_a_url_file(tmp_path: Path) -> None:
+    url_file = tmp_path / "url"
+    url_file.write_text(f"sqlite:///{tmp_path}/ledger.db")
+    s = load_settings(
+        environment="production",
+        database={"url_file": str(url_file), "runtime_role": "kvgov_runtime"},
+        keys={"kek_path": str(tmp_path / "kek.key")},
+        dataplane={"engine_tokens": {"t0ken-value": "engine-a"}},
+    )
+    with pytest.raises(ConfigError, match="production needs a Postgres ledger"):
+        _ = s.database_url
+
+
+def test_database_passwords_stay_out_of_reprs_and_errors(tmp_path: Path) -> None:
+    url = f"postgresql+psycopg://kvgov_rt:{PASSWORD}@db/kvgov"
+    s = load_settings(database={"url": url, "migration_url": url})
+    assert s.database_url == url
+    assert PASSWORD not in repr(s) and PASSWORD not in str(s.database)
+    with pytest.raises(ConfigError) as err:
+        load_settings(database={"url": url, "url_file": str(tmp_path / "u")})
+    assert PASSWORD not in err.value.diagnostics()
+
+
+@pytest.mark.parametrize("role", ["Kvgov", "kvgov-rt", "a b", '"x"', "x" * 64])
+def test_runtime_role_must_be_a_plain_role_name(role: str) -> None:
+    with pytest.raises(ConfigError, match=r"database\.runtime_role"):
+        load_settings(database={"runtime_role": role})

@@ -1,7 +1,9 @@
 """``kvgov init``: create the data directory, key files and the ledger schema.
 
 Idempotent: existing key files are never overwritten (every pseudonym, checkpoint and wrapped
-data key depends on them); running it again only fills in what is missing.
+data key depends on them); running it again only fills in what is missing. In development it
+migrates the ledger (as ``kvgov db upgrade`` does); in production migrations are a step of their
+own, so it only says whether a sidecar could start on the database.
 """
 
 from __future__ import annotations
@@ -9,18 +11,19 @@ from __future__ import annotations
 import typer
 
 from kvgov.cli._common import echo, settings
+from kvgov.types import Environment
 
 
 def register(app: typer.Typer) -> None:
     @app.command("init")
     def init_cmd(
         ctx: typer.Context,
-        skip_db: bool = typer.Option(False, "--skip-db", help="Do not migrate the database."),
+        skip_db: bool = typer.Option(False, "--skip-db", help="Leave the database alone."),
     ) -> None:
         """Create the data dir, signing key, pseudonym key, KEK file and the ledger schema."""
         from kvgov.keys.kek import generate_kek_file
         from kvgov.ledger.chain import generate_signing_key_file
-        from kvgov.ledger.db import current_revision, upgrade
+        from kvgov.ledger.db import current_revision, migrate
         from kvgov.ledger.pseudonym import generate_pseudonym_key_file
 
         s = settings(ctx)
@@ -32,6 +35,18 @@ def register(app: typer.Typer) -> None:
         existed = s.kek_path.exists()
         generate_kek_file(s.kek_path, exist_ok=True)
         echo(f"KEK            {s.kek_path} ({'kept' if existed else 'created'})")
-        if not skip_db:
-            upgrade(s.database_url)
+        if skip_db:
+            return
+        if s.environment is Environment.DEVELOPMENT:
+            migrate(s)
             echo(f"database       revision {current_revision(s.database_url)}")
+            return
+        # production: migrations are their own step (kvgov db upgrade as the owner role); say
+        # whether a sidecar could start on this database
+        from kvgov.errors import StartupError
+        from kvgov.ledger.roles import check_schema
+
+        try:
+            echo(f"database       revision {check_schema(s)} (ready)")
+        except StartupError as exc:
+            echo(f"database       not ready: {exc.diagnostics()}")

@@ -131,7 +131,7 @@ def prepare(event: Event) -> Prepared:
 
 
 def read_head(conn: Connection, chain_id: str) -> tuple[int, str]:
-    """Lock the chain (Postgres: its ``chains`` row) and return its last (seq, hash)."""
+    """Lock the chain (Postgres: an advisory lock on its id) and return its last (seq, hash)."""
     if conn.dialect.name == "postgresql":
         found, row = read_head_pipelined(conn, chain_id)
     else:

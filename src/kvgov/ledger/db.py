@@ -2,8 +2,10 @@
 
 ``make_engine`` tunes each backend (SQLite: WAL, foreign keys, busy timeout; Postgres through
 psycopg 3). ``upgrade`` runs the Alembic migrations under ``migrations/`` programmatically (the
-checkout's, or the copy a wheel installs under ``<prefix>/share/kvgov``); it is what ``kvgov db
-upgrade``, ``kvgov init``, ``kvgov serve`` and the tests call.
+checkout's, or the copy a wheel installs under ``<prefix>/share/kvgov``) under a migration lock,
+so that many processes may run it at once; ``migrate`` is ``kvgov db upgrade`` (the owner
+role's URL, then the runtime role's grants), which a development sidecar and ``kvgov init`` also
+run. A production sidecar never migrates (``kvgov.ledger.roles.check_schema``).
 
 Column types shared by the models live here too: :class:`UTCDateTime` stores UTC and always
 returns timezone-aware datetimes (SQLite has no time zones), :class:`StrEnumType` stores a
@@ -12,21 +14,29 @@ returns timezone-aware datetimes (SQLite has no time zones), :class:`StrEnumType
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Engine, String, create_engine, event
+from sqlalchemy import JSON, Connection, DateTime, Engine, String, create_engine, event
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect, make_url
+from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 from sqlalchemy.types import TypeDecorator
 
-from kvgov.errors import ConfigError, LedgerError, StartupError
+from kvgov.config import Settings
+from kvgov.errors import ConfigError, KvgovError, LedgerError, StartupError
+from kvgov.logging import get_logger
+
+log = get_logger(__name__)
 
 #: SQLite waits this long for a lock before failing with "database is locked"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
@@ -207,31 +217,203 @@ def alembic_config(url: str) -> Any:
     return cfg
 
 
-def upgrade(url: str, revision: str = "head") -> None:
-    """Bring the database at ``url`` to ``revision`` (creating every table on an empty one)."""
+#: the ``pg_advisory_lock`` key (session level, one 64-bit key) every :func:`upgrade` holds
+#: while it reads the schema's revision, migrates and grants: the bytes ``kvgovmig``
+MIGRATION_LOCK_KEY = int.from_bytes(b"kvgovmig", "big")
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationLimits:
+    """Postgres timeouts of an upgrade, in seconds; 0 means no limit."""
+
+    #: how long a migration statement waits for a table lock (``lock_timeout``)
+    lock_timeout_s: float = 10.0
+    #: how long one migration statement may run (``statement_timeout``)
+    statement_timeout_s: float = 600.0
+    #: how long to wait for the migration lock another process holds
+    wait_s: float = 900.0
+
+    @classmethod
+    def of(cls, settings: Settings) -> MigrationLimits:
+        db = settings.database
+        return cls(
+            db.migration_lock_timeout_s, db.migration_statement_timeout_s, db.migration_wait_s
+        )
+
+
+def upgrade(
+    url: str,
+    revision: str = "head",
+    *,
+    limits: MigrationLimits | None = None,
+    runtime_role: str = "",
+) -> list[str]:
+    """Bring the database at ``url`` to ``revision`` (creating every table on an empty one);
+    return the revisions this call applied, oldest first (empty: nothing to do).
+
+    Safe to run from many processes at once: the revision is read only once the migration lock
+    is held (:func:`migration_connection`), so one process applies each revision and the others
+    wait, then find nothing to do. Migrations run in one transaction; then, in it and still
+    under the lock, ``runtime_role`` (if any, Postgres) gets the runtime privileges
+    (:func:`kvgov.ledger.roles.apply_grants`)."""
     from alembic import command
 
-    engine = make_engine(url)
     try:
-        with engine.begin() as conn:
+        with migration_connection(url, limits) as conn:
+            before = revision_of(conn)
             cfg = alembic_config(url)
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, revision)
-    except LedgerError:
+            after = revision_of(conn)
+            if runtime_role and conn.dialect.name == "postgresql":
+                from kvgov.ledger.roles import apply_grants
+
+                apply_grants(conn, runtime_role)
+    except KvgovError:
         raise
     except Exception as exc:
-        raise LedgerError(f"database migration failed: {type(exc).__name__}: {exc}") from exc
+        raise _migration_error(exc, url) from exc
+    applied = _revisions_between(before, after)
+    for script in applied:
+        log.info("ledger.migration.applied", extra={"revision": script.revision, "doc": script.doc})
+    return [script.revision for script in applied]
+
+
+@contextlib.contextmanager
+def migration_connection(url: str, limits: MigrationLimits | None = None) -> Iterator[Connection]:
+    """A connection to ``url`` in a transaction (committed when the block ends) that holds the
+    migration lock: on Postgres the session-level advisory lock :data:`MIGRATION_LOCK_KEY`,
+    waited for up to ``limits.wait_s``, with ``lock_timeout`` and ``statement_timeout`` set
+    from ``limits`` once it is held; on SQLite the database's write lock (BEGIN IMMEDIATE)."""
+    limits = limits or MigrationLimits()
+    engine = make_engine(url, pool_size=1)
+    try:
+        with engine.connect() as conn:
+            postgres = conn.dialect.name == "postgresql"
+            if postgres:
+                _take_migration_lock(conn, limits)
+            else:
+                conn.execution_options(**{SQLITE_BEGIN_IMMEDIATE: True})
+            try:
+                with conn.begin():
+                    yield conn
+            finally:
+                if postgres:
+                    _release_migration_lock(conn)
     finally:
         engine.dispose()
 
 
-def current_revision(url: str) -> str | None:
-    """The Alembic revision the database is at (None when never migrated)."""
+_SET_TIMEOUTS = (
+    "SELECT set_config('lock_timeout', %s, false), set_config('statement_timeout', %s, false)"
+)
+
+
+def _take_migration_lock(conn: Connection, limits: MigrationLimits) -> None:
+    """Wait for the migration lock (``lock_timeout`` bounds the wait), then set the session's
+    timeouts for the migration itself."""
+    conn.exec_driver_sql(_SET_TIMEOUTS, (f"{limits.wait_s * 1000:.0f}", "0"))
+    try:
+        conn.exec_driver_sql(f"SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})")
+    except OperationalError as exc:
+        raise LedgerError(
+            f"another kvgov db upgrade held the migration lock for over {limits.wait_s:g} s",
+            hint="it may still be running; retry, or raise database.migration_wait_s",
+        ) from exc
+    timeouts = (limits.lock_timeout_s, limits.statement_timeout_s)
+    conn.exec_driver_sql(_SET_TIMEOUTS, tuple(f"{t * 1000:.0f}" for t in timeouts))
+    conn.commit()  # the session lock outlives the transaction; the migrations get their own
+
+
+def _release_migration_lock(conn: Connection) -> None:
+    # closing the connection (engine.dispose) releases it too: a failure here changes nothing
+    with contextlib.suppress(SQLAlchemyError):
+        conn.rollback()
+        conn.exec_driver_sql(f"SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})")
+        conn.commit()
+
+
+def error_reason(exc: Exception, url: str) -> str:
+    """The first line of the driver's message, with the URL's password (if any) masked."""
+    text = str(getattr(exc, "orig", None) or exc)
+    reason = text.splitlines()[0] if text else ""
+    with contextlib.suppress(ArgumentError, ValueError):
+        password = make_url(url).password
+        if password:
+            reason = reason.replace(str(password), "***")
+    return reason
+
+
+def _migration_error(exc: Exception, url: str) -> LedgerError:
+    reason = error_reason(exc, url)
+    hint = None
+    if "lock timeout" in reason or "statement timeout" in reason:
+        hint = (
+            "nothing was changed: a sidecar's transaction held a table past"
+            " database.migration_lock_timeout_s, or a statement ran past"
+            " database.migration_statement_timeout_s; run it again (or raise the limit)"
+        )
+    return LedgerError(
+        f"database migration of {redact_url(url)} failed: {type(exc).__name__}: {reason}",
+        hint=hint,
+    )
+
+
+def redact_url(url: str) -> str:
+    """A database URL fit for a message: the password masked."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):  # not a URL SQLAlchemy reads: say nothing of it
+        return "<database URL>"
+
+
+def revision_of(conn: Connection) -> str | None:
+    """The revision the connection's database is at (None when never migrated)."""
     from alembic.runtime.migration import MigrationContext
 
-    engine = make_engine(url)
+    return MigrationContext.configure(conn).get_current_revision()
+
+
+def _script_directory() -> Any:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory(migrations_dir().as_posix())
+
+
+def _revisions_between(before: str | None, after: str | None) -> list[Any]:
+    """The scripts after ``before`` up to ``after``, oldest first."""
+    if after is None or after == before:
+        return []
+    scripts = _script_directory().iterate_revisions(after, before or "base")
+    return list(reversed(list(scripts)))
+
+
+def head_revision() -> str:
+    """The newest revision of the migrations this kvgov ships."""
+    return str(_script_directory().get_current_head())
+
+
+def known_revisions() -> set[str]:
+    """Every revision of the migrations this kvgov ships."""
+    return {script.revision for script in _script_directory().walk_revisions()}
+
+
+def migrate(settings: Settings, revision: str = "head") -> list[str]:
+    """``kvgov db upgrade``: migrate as the owner role (``database.migration_url``), then grant
+    ``database.runtime_role`` its privileges; the revisions applied (see :func:`upgrade`)."""
+    return upgrade(
+        settings.migration_database_url,
+        revision,
+        limits=MigrationLimits.of(settings),
+        runtime_role=settings.database.runtime_role,
+    )
+
+
+def current_revision(url: str) -> str | None:
+    """The Alembic revision the database is at (None when never migrated)."""
+    engine = make_engine(url, pool_size=1)
     try:
         with engine.connect() as conn:
-            return MigrationContext.configure(conn).get_current_revision()
+            return revision_of(conn)
     finally:
         engine.dispose()

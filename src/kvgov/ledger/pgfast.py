@@ -48,7 +48,16 @@ _COPY_NULL = "\\N"
 _COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 _WHEN = EVENT_COLUMNS.index("occurred_at")
 _COPY_SQL = f"COPY ledger_events ({', '.join(EVENT_COLUMNS)}) FROM STDIN"
-_LOCK_CHAIN = "SELECT chain_id FROM chains WHERE chain_id = %s FOR UPDATE"
+#: class (first key) of the transaction-level advisory locks that serialise a chain's
+#: committers: the bytes ``kvch``; the second key is the chain id's ``hashtext``
+CHAIN_LOCK_CLASS = int.from_bytes(b"kvch", "big")
+#: lock the chain (returns its row if it is registered). An advisory lock, not ``FOR UPDATE``:
+#: a row lock needs UPDATE privilege on ``chains``, which the runtime role must not have
+_LOCK_CHAIN = (
+    "SELECT c.chain_id FROM chains AS c,"  # noqa: S608 - constants
+    f" pg_advisory_xact_lock({CHAIN_LOCK_CLASS}, hashtext(c.chain_id)) AS l"
+    " WHERE c.chain_id = %s"
+)
 _HEAD = "SELECT seq, hash FROM ledger_events WHERE chain_id = %s ORDER BY seq DESC LIMIT 1"
 
 
@@ -95,7 +104,7 @@ def copy_rows(conn: Connection, data: str) -> None:
 
 
 def read_head_pipelined(conn: Connection, chain_id: str) -> tuple[bool, Any]:
-    """BEGIN, the chain-row lock and the head query in one round trip (libpq pipeline): (the
+    """BEGIN, the chain lock and the head query in one round trip (libpq pipeline): (the
     chain exists, its last (seq, hash) row or None). The head query runs after the lock is
     granted, on a snapshot of its own (READ COMMITTED), so it sees what the previous holder
     of the lock committed."""

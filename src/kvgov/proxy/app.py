@@ -1,6 +1,8 @@
 """The sidecar's application factory: :func:`build_sidecar` composes every component from one
-``Settings`` (ledger engine + migration check, writer, keyring, policy, tiers, pipeline, the
-kvgov wire server, the ``lm://`` listener and the control plane). Nothing happens at import.
+``Settings`` (ledger engine, writer, keyring, policy, tiers, pipeline, the kvgov wire server,
+the ``lm://`` listener and the control plane). Nothing happens at import. A development sidecar
+migrates its ledger schema itself; a production one never does: it refuses to start unless the
+schema is current and its database role is a runtime role (``kvgov.ledger.roles``).
 
 Lifecycle: ``sidecar = await build_sidecar(settings)``; ``await sidecar.start()``;
 ``await sidecar.stop()`` (stop accepting, drain in-flight puts, flush the ledger, close).
@@ -264,12 +266,17 @@ async def build_sidecar(
     if governance:
         from kvgov.keys.kek import FileKekProvider, generate_kek_file
         from kvgov.ledger.chain import generate_signing_key_file, load_signing_key
-        from kvgov.ledger.db import make_engine, upgrade
+        from kvgov.ledger.db import make_engine, migrate
         from kvgov.ledger.journal import Journal
         from kvgov.ledger.writer import LedgerWriter
         from kvgov.proxy.dataplane.restore import load_index
 
-        upgrade(settings.database_url)
+        if settings.environment is Environment.DEVELOPMENT:
+            migrate(settings)  # a development sidecar keeps its own schema current
+        else:  # migrations are a step of their own (kvgov db upgrade, as the owner role)
+            from kvgov.ledger.roles import check_schema
+
+            check_schema(settings)
         engine = make_engine(settings.database_url, pool_size=settings.database.pool_size)
         if sink is None:
             generate_signing_key_file(settings.signing_key_path)

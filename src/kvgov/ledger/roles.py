@@ -1,0 +1,228 @@
+"""The runtime role's privileges on the ledger database (Postgres), table by table.
+
+Migrations run as the owner of the schema; sidecars and the CLI connect as a runtime role that
+can read and append but can never alter a table, drop or disable a trigger, truncate, or
+update or delete a row of the chained tables (``docs/database.md``). :data:`RUNTIME_PRIVILEGES`
+is that role's whole allowance: UPDATE only where the code updates, DELETE nowhere (kvgov never
+deletes a row). ``kvgov db upgrade`` applies it after migrating (:func:`apply_grants`, under the
+migration lock) and ``kvgov db grants`` prints it for a DBA (:func:`grant_statements`); a
+production sidecar checks its own role against it before it serves (:func:`runtime_problems`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from sqlalchemy import Connection, text
+from sqlalchemy.exc import ProgrammingError, SQLAlchemyError
+
+from kvgov.config import Settings
+from kvgov.errors import ConfigError, LedgerError, StartupError
+from kvgov.ledger.db import (
+    MigrationLimits,
+    error_reason,
+    head_revision,
+    known_revisions,
+    make_engine,
+    migration_connection,
+    redact_url,
+    revision_of,
+)
+from kvgov.logging import get_logger
+
+log = get_logger(__name__)
+
+#: every table kvgov creates, with what the runtime role may do to it
+RUNTIME_PRIVILEGES: dict[str, tuple[str, ...]] = {
+    # the chained evidence: appended, never changed (the append-only triggers stop the
+    # owner's accidents; the runtime role has no privilege to try)
+    "ledger_events": ("SELECT", "INSERT"),
+    "checkpoints": ("SELECT", "INSERT"),
+    "chains": ("SELECT", "INSERT"),
+    # erasure sets payload and salt to NULL (the chained digest stays)
+    "event_payloads": ("SELECT", "INSERT", "UPDATE"),
+    # the writer's index upserts; purges mark users erased
+    "cache_entries": ("SELECT", "INSERT", "UPDATE"),
+    "requests": ("SELECT", "INSERT", "UPDATE"),
+    "user_refs": ("SELECT", "INSERT", "UPDATE"),
+    "policy_decisions": ("SELECT", "INSERT"),
+    # each writer moves its chain's journal mark in its batch's transaction
+    "ledger_journal_marks": ("SELECT", "INSERT", "UPDATE"),
+    # wrapped data keys: new versions, state changes, destruction (wrapped set to NULL)
+    "data_keys": ("SELECT", "INSERT", "UPDATE"),
+    # the purge state machine: steps are claimed with FOR UPDATE (which needs UPDATE)
+    "purge_jobs": ("SELECT", "INSERT", "UPDATE"),
+    "purge_steps": ("SELECT", "INSERT", "UPDATE"),
+    "purge_receipts": ("SELECT", "INSERT"),
+    # heartbeats; API tokens are revoked and stamped with their last use
+    "sidecars": ("SELECT", "INSERT", "UPDATE"),
+    "api_tokens": ("SELECT", "INSERT", "UPDATE"),
+    # written by operators, read by retention and the API
+    "tenants": ("SELECT",),
+    # a production sidecar reads the schema's revision before it starts
+    "alembic_version": ("SELECT",),
+}
+
+#: sequences behind SERIAL columns (new purge steps draw their ids)
+RUNTIME_SEQUENCES: dict[str, str] = {"purge_steps_id_seq": "purge_steps"}
+
+
+def quote_ident(name: str) -> str:
+    """``name`` as a quoted SQL identifier."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def grant_statements(
+    role: str, schema: str = "public", tables: Iterable[str] | None = None
+) -> list[str]:
+    """The SQL that gives ``role`` exactly the runtime privileges (and nothing else) on the
+    ``tables`` that exist (all by default). Each table's privileges are revoked first, so
+    running it again after kvgov narrows a grant takes the old privilege away."""
+    r, s = quote_ident(role), quote_ident(schema)
+    present = set(RUNTIME_PRIVILEGES if tables is None else tables)
+    out = [f"GRANT USAGE ON SCHEMA {s} TO {r};"]
+    for table, privileges in RUNTIME_PRIVILEGES.items():
+        if table not in present:
+            continue
+        name = f"{s}.{quote_ident(table)}"
+        out.append(f"REVOKE ALL ON TABLE {name} FROM {r};")
+        out.append(f"GRANT {', '.join(privileges)} ON TABLE {name} TO {r};")
+    for sequence, table in RUNTIME_SEQUENCES.items():
+        if table in present:
+            out.append(f"GRANT USAGE, SELECT ON SEQUENCE {s}.{quote_ident(sequence)} TO {r};")
+    return out
+
+
+def apply_grants(conn: Connection, role: str) -> list[str]:
+    """Grant the runtime privileges to ``role`` on the tables of the connection's schema, in
+    the caller's transaction; return the statements run. The role must exist."""
+    exists = conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}).first()
+    if exists is None:
+        raise ConfigError(
+            f"database.runtime_role {role!r} does not exist",
+            hint="create it first (docs/database.md, 'Roles'), or leave runtime_role empty",
+        )
+    schema = str(conn.execute(text("SELECT current_schema()")).scalar_one())
+    tables = conn.execute(
+        text("SELECT tablename FROM pg_tables WHERE schemaname = :s"), {"s": schema}
+    ).scalars()
+    statements = grant_statements(role, schema, set(tables))
+    for statement in statements:
+        conn.exec_driver_sql(statement)
+    return statements
+
+
+def grant_runtime_role(settings: Settings, role: str) -> list[str]:
+    """``kvgov db grants --apply``: :func:`apply_grants` as the migration role, under the
+    migration lock (concurrent GRANTs on one table can fail); the statements run."""
+    if not settings.is_postgres:
+        raise ConfigError("database roles and grants need a Postgres ledger")
+    url = settings.migration_database_url
+    try:
+        with migration_connection(url, MigrationLimits.of(settings)) as conn:
+            return apply_grants(conn, role)
+    except SQLAlchemyError as exc:
+        raise LedgerError(
+            f"granting {role!r} on {redact_url(url)} failed: {error_reason(exc, url)}"
+        ) from None
+
+
+def runtime_problems(conn: Connection, runtime_role: str) -> list[str]:
+    """Why the connection's role is not a safe runtime role (empty when it is): a superuser, a
+    role that owns a ledger table (or may act as its owner) and so could switch the guard off,
+    a role missing a privilege the code needs, or one that is not ``runtime_role``."""
+    who = conn.execute(
+        text("SELECT current_user, rolsuper FROM pg_roles WHERE rolname = current_user")
+    ).one()
+    user, superuser = str(who[0]), bool(who[1])
+    if superuser:
+        return [f"the database role {user!r} is a superuser"]
+    problems: list[str] = []
+    owned = conn.execute(
+        text(
+            "SELECT c.relname FROM pg_class AS c WHERE c.oid = ANY("
+            "  SELECT to_regclass(t) FROM unnest(CAST(:tables AS text[])) AS t)"
+            " AND pg_has_role(current_user, c.relowner, 'MEMBER') ORDER BY 1"
+        ),
+        {"tables": list(RUNTIME_PRIVILEGES)},
+    ).scalars()
+    owns = list(owned)
+    if owns:
+        problems.append(
+            f"the database role {user!r} owns (or may act as the owner of) {', '.join(owns)}:"
+            " it could disable the ledger's append-only guard"
+        )
+    missing = conn.execute(
+        text(
+            "SELECT p.t || ' ' || p.priv FROM unnest(CAST(:tables AS text[]),"
+            " CAST(:privs AS text[])) AS p(t, priv)"
+            " WHERE NOT COALESCE(has_table_privilege(to_regclass(p.t), p.priv), false)"
+        ),
+        {
+            "tables": [t for t, privs in RUNTIME_PRIVILEGES.items() for _ in privs],
+            "privs": [p for privs in RUNTIME_PRIVILEGES.values() for p in privs],
+        },
+    ).scalars()
+    lacks = list(missing)
+    if lacks:
+        problems.append(f"the database role {user!r} lacks {', '.join(lacks)}")
+    if runtime_role and user != runtime_role:
+        member = conn.execute(
+            text("SELECT pg_has_role(current_user, oid, 'USAGE') FROM pg_roles WHERE rolname = :r"),
+            {"r": runtime_role},
+        ).scalar()
+        if not member:
+            problems.append(
+                f"the database role {user!r} is not database.runtime_role {runtime_role!r}"
+                " nor a member of it"
+            )
+    return problems
+
+
+UPGRADE_HINT = (
+    "run `kvgov db upgrade` with this release, as the migration role (database.migration_url"
+    " or migration_url_file), before starting its sidecars: a production sidecar never migrates"
+    " (docs/operations.md, 'Upgrades')"
+)
+
+
+def check_schema(settings: Settings) -> str | None:
+    """A production sidecar's start (it never migrates): the ledger database must be at this
+    kvgov's head revision, or at a newer one that a later release's ``kvgov db upgrade``
+    applied (logged), and the runtime URL's role must be a safe runtime role
+    (:func:`runtime_problems`). Raises :class:`StartupError` naming what
+    is wrong; returns the database's revision."""
+    url = settings.database_url
+    code = head_revision()
+    engine = make_engine(url, pool_size=1)
+    try:
+        with engine.connect() as conn:
+            postgres = conn.dialect.name == "postgresql"
+            problems = runtime_problems(conn, settings.database.runtime_role) if postgres else []
+            try:
+                with conn.begin_nested():
+                    current = revision_of(conn)
+            except ProgrammingError:  # alembic_version not readable: a problem reported below
+                current = code
+    except SQLAlchemyError as exc:
+        raise StartupError(
+            f"cannot check the ledger database {redact_url(url)}: {error_reason(exc, url)}"
+        ) from None
+    finally:
+        engine.dispose()
+    if current != code:
+        if current is None or current in known_revisions():
+            raise StartupError(
+                f"the ledger database is at revision {current or 'none (no schema)'}, this kvgov"
+                f" needs revision {code}",
+                hint=UPGRADE_HINT,
+            )
+        log.warning("ledger.schema.newer", extra={"database": current, "code": code})
+    if problems:
+        raise StartupError(
+            "unsafe database role for a production sidecar: " + "; ".join(problems),
+            hint="connect sidecars as the runtime role (database.url or url_file); `kvgov db"
+            " upgrade` grants database.runtime_role its privileges, `kvgov db grants` prints"
+            " the SQL (docs/database.md)",
+        )
+    return current
