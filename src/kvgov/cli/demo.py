@@ -244,12 +244,14 @@ def _purge(sidecar: _SidecarThread, tenant: str, user: str) -> bool:
 def _verify_ledger(sidecar: _SidecarThread) -> bool:
     """``kvgov audit verify`` on the demo's ledger: every chain recomputed, every checkpoint
     checked, against this node's signing key."""
-    from kvgov.ledger.chain import load_public_key
-    from kvgov.ledger.verify import verify
+    from kvgov.ledger.trust import trusted_keys, verify_trusted
 
     sidecar.call(sidecar.app.writer.flush())
-    trusted = {load_public_key(sidecar.settings.signing_key_path)}
-    report = verify(sidecar.app.engine, trusted_keys=trusted)
+    report = verify_trusted(
+        sidecar.app.engine,
+        trusted_keys(sidecar.settings),
+        expect_chains=[sidecar.app.writer.chain_id],
+    )
     for c in report.chains:
         bad = c.first_bad
         if bad is None:

@@ -41,6 +41,7 @@ from kvgov.errors import AuthError, ForbiddenError, KvgovError
 from kvgov.ledger.db import make_sessionmaker, utcnow
 from kvgov.ledger.events import Event, EventSink
 from kvgov.ledger.tokens import TokenRecord, TokenRepository
+from kvgov.ledger.verify import VerifyReport
 from kvgov.logging import get_logger
 from kvgov.types import EventKind, Role
 
@@ -74,6 +75,11 @@ class ApiContext:
     #: the keyring ``/v1/keys/rotate`` rotates through; None: one is built on first use from the
     #: settings (the sidecar passes its own, so a rotation takes effect in it at once)
     keyring: Any = None
+    #: raw Ed25519 public keys ledger chains are verified against; None: read from the settings
+    #: (this node's own key, ``ledger.trusted_keys`` and its file) at each verification
+    chain_keys: frozenset[bytes] | None = None
+    #: chains the ledger must hold (the serving sidecar's own)
+    expected_chains: tuple[str, ...] = ()
     _sessions: Callable[[], Session] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +87,13 @@ class ApiContext:
 
     def session(self) -> Session:
         return self._sessions()
+
+    def verify_ledger(self) -> VerifyReport:
+        """``audit verify`` against the trusted keys, never the ones stored in the ledger."""
+        from kvgov.ledger.trust import trusted_keys, verify_trusted
+
+        keys = self.chain_keys if self.chain_keys is not None else trusted_keys(self.settings)
+        return verify_trusted(self.engine, keys, expect_chains=self.expected_chains)
 
     def trusted_receipt_keys(self) -> tuple[bytes, ...]:
         """The keys a receipt must be signed by to show as verified (none: nothing verifies)."""

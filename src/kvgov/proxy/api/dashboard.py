@@ -32,7 +32,6 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from kvgov.errors import AuthError, KvgovError
 from kvgov.ledger import queries_admin as qa
 from kvgov.ledger import queries_api as q
-from kvgov.ledger.verify import verify
 from kvgov.proxy.api.auth import (
     SESSION_COOKIE,
     SESSION_TTL_S,
@@ -98,7 +97,7 @@ def _html(env: Environment, name: str, status: int, **context: Any) -> HTMLRespo
 
 def _load(ctx: ApiContext, principal: Principal) -> dict[str, Any]:
     """Everything the page shows, read in one session."""
-    verify_report = report_out(verify(ctx.engine))
+    verify_report = report_out(ctx.verify_ledger())
     with ctx.session() as session:
         stats = q.tenant_stats(
             session, tenants=None if principal.tenant is None else [principal.tenant]
