@@ -118,7 +118,7 @@ def _scenario(sidecar: _SidecarThread, endpoint: str) -> bool:
         ok &= denied == 0
 
         echo("\n5. provenance of req-2 (which cached chunks fed bob's request?)")
-        ok &= _print_provenance(sidecar, "req-2")
+        ok &= _print_provenance(sidecar, "req-2", "acme")
 
         other = (prompt + 3).tolist()
         echo("\n6. erin@acme caches her own prompt on vllm-2 (req-6)")
@@ -178,13 +178,13 @@ def _ids(
     return ids
 
 
-def _print_provenance(sidecar: _SidecarThread, request_id: str) -> bool:
+def _print_provenance(sidecar: _SidecarThread, request_id: str, tenant: str) -> bool:
     from kvgov.ledger.db import make_sessionmaker
     from kvgov.ledger.provenance import provenance
 
     sidecar.call(sidecar.app.writer.flush())
     with make_sessionmaker(sidecar.app.engine)() as session:
-        rows = provenance(session, request_id)
+        rows = provenance(session, request_id, tenant)
         for i, row in enumerate(rows):
             e = row.entry
             if e is None:

@@ -97,12 +97,14 @@ class UserRef(Base):
 
 
 class Request(Base):
-    """An inference request seen on the data plane (the provenance join key)."""
+    """An inference request seen on the data plane (the provenance join key). Request ids come
+    from the engines and two tenants may use the same one: a request is an id *in a tenant*
+    (``''`` when the request carried no tenant; migration 0004)."""
 
     __tablename__ = "requests"
 
     request_id: Mapped[str] = mapped_column(String(REQUEST_ID), primary_key=True)
-    tenant: Mapped[str | None] = mapped_column(String(TENANT), index=True)
+    tenant: Mapped[str] = mapped_column(String(TENANT), primary_key=True, index=True, default="")
     actor: Mapped[str | None] = mapped_column(String(PSEUDONYM), index=True)
     principal: Mapped[str | None] = mapped_column(String(256))
     first_seen_at: Mapped[datetime]
