@@ -57,8 +57,8 @@ RUNTIME_PRIVILEGES: dict[str, tuple[str, ...]] = {
     # heartbeats; API tokens are revoked and stamped with their last use
     "sidecars": ("SELECT", "INSERT", "UPDATE"),
     "api_tokens": ("SELECT", "INSERT", "UPDATE"),
-    # written by operators, read by retention and the API
-    "tenants": ("SELECT",),
+    # retention set by operators (kvgov tenant retention, the API), read by the sweepers
+    "tenants": ("SELECT", "INSERT", "UPDATE"),
     # a production sidecar reads the schema's revision before it starts
     "alembic_version": ("SELECT",),
 }
