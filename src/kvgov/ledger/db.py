@@ -255,7 +255,7 @@ def upgrade(
     is held (:func:`migration_connection`), so one process applies each revision and the others
     wait, then find nothing to do. Migrations run in one transaction; then, in it and still
     under the lock, ``runtime_role`` (if any, Postgres) gets the runtime privileges
-    (:func:`kvgov.ledger.roles.apply_grants`)."""
+    (:func:`kvgov.ledger.grants.apply_grants`)."""
     from alembic import command
 
     try:
@@ -266,7 +266,7 @@ def upgrade(
             command.upgrade(cfg, revision)
             after = revision_of(conn)
             if runtime_role and conn.dialect.name == "postgresql":
-                from kvgov.ledger.roles import apply_grants
+                from kvgov.ledger.grants import apply_grants
 
                 apply_grants(conn, runtime_role)
     except KvgovError:
