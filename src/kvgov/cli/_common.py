@@ -10,7 +10,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -51,7 +51,7 @@ def settings(ctx: typer.Context) -> Settings:
     return state(ctx).settings
 
 
-def emit_json(data: Any) -> None:
+def emit_json(data: object) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 

@@ -354,7 +354,7 @@ def _read_put_ack(conn: Connection, stream_id: int, key: str) -> PutAck:
     return _ack(key, results[0])
 
 
-def _ack(key: str, result: Any) -> PutAck:
+def _ack(key: str, result: object) -> PutAck:
     if not isinstance(result, dict):
         return PutAck(key, ErrorCode.INTERNAL, "malformed ack")
     try:
