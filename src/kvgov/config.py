@@ -28,6 +28,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -424,7 +425,7 @@ class Settings(BaseSettings):
 class _ShorthandSource(PydanticBaseSettingsSource):
     """``KVGOV_DATABASE_URL`` is the documented way to pick Postgres; map it onto the model."""
 
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
@@ -486,5 +487,5 @@ def _unknown_env_names() -> list[str]:
     return unknown
 
 
-def _is_mapping(annotation: Any) -> bool:
+def _is_mapping(annotation: object) -> bool:
     return getattr(annotation, "__origin__", None) is dict
