@@ -84,6 +84,12 @@ async def test_each_tenants_auditor_sees_its_own_request_r(
             denied = await api.get(path, params={"tenant": other}, headers=bearer(sc, tenant))
             assert denied.status_code == 403
             assert digests[other] not in denied.text
+            # an id only the other tenant used is no request of this tenant: not found
+            theirs = await api.get(
+                f"/v1/requests/put-{other}/provenance", headers=bearer(sc, tenant)
+            )
+            assert theirs.status_code == 404
+            assert digests[other] not in theirs.text
 
 
 async def test_an_unscoped_auditor_must_name_the_tenant(

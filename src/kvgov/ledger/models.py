@@ -353,6 +353,18 @@ class ApiToken(Base):
     last_used_at: Mapped[datetime | None]
 
 
+class DashboardSession(Base):
+    """A signed-in ``/dashboard`` session (migration 0005). Only the SHA-256 of its random id is
+    stored; sign-out deletes the row, so the cookie of a signed-out session opens nothing."""
+
+    __tablename__ = "dashboard_sessions"
+
+    id_hash: Mapped[str] = mapped_column(String(DIGEST), primary_key=True)
+    token_id: Mapped[str] = mapped_column(String(36), index=True)
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime] = mapped_column(index=True)
+
+
 def table(model: type[Base]) -> Table:
     """The Core ``Table`` of a model (typed, for bulk statements)."""
     return cast("Table", model.__table__)

@@ -220,10 +220,9 @@ def _authenticate_sync(
         return verify_token(ctx, credentials.credentials)
     if allow_cookie:
         cookie = request.cookies.get(SESSION_COOKIE)
-        if cookie:
-            token_id = read_session(ctx.session_secret, cookie)
-            if token_id is not None:
-                return principal_by_token_id(ctx, token_id)
+        claims = read_session_claims(ctx.session_secret, cookie) if cookie else None
+        if claims is not None and session_token(ctx, claims[1]) == claims[0]:
+            return principal_by_token_id(ctx, claims[0])
     raise AuthError("a bearer token is required")
 
 
@@ -332,16 +331,56 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def issue_session(secret: bytes, token_id: str, *, now: float | None = None) -> str:
-    """A signed cookie value naming the token and an expiry (the raw token is not in it)."""
+def issue_session(
+    secret: bytes, token_id: str, *, session_id: str = "", now: float | None = None
+) -> str:
+    """A signed cookie value naming the token, the server-side session
+    (:mod:`kvgov.ledger.sessions`) and an expiry (the raw token is not in it)."""
     issued = time.time() if now is None else now
-    body = _b64(json.dumps({"t": token_id, "exp": int(issued) + SESSION_TTL_S}).encode())
+    claims = {"t": token_id, "s": session_id, "exp": int(issued) + SESSION_TTL_S}
+    body = _b64(json.dumps(claims).encode())
     mac = hmac.new(secret, body.encode(), hashlib.sha256).digest()
     return f"{body}.{_b64(mac)}"
 
 
 def read_session(secret: bytes, value: str, *, now: float | None = None) -> str | None:
-    """The token id of a valid, unexpired session cookie, else None."""
+    """The token id of a validly signed, unexpired session cookie, else None (whether its
+    session is still open is the server's to say: :func:`session_token`)."""
+    claims = read_session_claims(secret, value, now=now)
+    return None if claims is None else claims[0]
+
+
+def open_session(ctx: ApiContext, token_id: str) -> str:
+    """Start a server-side dashboard session of ``token_id``; returns its id."""
+    from kvgov.ledger.sessions import SessionRepository
+
+    with ctx.session() as session:
+        session_id = SessionRepository(session).open(token_id, ttl_s=SESSION_TTL_S, now=utcnow())
+        session.commit()
+    return session_id
+
+
+def session_token(ctx: ApiContext, session_id: str) -> str | None:
+    """The token id of an open, unexpired server-side session, else None."""
+    from kvgov.ledger.sessions import SessionRepository
+
+    with ctx.session() as session:
+        return SessionRepository(session).token_of(session_id, now=utcnow())
+
+
+def close_session(ctx: ApiContext, session_id: str) -> None:
+    """Sign-out: the session ends on the server (a kept copy of the cookie opens nothing)."""
+    from kvgov.ledger.sessions import SessionRepository
+
+    with ctx.session() as session:
+        SessionRepository(session).close(session_id)
+        session.commit()
+
+
+def read_session_claims(
+    secret: bytes, value: str, *, now: float | None = None
+) -> tuple[str, str] | None:
+    """(token id, session id) of a validly signed, unexpired session cookie, else None."""
     body, _, mac = value.partition(".")
     if not body or not mac:
         return None
@@ -354,9 +393,9 @@ def read_session(secret: bytes, value: str, *, now: float | None = None) -> str 
         return None
     if not isinstance(data, dict):
         return None
-    token_id, exp = data.get("t"), data.get("exp")
+    token_id, session_id, exp = data.get("t"), data.get("s"), data.get("exp")
     if not isinstance(token_id, str) or not isinstance(exp, int):
         return None
     if exp < (time.time() if now is None else now):
         return None
-    return token_id
+    return token_id, session_id if isinstance(session_id, str) else ""
