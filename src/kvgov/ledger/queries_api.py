@@ -109,13 +109,8 @@ def request_tenants(session: Session, request_id: str) -> list[str | None]:
         session.scalars(select(Request.tenant).where(Request.request_id == request_id)).all()
     )
     if not found:  # events whose index row was never written (or a ledger before 0004)
-        found = set(
-            session.scalars(
-                select(func.coalesce(LedgerEvent.tenant, ""))
-                .where(LedgerEvent.request_id == request_id)
-                .group_by(func.coalesce(LedgerEvent.tenant, ""))
-            ).all()
-        )
+        events = select(LedgerEvent.tenant).where(LedgerEvent.request_id == request_id)
+        found = {t or "" for t in session.scalars(events.distinct()).all()}
     return [t or None for t in sorted(found)]
 
 
