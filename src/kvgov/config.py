@@ -11,13 +11,23 @@ are errors, and :meth:`Settings.check_safe` refuses unsafe combinations in produ
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -38,6 +48,19 @@ _DEFAULT_CHAIN: tuple[TierName, ...] = ("memory", "filesystem")
 
 #: the ``--config`` file for the settings being built (set only inside :func:`load_settings`)
 _CONFIG_FILE: ContextVar[Path | None] = ContextVar("kvgov_config_file", default=None)
+
+
+def parse_public_key(text: str) -> bytes:
+    """The raw 32 bytes of an Ed25519 public key written as ``ed25519:<base64>`` (or bare
+    base64 of the 32 bytes), as ``kvgov audit public-key`` prints it."""
+    body = text.strip().removeprefix("ed25519:")
+    try:
+        raw = base64.b64decode(body.replace("-", "+").replace("_", "/"), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("a trusted key must be ed25519:<base64 of 32 bytes>") from None
+    if len(raw) != 32:
+        raise ValueError(f"a trusted key must be 32 bytes (ed25519:<base64>), got {len(raw)}")
+    return raw
 
 
 class _Section(BaseModel):
@@ -107,6 +130,21 @@ class LedgerSettings(_Section):
     #: a crash loses none of them; off, they are durable within ``lazy_max_delay_ms`` (gets
     #: measured ~4% faster on a 2-vCPU VM)
     journal_lazy_events: bool = True
+    #: Ed25519 public keys ``audit verify`` trusts besides this node's own (the key of
+    #: ``signing_key_path``): the keys of the fleet's other sidecars and CLI hosts, each as
+    #: ``kvgov audit public-key`` prints it (``ed25519:<base64>``; a JSON list in
+    #: ``KVGOV_LEDGER__TRUSTED_KEYS``). A chain signed by any other key fails verification
+    trusted_keys: list[str] = Field(default_factory=list)
+    #: a file of such keys, one per line (``#`` comments, PEM public keys also accepted), e.g. a
+    #: mounted ConfigMap; read each time verification runs, and at start-up
+    trusted_keys_file: Path | None = None
+
+    @field_validator("trusted_keys")
+    @classmethod
+    def _keys_parse(cls, keys: list[str]) -> list[str]:
+        for text in keys:
+            parse_public_key(text)  # ValueError names what is wrong, never the key
+        return keys
 
 
 class PolicySettings(_Section):

@@ -176,7 +176,7 @@ async def test_global_admin_manages_tokens(
         "/v1/stats?tenant=globex",
         "/v1/tenants/globex/stats",
         "/v1/users/carol@globex.example/footprint?tenant=globex",
-        "/v1/requests/req-g2/provenance",
+        "/v1/requests/req-g2/provenance?tenant=globex",
         "/v1/purges?tenant=globex",
         "/v1/purges/{globex_purge}",
         "/v1/purges/{globex_purge}/receipt",

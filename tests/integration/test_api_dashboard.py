@@ -95,8 +95,14 @@ async def test_forged_expired_or_revoked_sessions_are_refused(
     for value in (forged, expired, "garbage", "a.b"):
         r = await client.get("/dashboard", headers={"Cookie": f"kvgov_dashboard={value}"})
         assert r.status_code == 401
+    # a signed cookie with no open server-side session opens nothing
+    unsigned_in = issue_session(secret, world.tokens.auditor_id, session_id="never-opened")
+    r = await client.get("/dashboard", headers={"Cookie": f"kvgov_dashboard={unsigned_in}"})
+    assert r.status_code == 401
     # revoking the token ends its sessions
-    good = issue_session(secret, world.tokens.auditor_id)
+    login = await client.post("/dashboard/login", data={"token": world.tokens.auditor})
+    good = login.headers["set-cookie"].split(";")[0].split("=", 1)[1]
+    client.cookies.clear()
     ok = await client.get("/dashboard", headers={"Cookie": f"kvgov_dashboard={good}"})
     assert ok.status_code == 200
     await client.delete(f"/v1/tokens/{world.tokens.auditor_id}", headers=bearer(world.tokens.admin))

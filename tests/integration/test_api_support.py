@@ -368,7 +368,7 @@ def api_world(
     generate_signing_key_file(settings.signing_key_path)
     generate_kek_file(settings.kek_path)
     signing_key = load_signing_key(settings.signing_key_path)
-    seeder = WriterThread(engine, "seed-node")
+    seeder = WriterThread(engine, "seed-node", signing_key)  # a chain of a trusted key
     api_writer = WriterThread(engine, "api-node", signing_key)
     try:
         pseudo = Pseudonymizer(secrets.token_bytes(32))

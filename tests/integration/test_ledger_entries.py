@@ -175,7 +175,7 @@ async def test_provenance_reports_the_true_creator(engine: sa.Engine) -> None:
     events = [put(ALICE, "r1", 0), put(BOB, "r2", 5), get(BOB, "r3", 6)]
     await write(engine, events, one_batch=False)
     with make_sessionmaker(engine)() as session:
-        [row] = provenance(session, "r3")
+        [row] = provenance(session, "r3", "acme")
         assert row.entry is not None
         assert (row.entry.owner, row.entry.created_request_id) == (ALICE, "r1")
         reuse = reuse_of_user(session, "acme", ALICE)

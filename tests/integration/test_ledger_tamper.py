@@ -27,6 +27,7 @@ from kvgov.ledger.checkpoint import write_checkpoint
 from kvgov.ledger.db import make_engine
 from kvgov.ledger.events import EntryChange, Event
 from kvgov.ledger.models import LedgerEvent, table
+from kvgov.ledger.trust import format_public_key
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.types import EntryState, EventKind, Outcome
 
@@ -87,7 +88,10 @@ def ledger(db_url: str, tmp_path: Path) -> Iterator[Ledger]:
     assert led.cli("init").exit_code == 0
     key = load_signing_key(tmp_path / "data" / "ledger-signing.key")
     asyncio.run(_write(db_url, CHAIN, key, 12, cp_at=8))
-    asyncio.run(_write(db_url, OTHER, Ed25519PrivateKey.generate(), 5, cp_at=5))
+    other = Ed25519PrivateKey.generate()
+    asyncio.run(_write(db_url, OTHER, other, 5, cp_at=5))
+    # node-b's key is distributed to this node as an operator configures it
+    env["KVGOV_LEDGER__TRUSTED_KEYS"] = json.dumps([format_public_key(public_key_bytes(other))])
     code, report = led.verify()
     assert code == 0, report
     assert led.chain(report)["events"] == 12
@@ -289,13 +293,13 @@ def test_checkpoint_signed_by_another_key_is_detected(ledger: Ledger) -> None:
     finally:
         engine.dispose()
     assert info is not None
-    # the genuine checkpoint at 8 no longer matches the swapped chain key
-    assert_broken(ledger, "key_mismatch", 8)
-    # and pinning the operator's key flags the chain itself
+    # the swapped chain key is not a trusted one, and the genuine checkpoint at 8 no longer
+    # matches it
+    assert_broken(ledger, "untrusted_key", 0)
     result = ledger.cli("audit", "verify", "--json", "--trust-key", _signing_key_path(ledger))
     assert result.exit_code == 1
-    first = ledger.chain(json.loads(result.stdout))["first_bad"]
-    assert first["problem"] == "untrusted_key"
+    findings = ledger.chain(json.loads(result.stdout))["findings"]
+    assert {(f["problem"], f["seq"]) for f in findings} >= {("key_mismatch", 8)}
 
 
 def _signing_key_path(ledger: Ledger) -> str:

@@ -175,7 +175,7 @@ def test_provenance_lists_exactly_the_chunks_loaded_in_order_with_creators(
         keys = b.key_strings(longer, reader)
     assert len(keys) == 4
     with sidecar.session() as s:
-        rows = provenance(s, "req-p3")
+        rows = provenance(s, "req-p3", "acme")
         assert [r.key_digest for r in rows] == [sidecar.key_digest(k) for k in keys]
         creators = [(r.entry.created_request_id, r.entry.owner) for r in rows if r.entry]
         revisions = {r.entry.policy_revision for r in rows if r.entry}

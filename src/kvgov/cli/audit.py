@@ -1,7 +1,8 @@
 """``kvgov audit``: sign chain heads, re-verify the whole ledger, read the local journal.
 
-``audit verify`` exits 0 when every chain and checkpoint verifies and 1 otherwise, printing
-the first bad position of each broken chain (``--json`` for the full report).
+``audit verify`` exits 0 when every chain and checkpoint verifies against the trusted keys
+(:mod:`kvgov.ledger.trust`) and 1 otherwise, printing the first bad position of each broken
+chain (``--json`` for the full report). ``audit public-key`` prints the key to distribute.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from kvgov.cli._common import EXIT_FAILED, echo, emit_json, settings
+from kvgov.cli._common import EXIT_FAILED, EXIT_USAGE, echo, emit_json, fail, settings
 
 
 def register(app: typer.Typer) -> None:
@@ -54,37 +55,92 @@ def register(app: typer.Typer) -> None:
         trust_key: list[Path] | None = typer.Option(
             None,
             "--trust-key",
-            help="PEM key (public or private) chains must be signed with; repeatable.",
+            help="PEM key (public or private) chains may also be signed with; repeatable "
+            "(added to this node's own key and ledger.trusted_keys).",
+        ),
+        require_signed: bool = typer.Option(
+            False,
+            "--require-signed",
+            help="Also fail when a chain has events no checkpoint covers yet.",
         ),
     ) -> None:
-        """Recompute every chain and check every checkpoint. Exit 1 on any problem."""
+        """Recompute every chain and check every checkpoint against the trusted keys (never the
+        keys stored in the database). Exit 1 on any problem."""
         from kvgov.ledger.chain import load_public_key
         from kvgov.ledger.db import make_engine
-        from kvgov.ledger.verify import verify
+        from kvgov.ledger.trust import trusted_keys, verify_trusted
+        from kvgov.ledger.verify import Finding, Problem
 
         s = settings(ctx)
-        trusted = {load_public_key(p) for p in trust_key} if trust_key else None
+        keys = trusted_keys(s, extra=[load_public_key(p) for p in trust_key or []])
         engine = make_engine(s.database_url)
         try:
-            report = verify(engine, trusted_keys=trusted)
+            report = verify_trusted(engine, keys)
         finally:
             engine.dispose()
+        if require_signed:
+            for c in report.chains:
+                if c.unsigned_events and c.ok:
+                    c.findings.append(
+                        Finding(
+                            Problem.UNSIGNED,
+                            c.head_seq - c.unsigned_events + 1,
+                            f"{c.unsigned_events} events after the last checkpoint are unsigned",
+                        )
+                    )
         if as_json:
             emit_json(report.to_dict())
         else:
             for c in report.chains:
                 first = c.first_bad
                 if first is None:
+                    unsigned = f", {c.unsigned_events} unsigned" if c.unsigned_events else ""
                     echo(
                         f"ok     {c.chain_id}: {c.events} events, head {c.head_seq}, "
-                        f"{c.checkpoints} checkpoints (key {c.key_fingerprint})"
+                        f"{c.checkpoints} checkpoints{unsigned} (key {c.key_fingerprint})"
                     )
                 else:
                     echo(f"BROKEN {c.chain_id}: {first.problem} at seq {first.seq}: {first.detail}")
-            if not report.chains:
+            for problem in report.problems:
+                echo(f"BROKEN ledger: {problem}")
+            if not report.chains and not report.problems:
                 echo("ledger is empty")
+            echo(f"trusted keys: {', '.join(report.trusted or []) or 'none'}")
         if not report.ok:
             raise typer.Exit(EXIT_FAILED)
+
+    @group.command("public-key")
+    def public_key_cmd(
+        ctx: typer.Context,
+        pem: bool = typer.Option(False, "--pem", help="Print a PEM public key instead."),
+    ) -> None:
+        """Print this node's checkpoint verification key, for the other nodes'
+        ``ledger.trusted_keys`` (it is public: share it, never the signing key)."""
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+        from kvgov.ledger.chain import load_public_key
+        from kvgov.ledger.trust import format_public_key
+
+        s = settings(ctx)
+        if not s.signing_key_path.exists():
+            raise fail(
+                f"no signing key at {s.signing_key_path}: run `kvgov init` (or start the "
+                "sidecar) first, or set ledger.signing_key_path",
+                EXIT_USAGE,
+            )
+        raw = load_public_key(s.signing_key_path)
+        if pem:
+            text = (
+                Ed25519PublicKey.from_public_bytes(raw)
+                .public_bytes(
+                    serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+                )
+                .decode("ascii")
+            )
+            typer.echo(text, nl=False)
+        else:
+            echo(format_public_key(raw))
 
     @group.command("journal")
     def journal_cmd(

@@ -118,7 +118,7 @@ def _scenario(sidecar: _SidecarThread, endpoint: str) -> bool:
         ok &= denied == 0
 
         echo("\n5. provenance of req-2 (which cached chunks fed bob's request?)")
-        ok &= _print_provenance(sidecar, "req-2")
+        ok &= _print_provenance(sidecar, "req-2", "acme")
 
         other = (prompt + 3).tolist()
         echo("\n6. erin@acme caches her own prompt on vllm-2 (req-6)")
@@ -178,13 +178,13 @@ def _ids(
     return ids
 
 
-def _print_provenance(sidecar: _SidecarThread, request_id: str) -> bool:
+def _print_provenance(sidecar: _SidecarThread, request_id: str, tenant: str) -> bool:
     from kvgov.ledger.db import make_sessionmaker
     from kvgov.ledger.provenance import provenance
 
     sidecar.call(sidecar.app.writer.flush())
     with make_sessionmaker(sidecar.app.engine)() as session:
-        rows = provenance(session, request_id)
+        rows = provenance(session, request_id, tenant)
         for i, row in enumerate(rows):
             e = row.entry
             if e is None:
@@ -244,12 +244,14 @@ def _purge(sidecar: _SidecarThread, tenant: str, user: str) -> bool:
 def _verify_ledger(sidecar: _SidecarThread) -> bool:
     """``kvgov audit verify`` on the demo's ledger: every chain recomputed, every checkpoint
     checked, against this node's signing key."""
-    from kvgov.ledger.chain import load_public_key
-    from kvgov.ledger.verify import verify
+    from kvgov.ledger.trust import trusted_keys, verify_trusted
 
     sidecar.call(sidecar.app.writer.flush())
-    trusted = {load_public_key(sidecar.settings.signing_key_path)}
-    report = verify(sidecar.app.engine, trusted_keys=trusted)
+    report = verify_trusted(
+        sidecar.app.engine,
+        trusted_keys(sidecar.settings),
+        expect_chains=[sidecar.app.writer.chain_id],
+    )
     for c in report.chains:
         bad = c.first_bad
         if bad is None:

@@ -1,7 +1,8 @@
 """``kvgov provenance``: which cached chunks fed a request, and where a user's chunks went.
 
-``kvgov provenance REQUEST_ID`` lists the chunks the request loaded, in the order they were
-served, each with its creator (request, user pseudonym, time) and the policy revision that
+``kvgov provenance REQUEST_ID [--tenant T]`` lists the chunks the request loaded, in the order
+they were served (request ids are scoped by tenant: an id several tenants used needs
+``--tenant``), each with its creator (request, user pseudonym, time) and the policy revision that
 admitted it. ``kvgov provenance --user U --tenant T`` answers the reverse: which requests reused
 chunks that user U created. Raw user ids are pseudonymised with the sidecar's key before the
 query; the ledger never holds them.
@@ -27,7 +28,12 @@ def register(app: typer.Typer) -> None:
             str | None, typer.Option("--user", "-u", help="Reverse query: this user's chunks.")
         ] = None,
         tenant: Annotated[
-            str | None, typer.Option("--tenant", "-t", help="Tenant of --user.")
+            str | None,
+            typer.Option(
+                "--tenant",
+                "-t",
+                help="Tenant of REQUEST_ID (needed when several tenants used the id) or of --user.",
+            ),
         ] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     ) -> None:
@@ -43,7 +49,7 @@ def register(app: typer.Typer) -> None:
         try:
             with make_sessionmaker(engine)() as session:
                 if request_id is not None:
-                    data = _forward(session, request_id)
+                    data = _forward(session, request_id, tenant)
                 else:
                     data = _reverse(session, s, tenant or "", user or "")
         finally:
@@ -56,11 +62,17 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(EXIT_FAILED)
 
 
-def _forward(session: Any, request_id: str) -> dict[str, Any]:
-    from kvgov.ledger.provenance import provenance
+def _forward(session: Any, request_id: str, tenant: str | None) -> dict[str, Any]:
+    from kvgov.ledger.provenance import provenance, request_tenants
 
+    tenants = request_tenants(session, request_id)
+    if tenant is None and len(tenants) > 1:
+        used = ", ".join(t or "(none)" for t in tenants)
+        raise fail(f"kvgov: request id {request_id!r} was used by tenants {used}: give --tenant", 2)
+    if tenant is None and tenants:
+        tenant = tenants[0]
     chunks = []
-    for i, row in enumerate(provenance(session, request_id)):
+    for i, row in enumerate(provenance(session, request_id, tenant)):
         entry = row.entry
         chunks.append(
             {
@@ -78,7 +90,7 @@ def _forward(session: Any, request_id: str) -> dict[str, Any]:
                 "state": str(entry.state) if entry else None,
             }
         )
-    return {"request_id": request_id, "chunks": chunks}
+    return {"request_id": request_id, "tenant": tenant, "chunks": chunks}
 
 
 def _reverse(session: Any, s: Any, tenant: str, user: str) -> dict[str, Any]:
@@ -100,7 +112,10 @@ def _reverse(session: Any, s: Any, tenant: str, user: str) -> dict[str, Any]:
 def _print(data: dict[str, Any]) -> None:
     if "chunks" in data:
         chunks = data["chunks"]
-        echo(f"request {data['request_id']}: {len(chunks)} cached chunk(s) loaded")
+        echo(
+            f"request {data['request_id']} of tenant {data['tenant']}: "
+            f"{len(chunks)} cached chunk(s) loaded"
+        )
         for c in chunks:
             echo(
                 f"  #{c['position']} {str(c['key_digest'])[:16]}  from request "

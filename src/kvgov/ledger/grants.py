@@ -36,6 +36,8 @@ RUNTIME_PRIVILEGES: dict[str, tuple[str, ...]] = {
     # heartbeats; API tokens are revoked and stamped with their last use
     "sidecars": ("SELECT", "INSERT", "UPDATE"),
     "api_tokens": ("SELECT", "INSERT", "UPDATE"),
+    # dashboard sign-in adds a session, sign-out (and expiry) deletes it: nothing updates one
+    "dashboard_sessions": ("SELECT", "INSERT", "DELETE"),
     # retention set by operators (kvgov tenant retention, the API), read by the sweepers
     "tenants": ("SELECT", "INSERT", "UPDATE"),
     # a production sidecar reads the schema's revision before it starts

@@ -108,7 +108,7 @@ def apply_indexes(
     if requests:
         ins = _insert(conn, table(Request))
         stmt = ins.on_conflict_do_update(
-            index_elements=["request_id"],
+            index_elements=["request_id", "tenant"],
             set_={"last_seen_at": ins.excluded.last_seen_at},
         )
         conn.execute(stmt, list(requests.values()))
@@ -134,12 +134,17 @@ def plan_indexes(
         e = item.event
         at = e.occurred_at
         if e.request_id is not None:
+            tenant_key = e.tenant or ""  # a request is an id in a tenant (migration 0004)
             req = requests.setdefault(
-                e.request_id,
-                {"request_id": e.request_id, "first_seen_at": at, "tenant": None, "actor": None},
+                f"{tenant_key}\x00{e.request_id}",
+                {
+                    "request_id": e.request_id,
+                    "first_seen_at": at,
+                    "tenant": tenant_key,
+                    "actor": None,
+                },
             )
             req["last_seen_at"] = at
-            req["tenant"] = req["tenant"] or e.tenant
             req["actor"] = req["actor"] or e.actor
             req["principal"] = e.principal
         if e.actor is not None and e.tenant is not None and e.actor not in known_users:
@@ -331,7 +336,7 @@ def _from_json(table_name: str, cols: Sequence[str], select_list: str | None = N
 _USERS_SQL = _from_json("user_refs", _USER_COLS) + " ON CONFLICT (pseudonym) DO NOTHING"
 _REQUESTS_SQL = (
     _from_json("requests", _REQUEST_COLS)
-    + " ON CONFLICT (request_id) DO UPDATE SET last_seen_at = excluded.last_seen_at"
+    + " ON CONFLICT (request_id, tenant) DO UPDATE SET last_seen_at = excluded.last_seen_at"
 )
 _DECISIONS_SQL = (
     _from_json("policy_decisions", _DECISION_COLS) + " ON CONFLICT (decision_id) DO NOTHING"

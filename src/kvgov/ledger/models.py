@@ -97,12 +97,14 @@ class UserRef(Base):
 
 
 class Request(Base):
-    """An inference request seen on the data plane (the provenance join key)."""
+    """An inference request seen on the data plane (the provenance join key). Request ids come
+    from the engines and two tenants may use the same one: a request is an id *in a tenant*
+    (``''`` when the request carried no tenant; migration 0004)."""
 
     __tablename__ = "requests"
 
     request_id: Mapped[str] = mapped_column(String(REQUEST_ID), primary_key=True)
-    tenant: Mapped[str | None] = mapped_column(String(TENANT), index=True)
+    tenant: Mapped[str] = mapped_column(String(TENANT), primary_key=True, index=True, default="")
     actor: Mapped[str | None] = mapped_column(String(PSEUDONYM), index=True)
     principal: Mapped[str | None] = mapped_column(String(256))
     first_seen_at: Mapped[datetime]
@@ -349,6 +351,18 @@ class ApiToken(Base):
     created_at: Mapped[datetime]
     revoked_at: Mapped[datetime | None]
     last_used_at: Mapped[datetime | None]
+
+
+class DashboardSession(Base):
+    """A signed-in ``/dashboard`` session (migration 0005). Only the SHA-256 of its random id is
+    stored; sign-out deletes the row, so the cookie of a signed-out session opens nothing."""
+
+    __tablename__ = "dashboard_sessions"
+
+    id_hash: Mapped[str] = mapped_column(String(DIGEST), primary_key=True)
+    token_id: Mapped[str] = mapped_column(String(36), index=True)
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime] = mapped_column(index=True)
 
 
 def table(model: type[Base]) -> Table:

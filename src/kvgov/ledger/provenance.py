@@ -14,10 +14,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from kvgov.ledger.models import CacheEntry, LedgerEvent
-from kvgov.ledger.queries_api import ProvenanceRow, provenance
+from kvgov.ledger.queries_api import ProvenanceRow, provenance, request_tenants
 from kvgov.types import EventKind
 
-__all__ = ["ProvenanceRow", "Reuse", "provenance", "reuse_of_user"]
+__all__ = ["ProvenanceRow", "Reuse", "provenance", "request_tenants", "reuse_of_user"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,29 +98,34 @@ class ProvenanceRow:
     entry: CacheEntry | None
 
 
-def get_request(session: Session, request_id: str) -> Request | None:
-    return session.get(Request, request_id)
+def get_request(session: Session, request_id: str, tenant: str | None) -> Request | None:
+    return session.get(Request, (request_id, tenant or ""))
 
 
-def request_tenant(session: Session, request_id: str) -> tuple[bool, str | None]:
-    """(whether the ledger knows the request at all, its tenant)."""
-    row = session.get(Request, request_id)
-    if row is not None:
-        return True, row.tenant
-    event = session.execute(
-        select(LedgerEvent.tenant).where(LedgerEvent.request_id == request_id).limit(1)
-    ).first()
-    if event is None:
-        return False, None
-    return True, event.tenant
+def request_tenants(session: Session, request_id: str) -> list[str | None]:
+    """The tenants that used ``request_id`` (None: requests that carried no tenant), sorted.
+    Request ids come from engines: two tenants may use the same one."""
+    found = set(
+        session.scalars(select(Request.tenant).where(Request.request_id == request_id)).all()
+    )
+    if not found:  # events whose index row was never written (or a ledger before 0004)
+        events = select(LedgerEvent.tenant).where(LedgerEvent.request_id == request_id)
+        found = {t or "" for t in session.scalars(events.distinct()).all()}
+    return [t or None for t in sorted(found)]
 
 
-def provenance(session: Session, request_id: str) -> list[ProvenanceRow]:
-    """The chunks that fed ``request_id`` (``kv:get`` hits), in the order they were served."""
+def provenance(session: Session, request_id: str, tenant: str | None) -> list[ProvenanceRow]:
+    """The chunks that fed ``request_id`` of ``tenant`` (``kv:get`` hits), in the order they
+    were served. Another tenant's request with the same id is another request."""
+    same_tenant = LedgerEvent.tenant.is_(None) if not tenant else LedgerEvent.tenant == tenant
     query = (
         select(LedgerEvent, CacheEntry)
         .outerjoin(CacheEntry, CacheEntry.key_digest == LedgerEvent.key_digest)
-        .where(LedgerEvent.request_id == request_id, LedgerEvent.kind == EventKind.KV_GET.value)
+        .where(
+            LedgerEvent.request_id == request_id,
+            LedgerEvent.kind == EventKind.KV_GET.value,
+            same_tenant,
+        )
         .order_by(LedgerEvent.occurred_at, LedgerEvent.chain_id, LedgerEvent.seq)
     )
     return [

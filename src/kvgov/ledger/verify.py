@@ -48,6 +48,8 @@ class Problem(StrEnum):
     KEY_MISMATCH = "key_mismatch"  # a checkpoint signed with a key other than the chain's
     UNTRUSTED_KEY = "untrusted_key"  # the chain's key is not among the trusted ones
     PAYLOAD_MISMATCH = "payload_mismatch"  # a kept payload that does not match its digest
+    MISSING_CHAIN = "missing_chain"  # a chain the ledger or the fleet names but does not hold
+    UNSIGNED = "unsigned"  # events no checkpoint covers (a failure only when asked for)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,8 @@ class ChainReport:
     head_hash: str = GENESIS_HASH
     checkpoints: int = 0
     last_checkpoint_seq: int | None = None
+    #: events after the last checkpoint that verified (only as good as the database)
+    unsigned_events: int = 0
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -87,18 +91,31 @@ class ChainReport:
 @dataclass(slots=True)
 class VerifyReport:
     chains: list[ChainReport] = field(default_factory=list)
+    #: problems of the ledger as a whole (it was emptied: :mod:`kvgov.ledger.trust`)
+    problems: list[str] = field(default_factory=list)
+    #: fingerprints of the keys chains were checked against (None: any key, integrity only)
+    trusted: list[str] | None = None
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.chains)
+        return not self.problems and all(c.ok for c in self.chains)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "chains": [c.to_dict() for c in self.chains]}
+        return {
+            "ok": self.ok,
+            "problems": self.problems,
+            "trusted_keys": self.trusted,
+            "chains": [c.to_dict() for c in self.chains],
+        }
 
 
 def verify(engine: Engine, *, trusted_keys: Collection[bytes] | None = None) -> VerifyReport:
-    """Recompute every chain and check every checkpoint (read-only)."""
+    """Recompute every chain and check every checkpoint (read-only). Without ``trusted_keys``
+    this checks integrity only: a chain re-signed with a fresh key passes. The CLI, the API and
+    the dashboard call :func:`kvgov.ledger.trust.verify_trusted` instead."""
     report = VerifyReport()
+    if trusted_keys is not None:
+        report.trusted = sorted(key_fingerprint(k) for k in trusted_keys)
     with engine.connect() as conn:
         chains = conn.execute(select(Chain.chain_id, Chain.public_key).order_by(Chain.chain_id))
         for chain_id, public_key in chains.all():
@@ -196,6 +213,7 @@ def _verify_chain(engine: Engine, chain: ChainReport, public_key: bytes) -> None
             chain.head_seq, chain.head_hash = seq, stored
             expected += 1
     verified_to = chain.head_seq
+    signed_to = 0
     for cp in checkpoints:
         chain.checkpoints += 1
         chain.last_checkpoint_seq = cp.seq
@@ -227,6 +245,9 @@ def _verify_chain(engine: Engine, chain: ChainReport, public_key: bytes) -> None
             chain.findings.append(
                 Finding(Problem.CHECKPOINT_MISMATCH, cp.seq, "chain head differs from checkpoint")
             )
+        elif cp.seq <= verified_to:
+            signed_to = max(signed_to, cp.seq)
+    chain.unsigned_events = chain.head_seq - signed_to
     _verify_payloads(engine, chain, digests)
 
 

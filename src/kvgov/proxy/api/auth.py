@@ -41,6 +41,7 @@ from kvgov.errors import AuthError, ForbiddenError, KvgovError
 from kvgov.ledger.db import make_sessionmaker, utcnow
 from kvgov.ledger.events import Event, EventSink
 from kvgov.ledger.tokens import TokenRecord, TokenRepository
+from kvgov.ledger.verify import VerifyReport
 from kvgov.logging import get_logger
 from kvgov.types import EventKind, Role
 
@@ -74,6 +75,11 @@ class ApiContext:
     #: the keyring ``/v1/keys/rotate`` rotates through; None: one is built on first use from the
     #: settings (the sidecar passes its own, so a rotation takes effect in it at once)
     keyring: Any = None
+    #: raw Ed25519 public keys ledger chains are verified against; None: read from the settings
+    #: (this node's own key, ``ledger.trusted_keys`` and its file) at each verification
+    chain_keys: frozenset[bytes] | None = None
+    #: chains the ledger must hold (the serving sidecar's own)
+    expected_chains: tuple[str, ...] = ()
     _sessions: Callable[[], Session] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +87,13 @@ class ApiContext:
 
     def session(self) -> Session:
         return self._sessions()
+
+    def verify_ledger(self) -> VerifyReport:
+        """``audit verify`` against the trusted keys, never the ones stored in the ledger."""
+        from kvgov.ledger.trust import trusted_keys, verify_trusted
+
+        keys = self.chain_keys if self.chain_keys is not None else trusted_keys(self.settings)
+        return verify_trusted(self.engine, keys, expect_chains=self.expected_chains)
 
     def trusted_receipt_keys(self) -> tuple[bytes, ...]:
         """The keys a receipt must be signed by to show as verified (none: nothing verifies)."""
@@ -207,10 +220,9 @@ def _authenticate_sync(
         return verify_token(ctx, credentials.credentials)
     if allow_cookie:
         cookie = request.cookies.get(SESSION_COOKIE)
-        if cookie:
-            token_id = read_session(ctx.session_secret, cookie)
-            if token_id is not None:
-                return principal_by_token_id(ctx, token_id)
+        claims = read_session_claims(ctx.session_secret, cookie) if cookie else None
+        if claims is not None and session_token(ctx, claims[1]) == claims[0]:
+            return principal_by_token_id(ctx, claims[0])
     raise AuthError("a bearer token is required")
 
 
@@ -319,16 +331,56 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def issue_session(secret: bytes, token_id: str, *, now: float | None = None) -> str:
-    """A signed cookie value naming the token and an expiry (the raw token is not in it)."""
+def issue_session(
+    secret: bytes, token_id: str, *, session_id: str = "", now: float | None = None
+) -> str:
+    """A signed cookie value naming the token, the server-side session
+    (:mod:`kvgov.ledger.sessions`) and an expiry (the raw token is not in it)."""
     issued = time.time() if now is None else now
-    body = _b64(json.dumps({"t": token_id, "exp": int(issued) + SESSION_TTL_S}).encode())
+    claims = {"t": token_id, "s": session_id, "exp": int(issued) + SESSION_TTL_S}
+    body = _b64(json.dumps(claims).encode())
     mac = hmac.new(secret, body.encode(), hashlib.sha256).digest()
     return f"{body}.{_b64(mac)}"
 
 
 def read_session(secret: bytes, value: str, *, now: float | None = None) -> str | None:
-    """The token id of a valid, unexpired session cookie, else None."""
+    """The token id of a validly signed, unexpired session cookie, else None (whether its
+    session is still open is the server's to say: :func:`session_token`)."""
+    claims = read_session_claims(secret, value, now=now)
+    return None if claims is None else claims[0]
+
+
+def open_session(ctx: ApiContext, token_id: str) -> str:
+    """Start a server-side dashboard session of ``token_id``; returns its id."""
+    from kvgov.ledger.sessions import SessionRepository
+
+    with ctx.session() as session:
+        session_id = SessionRepository(session).open(token_id, ttl_s=SESSION_TTL_S, now=utcnow())
+        session.commit()
+    return session_id
+
+
+def session_token(ctx: ApiContext, session_id: str) -> str | None:
+    """The token id of an open, unexpired server-side session, else None."""
+    from kvgov.ledger.sessions import SessionRepository
+
+    with ctx.session() as session:
+        return SessionRepository(session).token_of(session_id, now=utcnow())
+
+
+def close_session(ctx: ApiContext, session_id: str) -> None:
+    """Sign-out: the session ends on the server (a kept copy of the cookie opens nothing)."""
+    from kvgov.ledger.sessions import SessionRepository
+
+    with ctx.session() as session:
+        SessionRepository(session).close(session_id)
+        session.commit()
+
+
+def read_session_claims(
+    secret: bytes, value: str, *, now: float | None = None
+) -> tuple[str, str] | None:
+    """(token id, session id) of a validly signed, unexpired session cookie, else None."""
     body, _, mac = value.partition(".")
     if not body or not mac:
         return None
@@ -341,9 +393,9 @@ def read_session(secret: bytes, value: str, *, now: float | None = None) -> str 
         return None
     if not isinstance(data, dict):
         return None
-    token_id, exp = data.get("t"), data.get("exp")
+    token_id, session_id, exp = data.get("t"), data.get("s"), data.get("exp")
     if not isinstance(token_id, str) or not isinstance(exp, int):
         return None
     if exp < (time.time() if now is None else now):
         return None
-    return token_id
+    return token_id, session_id if isinstance(session_id, str) else ""

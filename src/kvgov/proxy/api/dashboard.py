@@ -10,9 +10,12 @@ scripts and reverse proxies), or a person pastes a token into the sign-in form, 
 to ``/dashboard/login`` and exchanged for a session cookie. Deliberately there is no
 ``?token=`` URL exchange: tokens in URLs end up in access logs, browser history and Referer
 headers. The cookie is HttpOnly, ``SameSite=Strict``, scoped to ``/dashboard``, ``Secure`` over
-HTTPS, expires after 8 hours, holds only an HMAC-signed token id (never the token), and dies
-with the token when it is revoked. The ``/v1`` API ignores the cookie, so it gives no
-cross-site request power. Pages are sent with a strict Content-Security-Policy and no caching.
+HTTPS, expires after 8 hours, and holds only an HMAC-signed token id and session id (never the
+token). The session lives on the server (``dashboard_sessions``, :mod:`kvgov.ledger.sessions`,
+only a hash of its id): sign-out deletes it, so a copy of the cookie opens nothing afterwards;
+it also ends at its expiry and with the token's revocation. The ``/v1`` API ignores the
+cookie, so it gives no cross-site request power. Pages are sent with a strict
+Content-Security-Policy and no caching.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from kvgov.errors import AuthError, KvgovError
 from kvgov.ledger import queries_admin as qa
 from kvgov.ledger import queries_api as q
-from kvgov.ledger.verify import verify
 from kvgov.proxy.api.auth import (
     SESSION_COOKIE,
     SESSION_TTL_S,
@@ -41,7 +43,10 @@ from kvgov.proxy.api.auth import (
     Credentials,
     Principal,
     _authenticate_sync,
+    close_session,
     issue_session,
+    open_session,
+    read_session_claims,
     record_admin_access,
     verify_token,
 )
@@ -98,7 +103,7 @@ def _html(env: Environment, name: str, status: int, **context: Any) -> HTMLRespo
 
 def _load(ctx: ApiContext, principal: Principal) -> dict[str, Any]:
     """Everything the page shows, read in one session."""
-    verify_report = report_out(verify(ctx.engine))
+    verify_report = report_out(ctx.verify_ledger())
     with ctx.session() as session:
         stats = q.tenant_stats(
             session, tenants=None if principal.tenant is None else [principal.tenant]
@@ -190,10 +195,11 @@ async def login(request: Request, ctx: Context) -> Response:
         return _html(env, "login.html", 401, error="That token is not valid.")
     if principal.role is Role.ENGINE or principal.token_id is None:
         return _html(env, "login.html", 403, error="Engine tokens cannot open the dashboard.")
+    session_id = await run_in_threadpool(open_session, ctx, principal.token_id)
     response = RedirectResponse("/dashboard", status_code=303, headers=_SECURITY_HEADERS)
     response.set_cookie(
         SESSION_COOKIE,
-        issue_session(ctx.session_secret, principal.token_id),
+        issue_session(ctx.session_secret, principal.token_id, session_id=session_id),
         max_age=SESSION_TTL_S,
         path="/dashboard",
         httponly=True,
@@ -206,11 +212,15 @@ async def login(request: Request, ctx: Context) -> Response:
 @router.post(
     "/dashboard/logout",
     summary="Dashboard sign-out",
-    description="Clear the dashboard session cookie.",
+    description="End the dashboard session on the server and clear its cookie.",
     response_class=HTMLResponse,
     responses={303: {"description": "Signed out; redirect to /dashboard"}},
 )
-async def logout() -> Response:
+async def logout(request: Request, ctx: Context) -> Response:
+    cookie = request.cookies.get(SESSION_COOKIE)
+    claims = read_session_claims(ctx.session_secret, cookie) if cookie else None
+    if claims is not None and claims[1]:
+        await run_in_threadpool(close_session, ctx, claims[1])
     response = RedirectResponse("/dashboard", status_code=303, headers=_SECURITY_HEADERS)
     response.delete_cookie(SESSION_COOKIE, path="/dashboard")
     return response

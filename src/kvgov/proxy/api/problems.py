@@ -67,6 +67,12 @@ class Problem(BaseModel):
     errors: list[FieldError] | None = None
 
 
+class AmbiguousRequestError(KvgovError):
+    """A request id that several tenants used, asked for without a tenant; answered as 409."""
+
+    code = "ambiguous_request"
+
+
 class UnavailableError(KvgovError):
     """Something the operation needs is not configured or not reachable here (the KEK for a
     key rotation); answered as 503 with the reason."""
@@ -79,6 +85,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[KvgovError], int], ...] = (
     (ForbiddenError, 403),
     (NotFoundError, 404),
     (InvalidInputError, 422),
+    (AmbiguousRequestError, 409),
     (UnavailableError, 503),
     (LedgerBackpressureError, 503),
     (IntegrityError, 500),
@@ -188,6 +195,7 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         401: "No or invalid bearer token",
         403: "The token's role or tenant does not allow this",
         404: "No such object",
+        409: "Ambiguous (`ambiguous_request`: name the tenant)",
         422: "Invalid parameters",
         503: "The ledger (or another dependency) cannot serve this now",
     }

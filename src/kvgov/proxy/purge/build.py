@@ -159,7 +159,7 @@ async def cli_service(settings: Settings, *, writer: bool = True) -> AsyncIterat
         )
     finally:
         if started:
-            await ledger.close()
+            await ledger.close(checkpoint=True)  # sign the head: `audit verify` trusts it
         for tier in tiers:
             await tier.close()
         engine.dispose()

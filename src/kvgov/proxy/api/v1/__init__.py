@@ -73,7 +73,10 @@ def include_sidecar_api(app: FastAPI, settings: Settings, engine: Engine, sink: 
     """What the control-plane factory calls: the compliance API over the sidecar's ledger
     engine and writer, pseudonymising with the ledger's key (``kvgov init`` creates it)."""
     from kvgov.ledger.pseudonym import Pseudonymizer
+    from kvgov.ledger.trust import trusted_keys
 
+    trusted_keys(settings)  # a malformed or unreadable trusted key stops start-up
+    own_chain = getattr(sink, "chain_id", None)
     ctx = ApiContext(
         settings=settings,
         engine=engine,
@@ -81,5 +84,7 @@ def include_sidecar_api(app: FastAPI, settings: Settings, engine: Engine, sink: 
         pseudonymizer=Pseudonymizer.from_file(settings.pseudonym_key_path),
         # dashboard sessions end when the process restarts (sign in again)
         session_secret=secrets.token_bytes(32),
+        # read again at each verification (a rotated ConfigMap is picked up)
+        expected_chains=(own_chain,) if isinstance(own_chain, str) else (),
     )
     include_v1(app, ctx)

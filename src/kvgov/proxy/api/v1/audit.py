@@ -12,7 +12,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from kvgov.ledger import queries_api as q
 from kvgov.ledger.db import utcnow
-from kvgov.ledger.verify import VerifyReport, verify
+from kvgov.ledger.verify import VerifyReport
 from kvgov.proxy.api.auth import Context, DbSession, Reader
 from kvgov.proxy.api.pagination import (
     DEFAULT_LIMIT,
@@ -130,24 +130,33 @@ def report_out(report: VerifyReport) -> VerifyOut:
                 position=None if first is None else first.seq,
                 detail=None if first is None else first.detail,
                 findings=len(c.findings),
+                unsigned_events=c.unsigned_events,
             )
         )
-    return VerifyOut(ok=report.ok, verified_at=utcnow(), chains=chains)
+    return VerifyOut(
+        ok=report.ok,
+        verified_at=utcnow(),
+        chains=chains,
+        problems=report.problems,
+        trusted_keys=report.trusted or [],
+    )
 
 
 @router.get(
     "/audit/verify",
     summary="Verify the ledger",
     description=(
-        "Recompute every hash chain and check every checkpoint signature (the same check as "
-        "`kvgov audit verify`). `ok` is false, with the first bad position per chain, when "
-        "anything was modified, deleted, inserted or reordered."
+        "Recompute every hash chain and check every checkpoint signature against the trusted "
+        "keys (this sidecar's own and `ledger.trusted_keys`, never keys stored in the ledger; "
+        "the same check as `kvgov audit verify`). `ok` is false, with the first bad position "
+        "per chain, when anything was modified, deleted, inserted or reordered, a chain is "
+        "signed by an unknown key or missing, or the ledger was emptied (`problems`)."
     ),
     response_model=VerifyOut,
     responses=problem_responses(401, 403),
 )
 async def audit_verify(principal: Reader, ctx: Context) -> VerifyOut:
-    report = await run_in_threadpool(verify, ctx.engine)
+    report = await run_in_threadpool(ctx.verify_ledger)
     return report_out(report)
 
 

@@ -19,7 +19,7 @@ from kvgov.proxy.api.pagination import (
     next_link,
     time_key,
 )
-from kvgov.proxy.api.problems import problem_responses
+from kvgov.proxy.api.problems import AmbiguousRequestError, problem_responses
 from kvgov.proxy.api.v1.params import (
     RequestIdPath,
     RequiredTenantQuery,
@@ -137,22 +137,36 @@ def list_entries(
     "/requests/{request_id}/provenance",
     summary="Provenance of a request",
     description=(
-        "The cached chunks that fed request R, in the order they were served, and who created "
-        "each one: the creating request, the user's pseudonym, the time and the policy revision."
+        "The cached chunks that fed request R of a tenant, in the order they were served, and "
+        "who created each one: the creating request, the user's pseudonym, the time and the "
+        "policy revision. Request ids are scoped by tenant: a tenant-scoped token sees its "
+        "tenant's request R only; without `tenant`, an id several tenants used is 409 "
+        "`ambiguous_request`."
     ),
     response_model=Provenance,
-    responses=problem_responses(401, 403, 404, 422),
+    responses=problem_responses(401, 403, 404, 409, 422),
 )
 def request_provenance(
-    *, request_id: RequestIdPath, principal: Reader, session: DbSession
+    *,
+    request_id: RequestIdPath,
+    principal: Reader,
+    session: DbSession,
+    tenant: TenantQuery = None,
 ) -> Provenance:
-    known, tenant = q.request_tenant(session, request_id)
-    if not known:
+    wanted = principal.tenant_filter(tenant)
+    tenants = q.request_tenants(session, request_id)
+    if wanted is not None and wanted not in tenants:
+        raise NotFoundError(f"the ledger has no request {request_id!r} in tenant {wanted!r}")
+    if wanted is None and len(tenants) > 1:
+        raise AmbiguousRequestError(
+            f"{len(tenants)} tenants used request id {request_id!r}: name one with ?tenant="
+        )
+    if not tenants:
         raise NotFoundError(f"the ledger has no request {request_id!r}")
-    principal.check_tenant(tenant)
-    req = q.get_request(session, request_id)
+    tenant = wanted if wanted is not None else tenants[0]
+    req = q.get_request(session, request_id, tenant)
     chunks = []
-    for position, row in enumerate(q.provenance(session, request_id)):
+    for position, row in enumerate(q.provenance(session, request_id, tenant)):
         entry = row.entry
         chunks.append(
             ProvenanceItem(

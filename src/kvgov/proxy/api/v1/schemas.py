@@ -271,6 +271,9 @@ class ChainReport(BaseModel):
     position: int | None = Field(description="first bad sequence number (null when ok)")
     detail: str | None
     findings: int = Field(description="number of problems found in this chain")
+    unsigned_events: int = Field(
+        default=0, description="events after the last verified checkpoint (not yet signed)"
+    )
 
 
 class VerifyOut(BaseModel):
@@ -293,14 +296,24 @@ class VerifyOut(BaseModel):
                     "position": None,
                     "detail": None,
                     "findings": 0,
+                    "unsigned_events": 0,
                 }
             ],
+            "problems": [],
+            "trusted_keys": ["3f2a9c41d0e7b815"],
         }
     )
 
     ok: bool
     verified_at: datetime
     chains: list[ChainReport]
+    problems: list[str] = Field(
+        default_factory=list,
+        description="problems of the ledger as a whole (it holds no chain but was used)",
+    )
+    trusted_keys: list[str] = Field(
+        default_factory=list, description="fingerprints of the keys chains were checked against"
+    )
 
 
 class TokenOut(BaseModel):
