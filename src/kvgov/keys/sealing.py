@@ -32,18 +32,26 @@ class Sealing:
         *,
         user: str | None = None,
         segment_size: int | None = None,
+        context: bytes = b"",
     ) -> SealWriter:
-        """A :class:`SealWriter` under the scope's active key (``writer.key`` says which)."""
+        """A :class:`SealWriter` under the scope's active key (``writer.key`` says which),
+        bound to ``context`` (bytes kept beside the chunk, e.g. its envelope head)."""
         return SealWriter(
             self.current(tenant, user),
             cache_key,
             plain_len,
             dst,
             segment_size=segment_size or self.segment_size,
+            context=context,
         )
 
     def reader(
-        self, sealed: bytes | bytearray | memoryview, *, tenant: str, cache_key: bytes
+        self,
+        sealed: bytes | bytearray | memoryview,
+        *,
+        tenant: str,
+        cache_key: bytes,
+        context: bytes = b"",
     ) -> SealReader:
         """A :class:`SealReader` with the key named in the chunk's header, refusing a key of
         another tenant before looking it up; :class:`KeyDestroyedError` if it was shredded."""
@@ -55,7 +63,7 @@ class Sealing:
                 f" to tenant {tenant!r}"
             )
         key = self.get(header.key_id, header.key_version)
-        return SealReader(sealed, key, tenant=tenant, cache_key=cache_key)
+        return SealReader(sealed, key, tenant=tenant, cache_key=cache_key, context=context)
 
     def seal(
         self,

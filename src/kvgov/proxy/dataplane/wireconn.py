@@ -298,7 +298,8 @@ class WireConnection(StreamProtocol):
                         await pipeline.deny(who, denied, Operation.PUT)
                     await self.discard(item.length)
                     reason = denied.reason if denied is not None else "denied"
-                    results.append({"code": int(ErrorCode.DENIED), "reason": reason})
+                    code = ErrorCode.BAD_REQUEST if reason.startswith("bad_item_meta") else None
+                    results.append({"code": int(code or ErrorCode.DENIED), "reason": reason})
                     continue
                 plans.append(plan)
                 for i, window in enumerate(plan.windows):
