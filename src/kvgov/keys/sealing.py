@@ -73,14 +73,15 @@ class Sealing:
         *,
         user: str | None = None,
         segment_size: int | None = None,
+        context: bytes = b"",
     ) -> bytearray:
         """Seal into a new buffer (convenience; the data path uses :meth:`sealer`)."""
         plain = memoryview(data).cast("B")
         seg = segment_size or self.segment_size
         out = bytearray(sealed_size(len(plain), seg))
-        self.sealer(tenant, cache_key, len(plain), out, user=user, segment_size=seg).seal_from(
-            plain
-        )
+        self.sealer(
+            tenant, cache_key, len(plain), out, user=user, segment_size=seg, context=context
+        ).seal_from(plain)
         return out
 
     def open_into(
@@ -90,14 +91,21 @@ class Sealing:
         *,
         tenant: str,
         cache_key: bytes,
+        context: bytes = b"",
     ) -> int:
-        return self.reader(sealed, tenant=tenant, cache_key=cache_key).open_into(dst)
+        reader = self.reader(sealed, tenant=tenant, cache_key=cache_key, context=context)
+        return reader.open_into(dst)
 
     def open(
-        self, sealed: bytes | bytearray | memoryview, *, tenant: str, cache_key: bytes
+        self,
+        sealed: bytes | bytearray | memoryview,
+        *,
+        tenant: str,
+        cache_key: bytes,
+        context: bytes = b"",
     ) -> bytearray:
         """Open into a new buffer (convenience; the data path uses :meth:`open_into`)."""
-        reader = self.reader(sealed, tenant=tenant, cache_key=cache_key)
+        reader = self.reader(sealed, tenant=tenant, cache_key=cache_key, context=context)
         out = bytearray(reader.header.plain_len)
         reader.open_into(out)
         return out

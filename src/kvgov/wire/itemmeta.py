@@ -151,7 +151,9 @@ def to_lm(meta: Mapping[str, Any]) -> tuple[int, int, list[int], int]:
     dtype = meta.get("dtype")
     location = meta.get("location")
     shape = meta.get("shape")
-    dims = [int(d) for d in shape[:MAX_SHAPE_DIMS]] if isinstance(shape, list) else []
+    dims = (
+        [d if _is_int(d) else 0 for d in shape[:MAX_SHAPE_DIMS]] if isinstance(shape, list) else []
+    )
     return (
         fmt if isinstance(fmt, int) and fmt in FMT_VALUES else 0,
         DTYPE_CODES.get(dtype, 0) if isinstance(dtype, str) else 0,
