@@ -672,14 +672,17 @@ class Pipeline:
         was being sent: it can never be served, so remove it from the index and every tier
         (the copies are of one put; KV cache is recomputable), record why (``kv:delete``,
         reason ``unreadable:<code>``, the tier that held it) and count it. A put of the same
-        key racing this is removed too."""
+        key racing this is removed too; one that another get dropped already is not counted
+        again."""
         log.warning(
             "dataplane.get.unreadable",
             extra={"key_digest": who.digest, "error": error.code, "tier": tier},
         )
+        entry = self.index.pop(who.digest)
+        held = await self.tiers.delete(who.digest)
+        if entry is None and not held:
+            return
         self.metrics.unreadable.labels(error.code).inc()
-        self.index.pop(who.digest)
-        await self.tiers.delete(who.digest)
         if self.governance:
             event = self._event(
                 EventKind.KV_DELETE,

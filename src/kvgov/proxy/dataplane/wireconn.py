@@ -473,8 +473,9 @@ class WireConnection(StreamProtocol):
             ]
             total = sum(p.length for p in plans if p is not None)
             self.send(FrameType.GET, sid, {"items": items}, total)
-            # each hit's opening is queued while the one before it is sent (one ahead: the
-            # crypto pool works ahead without one large GET queueing all of its jobs at once)
+            # the pipeline opened and authenticated every hit before it was announced (a bad
+            # one is a miss above); a plan that still carries a reader would be opened here,
+            # one ahead of the hit being sent
             hits = [h for h in plans if h is not None]
             inline = pipeline.inline_crypto_bytes
             ahead = start_opening(hits[0], pipeline.executor, inline) if hits else None
