@@ -81,10 +81,32 @@ class KeyNotFoundError(KeyManagementError):
     code = "key_not_found"
 
 
-class SealError(KvgovError):
+class CorruptValueError(KvgovError):
+    """A value stored in a tier failed its checks at read: its envelope does not parse, its
+    length or item metadata disagree with what was sealed, or it does not authenticate. It can
+    never be served: the data plane answers a miss, records it and drops the entry."""
+
+    code = "corrupt_value"
+
+
+class SealError(CorruptValueError):
     """A sealed block failed to open: tampered, truncated, reordered, or bound to another key."""
 
     code = "seal_error"
+
+
+class SealVersionError(SealError):
+    """A stored value is in a sealed or envelope format this kvgov does not read (e.g. the
+    unauthenticated envelope of format 1): refused, never trusted."""
+
+    code = "seal_version"
+
+
+class ItemMetaError(KvgovError):
+    """A put item's metadata (fmt, dtype, shape, location, extra fields) is not one kvgov
+    stores: the item is refused (``bad_item_meta``); the frame's other items are not."""
+
+    code = "bad_item_meta"
 
 
 class TierError(KvgovError):

@@ -25,11 +25,11 @@ from sqlalchemy import select
 
 from kvgov.connectors.tiers.filesystem import FilesystemTier
 from kvgov.errors import KeyDestroyedError
+from kvgov.keys import sealformat
 from kvgov.keys.kek import FileKekProvider
 from kvgov.keys.keyring import Keyring
 from kvgov.ledger.keystore import SqlKeyStore
 from kvgov.ledger.models import CacheEntry
-from kvgov.proxy.dataplane.index import parse_envelope
 from kvgov.types import EntryState
 from tests import lmcache_harness as h
 from tests.e2e import served
@@ -136,12 +136,12 @@ def test_purge_user_with_real_engines_and_sidecar(sidecar: h.SidecarThread, tmp_
 
     value = sidecar.call(read_aside())
     assert value is not None
-    _meta, offset = parse_envelope(memoryview(value))
+    envelope = sealformat.parse(memoryview(value))
     keyring = Keyring(
         SqlKeyStore(sidecar.sidecar.engine), FileKekProvider(sidecar.settings.kek_path)
     )
     with pytest.raises(KeyDestroyedError):
-        keyring.open(value[offset:], tenant="acme", cache_key=digest.encode())
+        envelope.reader(keyring, tenant="acme", cache_key=digest.encode())
 
     with sidecar.session() as s:
         states = dict(s.execute(select(CacheEntry.key_digest, CacheEntry.state)).all())

@@ -319,9 +319,10 @@ def test_nonce_is_base_plus_counter_and_never_repeats_under_a_key() -> None:
             # the nonce really is base + i: the segment authenticates with it and no other
             off, n = header.sealed_span(i)
             aad = (
-                b"kvgov/sealed/v1\x00"
+                b"kvgov/sealed/v2\x00"
                 + bytes(sealed[:HEADER_SIZE])
                 + b"\x00\x04acme"
+                + b"\x00\x00"  # no context
                 + struct.pack(">IB", i, i == header.segments - 1)
             )
             start, length = header.plain_span(i)

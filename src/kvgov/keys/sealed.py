@@ -3,7 +3,7 @@
 Layout (all integers big-endian)::
 
     header (HEADER_SIZE = 256 bytes)
-      magic "KVGS" | format version u8 | flags u8 (0) | key id length u16 |
+      magic "KVGS" | format version u8 (2) | flags u8 (0) | key id length u16 |
       key version u32 | segment size u32 | plaintext length u64 | nonce base (12) |
       cache key digest (32, SHA-256) | key id (utf-8) | zero padding
     segment 0 | segment 1 | ... | segment n-1     each = ciphertext (segment size, the last
@@ -11,10 +11,14 @@ Layout (all integers big-endian)::
 
 A chunk has ``max(1, ceil(plain_len / segment_size))`` segments (an empty chunk has one empty
 final segment). Segment ``i`` is AES-256-GCM with nonce ``(nonce_base + i) mod 2**96``, the
-nonce base random per chunk, and AAD = label | the whole header | tenant | ``i`` | final flag.
-The header holds the key version and the cache key digest, so the AAD binds tenant, cache key,
-key id and version, segment index and final flag: a block moved to another tenant, cache key or
-key, truncated, reordered or flipped in any bit fails to open.
+nonce base random per chunk, and AAD = label | the whole header | tenant | context | ``i`` |
+final flag. The header holds the key version and the cache key digest, so the AAD binds tenant,
+cache key, key id and version, segment index and final flag: a block moved to another tenant,
+cache key or key, truncated, reordered or flipped in any bit fails to open. The *context* is
+what the caller stores beside the chunk and trusts when it reads it back (the data plane's
+envelope head: plaintext length and item metadata, :mod:`kvgov.keys.sealformat`): an edit of
+it fails every segment too. Format 1 (no context in the AAD) is refused with
+:class:`~kvgov.errors.SealVersionError`.
 
 Streaming: :class:`SealWriter` writes the header into a caller-provided destination and seals
 each segment from a source view straight into its slice (``encrypt_into``), so the data plane
@@ -33,11 +37,11 @@ from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
 
-from kvgov.errors import SealError
+from kvgov.errors import SealError, SealVersionError
 from kvgov.keys.handle import KeyHandle
 
 MAGIC = b"KVGS"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_SIZE = 256
 TAG_SIZE = 16
 NONCE_SIZE = 12
@@ -48,7 +52,9 @@ MAX_SEGMENTS = (1 << 32) - 1
 _FIXED = struct.Struct(">4sBBHIIQ12s32s")
 MAX_KEY_ID_BYTES = HEADER_SIZE - _FIXED.size
 _SEGMENT_TAIL = struct.Struct(">IB")
-_AAD_LABEL = b"kvgov/sealed/v1\x00"
+_AAD_LABEL = b"kvgov/sealed/v2\x00"
+#: the most bytes of context a chunk can be bound to (its length is a u16 in the AAD)
+MAX_CONTEXT_BYTES = 0xFFFF
 _NONCE_MOD = 1 << (8 * NONCE_SIZE)
 #: on an authentication failure, look for the segment's true position among this many
 _DIAGNOSE_MAX_SEGMENTS = 256
@@ -141,9 +147,10 @@ def parse_header(sealed: bytes | bytearray | memoryview) -> SealedHeader:
     if magic != MAGIC:
         raise SealError("bad header: not a kvgov sealed chunk (wrong magic)")
     if version != FORMAT_VERSION:
-        raise SealError(
+        raise SealVersionError(
             f"bad header: unsupported sealed format version {version}"
-            f" (this kvgov reads version {FORMAT_VERSION})"
+            f" (this kvgov reads version {FORMAT_VERSION} only; version 1 did not authenticate"
+            " the length and metadata stored beside the chunk)"
         )
     rest = bytes(view[_FIXED.size + min(kid_len, MAX_KEY_ID_BYTES) : HEADER_SIZE])
     if flags != 0 or kid_len == 0 or kid_len > MAX_KEY_ID_BYTES or rest.strip(b"\x00"):
@@ -160,11 +167,24 @@ def parse_header(sealed: bytes | bytearray | memoryview) -> SealedHeader:
 class _Segments:
     """What sealing and opening share: the header bytes, the AAD prefix, the nonce base."""
 
-    def __init__(self, header: SealedHeader, header_bytes: bytes, tenant: str) -> None:
+    def __init__(
+        self, header: SealedHeader, header_bytes: bytes, tenant: str, context: bytes
+    ) -> None:
         self.header = header
         self._base = int.from_bytes(header.nonce_base, "big")
         tenant_b = tenant.encode()
-        self._aad_prefix = _AAD_LABEL + header_bytes + len(tenant_b).to_bytes(2, "big") + tenant_b
+        if len(context) > MAX_CONTEXT_BYTES:
+            raise ValueError(f"context longer than {MAX_CONTEXT_BYTES} bytes")
+        self._aad_prefix = b"".join(
+            (
+                _AAD_LABEL,
+                header_bytes,
+                len(tenant_b).to_bytes(2, "big"),
+                tenant_b,
+                len(context).to_bytes(2, "big"),
+                context,
+            )
+        )
         self._last = header.segments - 1
 
     def nonce(self, index: int) -> bytes:
@@ -183,6 +203,8 @@ class SealWriter:
     The header is written on construction; then call :meth:`seal_segment` for every segment
     as its plaintext arrives (any order, any thread, each segment once), or :meth:`seal_from`
     with the whole plaintext. Constructing a writer counts one chunk against the key's usage.
+    ``context``: bytes kept beside the chunk that every segment is bound to (the reader must
+    be given the same).
     """
 
     def __init__(
@@ -193,6 +215,7 @@ class SealWriter:
         dst: bytearray | memoryview,
         *,
         segment_size: int,
+        context: bytes = b"",
     ) -> None:
         _check_geometry(plain_len, segment_size)
         aead = key.aead  # raises KeyDestroyedError before anything is written
@@ -213,7 +236,7 @@ class SealWriter:
             raise ValueError(f"destination holds {len(view)} bytes; {header.sealed_size} needed")
         self._dst = view[: header.sealed_size]
         self._dst[:HEADER_SIZE] = header_bytes
-        self._seg = _Segments(header, header_bytes, key.tenant)
+        self._seg = _Segments(header, header_bytes, key.tenant, bytes(context))
         self._sealed = bytearray(header.segments)
         self.key = key
         key.note_use()
@@ -263,7 +286,8 @@ class SealReader:
 
     Construction checks the header against the key, tenant, cache key and length, raising a
     :class:`SealError` that names the mismatch; :meth:`open_segment` then authenticates and
-    decrypts one segment into ``dst`` (zeroed again if authentication fails).
+    decrypts one segment into ``dst`` (zeroed again if authentication fails), checking the
+    ``context`` the chunk was sealed with.
     """
 
     def __init__(
@@ -273,6 +297,7 @@ class SealReader:
         *,
         tenant: str,
         cache_key: bytes,
+        context: bytes = b"",
     ) -> None:
         view = memoryview(sealed).cast("B")
         header = parse_header(view)
@@ -296,7 +321,7 @@ class SealReader:
             )
         self._aead = key.aead
         self._view = view
-        self._seg = _Segments(header, bytes(view[:HEADER_SIZE]), tenant)
+        self._seg = _Segments(header, bytes(view[:HEADER_SIZE]), tenant, bytes(context))
 
     @property
     def header(self) -> SealedHeader:
@@ -361,18 +386,26 @@ class SealReader:
                         " wrong final-segment flag"
                     )
         return (
-            f"segment {index} of {n} failed authentication: a bit of the header, ciphertext"
-            " or tag was altered, or the chunk was sealed for another tenant, cache key or key"
+            f"segment {index} of {n} failed authentication: a bit of the header, ciphertext,"
+            " tag or context (the length and metadata stored beside it) was altered, or the"
+            " chunk was sealed for another tenant, cache key or key"
         )
 
 
 def seal(
-    key: KeyHandle, cache_key: bytes, data: bytes | bytearray | memoryview, *, segment_size: int
+    key: KeyHandle,
+    cache_key: bytes,
+    data: bytes | bytearray | memoryview,
+    *,
+    segment_size: int,
+    context: bytes = b"",
 ) -> bytearray:
     """Seal ``data`` into a new buffer (convenience off the hot path)."""
     plain = memoryview(data).cast("B")
     out = bytearray(sealed_size(len(plain), segment_size))
-    SealWriter(key, cache_key, len(plain), out, segment_size=segment_size).seal_from(plain)
+    SealWriter(
+        key, cache_key, len(plain), out, segment_size=segment_size, context=context
+    ).seal_from(plain)
     return out
 
 
@@ -383,16 +416,23 @@ def open_into(
     *,
     tenant: str,
     cache_key: bytes,
+    context: bytes = b"",
 ) -> int:
     """Open a whole sealed chunk into ``dst``; returns the plaintext length."""
-    return SealReader(sealed, key, tenant=tenant, cache_key=cache_key).open_into(dst)
+    reader = SealReader(sealed, key, tenant=tenant, cache_key=cache_key, context=context)
+    return reader.open_into(dst)
 
 
 def open_sealed(
-    sealed: bytes | bytearray | memoryview, key: KeyHandle, *, tenant: str, cache_key: bytes
+    sealed: bytes | bytearray | memoryview,
+    key: KeyHandle,
+    *,
+    tenant: str,
+    cache_key: bytes,
+    context: bytes = b"",
 ) -> bytearray:
     """Open a sealed chunk into a new buffer (convenience off the hot path)."""
-    reader = SealReader(sealed, key, tenant=tenant, cache_key=cache_key)
+    reader = SealReader(sealed, key, tenant=tenant, cache_key=cache_key, context=context)
     out = bytearray(reader.header.plain_len)
     reader.open_into(out)
     return out

@@ -32,18 +32,26 @@ class Sealing:
         *,
         user: str | None = None,
         segment_size: int | None = None,
+        context: bytes = b"",
     ) -> SealWriter:
-        """A :class:`SealWriter` under the scope's active key (``writer.key`` says which)."""
+        """A :class:`SealWriter` under the scope's active key (``writer.key`` says which),
+        bound to ``context`` (bytes kept beside the chunk, e.g. its envelope head)."""
         return SealWriter(
             self.current(tenant, user),
             cache_key,
             plain_len,
             dst,
             segment_size=segment_size or self.segment_size,
+            context=context,
         )
 
     def reader(
-        self, sealed: bytes | bytearray | memoryview, *, tenant: str, cache_key: bytes
+        self,
+        sealed: bytes | bytearray | memoryview,
+        *,
+        tenant: str,
+        cache_key: bytes,
+        context: bytes = b"",
     ) -> SealReader:
         """A :class:`SealReader` with the key named in the chunk's header, refusing a key of
         another tenant before looking it up; :class:`KeyDestroyedError` if it was shredded."""
@@ -55,7 +63,7 @@ class Sealing:
                 f" to tenant {tenant!r}"
             )
         key = self.get(header.key_id, header.key_version)
-        return SealReader(sealed, key, tenant=tenant, cache_key=cache_key)
+        return SealReader(sealed, key, tenant=tenant, cache_key=cache_key, context=context)
 
     def seal(
         self,
@@ -65,14 +73,15 @@ class Sealing:
         *,
         user: str | None = None,
         segment_size: int | None = None,
+        context: bytes = b"",
     ) -> bytearray:
         """Seal into a new buffer (convenience; the data path uses :meth:`sealer`)."""
         plain = memoryview(data).cast("B")
         seg = segment_size or self.segment_size
         out = bytearray(sealed_size(len(plain), seg))
-        self.sealer(tenant, cache_key, len(plain), out, user=user, segment_size=seg).seal_from(
-            plain
-        )
+        self.sealer(
+            tenant, cache_key, len(plain), out, user=user, segment_size=seg, context=context
+        ).seal_from(plain)
         return out
 
     def open_into(
@@ -82,14 +91,21 @@ class Sealing:
         *,
         tenant: str,
         cache_key: bytes,
+        context: bytes = b"",
     ) -> int:
-        return self.reader(sealed, tenant=tenant, cache_key=cache_key).open_into(dst)
+        reader = self.reader(sealed, tenant=tenant, cache_key=cache_key, context=context)
+        return reader.open_into(dst)
 
     def open(
-        self, sealed: bytes | bytearray | memoryview, *, tenant: str, cache_key: bytes
+        self,
+        sealed: bytes | bytearray | memoryview,
+        *,
+        tenant: str,
+        cache_key: bytes,
+        context: bytes = b"",
     ) -> bytearray:
         """Open into a new buffer (convenience; the data path uses :meth:`open_into`)."""
-        reader = self.reader(sealed, tenant=tenant, cache_key=cache_key)
+        reader = self.reader(sealed, tenant=tenant, cache_key=cache_key, context=context)
         out = bytearray(reader.header.plain_len)
         reader.open_into(out)
         return out

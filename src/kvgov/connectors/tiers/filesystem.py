@@ -9,7 +9,9 @@ in :mod:`~kvgov.connectors.tiers.fsformat`.
 A put writes ``.<name>.<random>.tmp`` beside the target, fsyncs it (``fsync=True``), renames it
 over the target and fsyncs the directory, so a crash leaves the old value or the new one, never
 a torn one. Opening the tier rebuilds the in-memory index by scanning the root, removing stray
-temporary files and files that do not parse. File I/O runs in a small thread pool; ``get_into``
+temporary files and files that do not parse; a read that finds a file corrupt (its header does
+not parse, its length disagrees with the file or with what was put) removes it and raises
+:class:`~kvgov.errors.CorruptValueError`. File I/O runs in a small thread pool; ``get_into``
 reads straight into the caller's buffer (``readinto``).
 """
 
@@ -46,7 +48,7 @@ from kvgov.connectors.tiers.fsformat import (
     read_header,
     write_all,
 )
-from kvgov.errors import TierError
+from kvgov.errors import CorruptValueError, TierError
 
 log = logging.getLogger(__name__)
 
@@ -266,10 +268,16 @@ class FilesystemTier:
             return os.open(tmp, flags, 0o600)
 
     def _open_entry(self, key: str) -> tuple[int, int] | None:
-        """An open fd positioned at the value, and the value length; None if the file is gone."""
+        """An open fd positioned at the value, and the value length; None if the file is gone.
+
+        A file that does not hold what was put under ``key`` (a header that does not parse, a
+        length that disagrees with the file or with the length put, another key) is removed
+        and :class:`CorruptValueError` raised: the caller records it (not a plain miss)."""
         path = self.path_of(key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            with self._lock:  # the file and the index entry of one put (a put renames under it)
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                put = self._index.get(key)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -278,10 +286,14 @@ class FilesystemTier:
             stored_key, size, _expiry = read_header(fd)
             if stored_key != key:
                 raise CorruptEntryError("key mismatch")
+            if put is not None and put.size != size:
+                raise CorruptEntryError("length differs from the value put")
         except CorruptEntryError as exc:
             os.close(fd)
             self._drop_corrupt(key, path, str(exc))
-            return None
+            raise CorruptValueError(
+                f"tier {self._name}: stored file is corrupt ({exc}); it was removed"
+            ) from None
         except BaseException:
             os.close(fd)
             raise

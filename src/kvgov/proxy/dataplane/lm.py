@@ -8,7 +8,10 @@ context: whoever connects speaks as the declared engine ``dataplane.lm_engine_id
 declared ``dataplane.lm_tenants`` only, with no acting user (so never for user-scoped keys);
 the policy admits that engine only where a tenant names it (``"*"`` does not). The listener
 is off unless configured (``docs/operations.md``, "Running lm:// safely"). The fmt, dtype,
-shape and location a PUT carried are stored with the entry and returned by GET.
+shape and location a PUT carried are checked (:mod:`kvgov.wire.itemmeta`: an odd one refuses
+the PUT as ``bad_item_meta``, recorded), stored with the entry (the dtype by its name, as the
+kvgov wire stores it) and returned by GET (the name mapped back to LMCache's int). A stored
+value that fails its checks is a miss (``FAIL``), never a dropped connection.
 
 A PUT is sealed and stored by the connection's storer task while the next request is read
 (PUTs of a connection are stored in request order, a run of ready ones in one pass of the event
@@ -32,6 +35,7 @@ from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.pipeline import Kept, Pipeline, PutPlan, StoredPut
 from kvgov.types import Operation
+from kvgov.wire.itemmeta import from_lm, to_lm
 from kvgov.wire.messages import EMPTY_CONTEXT
 
 REQUEST = struct.Struct("=iiiiiiiii150s")  # 186 bytes
@@ -144,12 +148,7 @@ class LmConnection(StreamProtocol):
             op = {PUT: "put", GET: "get", EXIST: "exists"}.get(command, "health")
             try:
                 if command == PUT:
-                    meta = {
-                        "fmt": fmt,
-                        "dtype": dtype,
-                        "location": location,
-                        "shape": [s0, s1, s2, s3],
-                    }
+                    meta = from_lm(fmt, dtype, location, (s0, s1, s2, s3))
                     await self._put(key, length, meta)
                 elif command == GET:
                     await self._get(key)
@@ -252,15 +251,8 @@ class LmConnection(StreamProtocol):
             self.reply(FAIL)
             return
         try:
-            m = plan.item_meta
-            self.reply(
-                OK,
-                length=plan.length,
-                fmt=int(m.get("fmt", 0)),
-                dtype=int(m.get("dtype", 0)),
-                shape=m.get("shape", (0, 0, 0, 0)),
-                location=int(m.get("location", 0)),
-            )
+            fmt, dtype, shape, location = to_lm(plan.item_meta)
+            self.reply(OK, length=plan.length, fmt=fmt, dtype=dtype, shape=shape, location=location)
             try:
                 await self.send_plan(
                     plan,

@@ -46,6 +46,13 @@ class DataPlaneMetrics:
         self.denials = Counter(
             "kvgov_dataplane_denials", "Operations denied, by reason", ["op", "reason"], registry=r
         )
+        self.unreadable = Counter(
+            "kvgov_dataplane_unreadable",
+            "Stored values that failed their checks at GET (answered as a miss, dropped from"
+            " every tier and recorded), by error code",
+            ["reason"],
+            registry=r,
+        )
         self.latency = Histogram(
             "kvgov_dataplane_latency_seconds",
             "Time to serve one request frame",

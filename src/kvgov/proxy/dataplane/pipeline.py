@@ -12,14 +12,23 @@ tiers, makes the entry visible and queues its ``kv:put`` event; :meth:`Pipeline.
 waits for that event's group commit (a listener acks only then, and keeps reading meanwhile).
 A put whose event cannot be recorded is removed from every tier again: nothing stays stored
 unrecorded. A denied put stores nothing; a denied get is a miss; every denial is a
-``kv:entry:denied`` event. A tier's capacity eviction is a ``kv:evict`` event
-(:meth:`Pipeline.tier_evicted`). With ``governance=False`` policy, encryption and the ledger are
-skipped (benchmarks only).
+``kv:entry:denied`` event. A put item whose metadata is not one kvgov stores
+(:func:`~kvgov.wire.itemmeta.check_item_meta`) is refused the same way (``bad_item_meta``).
+
+What a tier returns is checked before a hit is announced (:meth:`Pipeline.load`): the value's
+envelope (:mod:`kvgov.keys.sealformat`: length and item metadata, bound into the sealed chunk's
+AAD) and every segment are authenticated and opened into the hit's buffer first, so a value
+edited, truncated, extended, flipped or moved at rest is a miss, never bytes on the wire; it is
+dropped from the index and every tier, recorded (``kv:delete``, reason ``unreadable:<code>``)
+and counted (``kvgov_dataplane_unreadable_total``). A tier's capacity eviction is a
+``kv:evict`` event (:meth:`Pipeline.tier_evicted`). With ``governance=False`` policy,
+encryption and the ledger are skipped (benchmarks only).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -29,15 +38,22 @@ from typing import Any
 
 from kvgov.connectors.tiers.base import copy_into
 from kvgov.connectors.tiers.chain import TierChain
-from kvgov.errors import KvgovError, LedgerBackpressureError, ProtocolError
+from kvgov.errors import (
+    CorruptValueError,
+    ItemMetaError,
+    KvgovError,
+    LedgerBackpressureError,
+    ProtocolError,
+)
+from kvgov.keys import sealformat
 from kvgov.keys.keyring import Keyring
-from kvgov.keys.sealed import SealedHeader, SealWriter, sealed_size, segment_count
+from kvgov.keys.sealed import SealedHeader, SealReader, SealWriter, sealed_size, segment_count
 from kvgov.ledger.events import Event, EventSink, LazyEventSink, QueuedEventSink
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.policy.interfaces import Decision, PolicyEngine
 from kvgov.proxy.dataplane.buffers import BufferPool, Lease, size_class
 from kvgov.proxy.dataplane.identity import Denied, Identity, Who, build_input, resolve
-from kvgov.proxy.dataplane.index import EntryIndex, EntryMeta, envelope_head, parse_envelope
+from kvgov.proxy.dataplane.index import EntryIndex, EntryMeta
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
 from kvgov.proxy.dataplane.plans import (
     INLINE_CRYPTO_BYTES,
@@ -46,18 +62,17 @@ from kvgov.proxy.dataplane.plans import (
     Kept,
     PutPlan,
     StoredPut,
+    open_segments,
     segments_per_job,
 )
 from kvgov.proxy.dataplane.records import entry_gone, evict_event, put_event
 from kvgov.types import EntryState, EventKind, Operation, Outcome, Scope
+from kvgov.wire.itemmeta import check_item_meta
 from kvgov.wire.messages import RequestContext
 
 __all__ = ["Found", "GetPlan", "Kept", "Pipeline", "PutPlan", "StoredPut"]
 
 log = logging.getLogger("kvgov.dataplane")
-
-#: room for an envelope head (magic, length, the item's small metadata as JSON)
-ENVELOPE_SLACK = 4096
 
 
 class Pipeline:
@@ -192,15 +207,14 @@ class Pipeline:
     # -- put -----------------------------------------------------------------------------------
 
     def lease_bound(self, length: int, item_meta: Mapping[str, Any] | None = None) -> int:
-        """An upper bound on the pooled buffer a put of ``length`` bytes takes (exact for its
-        envelope head when ``item_meta`` is given)."""
+        """An upper bound on the pooled buffer a put of ``length`` bytes takes (its envelope
+        head at its longest: item metadata is refused beyond that)."""
+        del item_meta  # bounded by sealformat.MAX_HEAD_SIZE whatever it holds
         try:
             body = sealed_size(length, self.segment_size) if self.governance else length
         except ValueError:  # beyond what one sealed chunk can hold
             return 1 << 62
-        if item_meta is None:
-            return size_class(body + ENVELOPE_SLACK)
-        return size_class(body + len(envelope_head({**item_meta, "_n": length, "_sealed": False})))
+        return size_class(body + sealformat.MAX_HEAD_SIZE)
 
     async def plan_put(
         self, who: Who, length: int, item_meta: Mapping[str, Any], lease: Lease | None = None
@@ -215,8 +229,14 @@ class Pipeline:
             raise
 
     async def _plan_put(
-        self, who: Who, length: int, item_meta: Mapping[str, Any], given: Lease | None
+        self, who: Who, length: int, raw_meta: Mapping[str, Any], given: Lease | None
     ) -> PutPlan | Denied | Kept:
+        try:  # what every later get hands the engine: only a form it can read is stored
+            item_meta = check_item_meta(raw_meta)
+        except ItemMetaError as exc:
+            if given is not None:
+                given.release()
+            return Denied(f"bad_item_meta: {exc.message}", who.identity, who.ctx)
         decision = await self._decide(who, Operation.PUT, None)
         if decision is not None and not decision.allowed:
             if given is not None:
@@ -234,7 +254,7 @@ class Pipeline:
             return Denied("no_allowed_tier", who.identity, who.ctx, decision)
         scope_user = who.key_user if decision is not None and decision.scope is Scope.USER else None
         governed = decision is not None and self.keyring is not None
-        head = envelope_head({**item_meta, "_n": length, "_sealed": governed})
+        head = sealformat.encode_head(item_meta, length, sealed=governed)
         body_len = sealed_size(length, self.segment_size) if governed else length
         if given is None:
             lease = await self.pool.acquire(len(head) + body_len)
@@ -263,6 +283,7 @@ class Pipeline:
                         dst,
                         user=scope_user,
                         segment_size=self.segment_size,
+                        context=head,
                     )
 
                 make = make_writer
@@ -552,8 +573,10 @@ class Pipeline:
     async def _load(
         self, who: Who, entry: EntryMeta, lease: Lease
     ) -> tuple[GetPlan | None, str | None]:
-        """The plan, or None and why the stored value could not be read (None: not there)."""
+        """The plan, its bytes opened and checked, or None and why the stored value could
+        not be served (None: not there). A value that fails its checks is dropped here."""
         src = self.tiers.borrow(who.digest)  # read in place: no copy into the lease
+        tier = self.tiers.names[0] if src is not None else None
         try:
             if src is not None:
                 value = src.view
@@ -562,30 +585,38 @@ class Pipeline:
                 if hit is None:
                     lease.release()
                     return None, None
+                tier = hit.tier
                 value = lease.view[: hit.nbytes]
-            meta, offset = parse_envelope(value)
-            length = int(meta.pop("_n"))
-            sealed = bool(meta.pop("_sealed"))
-            body = value[offset:]
-            if not sealed:
-                if self.governance:
-                    raise ProtocolError("a governed sidecar found a plaintext value")
-                windows = [body[:length]]
-                return GetPlan(who, lease, length, meta, None, windows, src), None
-            if self.keyring is None:
-                raise ProtocolError("a sealed value needs the keyring to open")
-            reader = self.keyring.reader(body, tenant=who.tenant, cache_key=who.digest.encode())
-            header = reader.header
-            windows = []
-            for i in range(header.segments):
-                if src is not None:  # opened from the tier's buffer into the lease
-                    start, plen = header.plain_span(i)
-                    windows.append(lease.view[start : start + plen])
-                else:  # opened in place in the lease
-                    off, _ = header.sealed_span(i)
-                    _, plen = header.plain_span(i)
-                    windows.append(body[off : off + plen])
-            return GetPlan(who, lease, length, meta, reader, windows, src), None
+            envelope = sealformat.parse(value)
+            if not envelope.sealed and not self.governance:
+                windows = [envelope.plain_body()]
+            else:
+                if self.keyring is None:
+                    raise ProtocolError("a sealed value needs the keyring to open")
+                reader = envelope.reader(
+                    self.keyring, tenant=who.tenant, cache_key=who.digest.encode()
+                )
+                header = reader.header
+                windows = []
+                for i in range(header.segments):
+                    if src is not None:  # opened from the tier's buffer into the lease
+                        start, plen = header.plain_span(i)
+                        windows.append(lease.view[start : start + plen])
+                    else:  # opened in place in the lease
+                        off, _ = header.sealed_span(i)
+                        _, plen = header.plain_span(i)
+                        windows.append(envelope.body[off : off + plen])
+                # every segment authenticated before the hit is announced: a bad one is a miss
+                await self._open_all(reader, windows, header.plain_len)
+            if src is not None:
+                src.release()
+            return GetPlan(who, lease, envelope.plain_len, envelope.meta, None, windows), None
+        except CorruptValueError as exc:
+            if src is not None:
+                src.release()
+            lease.release()
+            await self.drop_unreadable(who, exc, tier)
+            return None, exc.code
         except KvgovError as exc:
             if src is not None:
                 src.release()
@@ -598,21 +629,62 @@ class Pipeline:
             lease.release()
             raise
 
-    async def drop_unreadable(self, who: Who, error: KvgovError) -> None:
-        """A hit failed to open while it was being sent (its ciphertext was corrupted or
-        tampered with at rest, or its key was shredded meanwhile): it can never be served, so
-        remove it from the index and every tier and record why. The caller closes the
-        connection (the reply had promised its bytes; each segment is authenticated before any
-        of its bytes go out, so nothing unauthenticated was sent). A put of the same key racing
-        this is removed too: KV cache is recomputable."""
+    async def _open_all(self, reader: SealReader, windows: list[memoryview], length: int) -> None:
+        """Open every segment into its window: here up to ``inline_crypto_bytes``, else in the
+        crypto pool, a few segments per job, side by side. Raises the first failure once no
+        job touches the windows any more (a cancelled caller waits for them too)."""
+        if length <= self.inline_crypto_bytes:
+            for i, window in enumerate(windows):
+                reader.open_segment(i, window)
+            return
+        step = segments_per_job(reader.header.segment_size)
+        indexed = list(enumerate(windows))
+        jobs = [
+            self.executor.submit(open_segments, reader, indexed[i : i + step])
+            for i in range(0, len(indexed), step)
+        ]
+        waiting = [asyncio.wrap_future(job) for job in jobs]
+        try:
+            await asyncio.wait(waiting)
+        except asyncio.CancelledError:
+            for job in jobs:
+                job.cancel()  # those not started yet
+            while not all(job.done() for job in jobs):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([f for f in waiting if not f.done()])
+            raise
+        finally:
+            for f in waiting:
+                if f.done() and not f.cancelled():
+                    f.exception()  # retrieved: raised below from the job itself
+        for job in jobs:
+            job.result()
+
+    async def drop_unreadable(self, who: Who, error: KvgovError, tier: str | None = None) -> None:
+        """A stored value failed its checks (its envelope, length or metadata was edited, its
+        ciphertext corrupted or tampered with at rest, it was moved from another key or
+        tenant, it is in a format this kvgov does not read) or its key was shredded while it
+        was being sent: it can never be served, so remove it from the index and every tier
+        (the copies are of one put; KV cache is recomputable), record why (``kv:delete``,
+        reason ``unreadable:<code>``, the tier that held it) and count it. A put of the same
+        key racing this is removed too; one that another get dropped already is not counted
+        again."""
         log.warning(
-            "dataplane.get.unreadable", extra={"key_digest": who.digest, "error": error.code}
+            "dataplane.get.unreadable",
+            extra={"key_digest": who.digest, "error": error.code, "tier": tier},
         )
-        self.index.pop(who.digest)
-        await self.tiers.delete(who.digest)
+        entry = self.index.pop(who.digest)
+        held = await self.tiers.delete(who.digest)
+        if entry is None and not held:
+            return
+        self.metrics.unreadable.labels(error.code).inc()
         if self.governance:
             event = self._event(
-                EventKind.KV_DELETE, who, outcome=Outcome.ERROR, reason=f"unreadable:{error.code}"
+                EventKind.KV_DELETE,
+                who,
+                outcome=Outcome.ERROR,
+                reason=f"unreadable:{error.code}",
+                tier=tier,
             )
             try:
                 await self._record(entry_gone(event, EntryState.DELETED), durable=True)

@@ -298,7 +298,8 @@ class WireConnection(StreamProtocol):
                         await pipeline.deny(who, denied, Operation.PUT)
                     await self.discard(item.length)
                     reason = denied.reason if denied is not None else "denied"
-                    results.append({"code": int(ErrorCode.DENIED), "reason": reason})
+                    code = ErrorCode.BAD_REQUEST if reason.startswith("bad_item_meta") else None
+                    results.append({"code": int(code or ErrorCode.DENIED), "reason": reason})
                     continue
                 plans.append(plan)
                 for i, window in enumerate(plan.windows):
@@ -472,8 +473,9 @@ class WireConnection(StreamProtocol):
             ]
             total = sum(p.length for p in plans if p is not None)
             self.send(FrameType.GET, sid, {"items": items}, total)
-            # each hit's opening is queued while the one before it is sent (one ahead: the
-            # crypto pool works ahead without one large GET queueing all of its jobs at once)
+            # the pipeline opened and authenticated every hit before it was announced (a bad
+            # one is a miss above); a plan that still carries a reader would be opened here,
+            # one ahead of the hit being sent
             hits = [h for h in plans if h is not None]
             inline = pipeline.inline_crypto_bytes
             ahead = start_opening(hits[0], pipeline.executor, inline) if hits else None
