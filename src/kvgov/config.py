@@ -172,7 +172,23 @@ class DataPlaneSettings(_Section):
     #: engine tokens: ``{"token": "engine-id"}``. Empty in development accepts any engine id.
     engine_tokens: dict[str, SecretStr] = Field(default_factory=dict)
     max_frame_bytes: int = Field(default=256 * _MIB, ge=_MIB)
+    #: open data-plane connections, all listeners together (kvgov wire and lm://); more are
+    #: closed at once (``docs/operations.md``, "Limits")
     max_connections: int = Field(default=1024, ge=1)
+    #: ... from one peer (TCP address; on the Unix socket, one uid)
+    max_connections_per_peer: int = Field(default=512, ge=1)
+    #: ... authenticated as one engine (checked at HELLO; lm:// is its one declared engine)
+    max_connections_per_engine: int = Field(default=64, ge=1)
+    #: seconds from connect to a completed HELLO
+    hello_timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
+    #: seconds for a frame's bytes to arrive once its first byte did (a PUT's payload: once
+    #: its buffers are taken; a stalled frame gives them back), and for a GET's hits to be
+    #: taken by the reader
+    frame_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
+    #: denials recorded one ledger event each, per connection and second, and in all per
+    #: second; the excess is summarised (one ``kv:denied`` event with ``attrs.suppressed``)
+    denials_recorded_per_connection: int = Field(default=32, ge=1)
+    denials_recorded_per_s: int = Field(default=256, ge=1)
     #: bytes of chunk buffers the pool may hold at once (backpressure beyond this)
     buffer_pool_bytes: int = Field(default=1024 * _MIB, ge=8 * _MIB)
     crypto_threads: int = Field(default=2, ge=1, le=64)

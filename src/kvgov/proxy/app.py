@@ -33,6 +33,7 @@ from kvgov.ledger.pseudonym import Pseudonymizer, generate_pseudonym_key_file
 from kvgov.policy.interfaces import DecisionRecorder, PolicyEngine
 from kvgov.proxy.dataplane.buffers import BufferPool
 from kvgov.proxy.dataplane.index import EntryIndex
+from kvgov.proxy.dataplane.limits import ConnectionLimits, DenialGate
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
 from kvgov.proxy.dataplane.pipeline import Pipeline
 from kvgov.proxy.dataplane.plans import inline_crypto_bytes, usable_cpus
@@ -72,7 +73,11 @@ class Sidecar:
             from kvgov.proxy.dataplane.lm import LmServer
 
             self.lm_server = LmServer(
-                self.pipeline, engine_id=dp.lm_engine_id, tenants=dp.lm_tenants
+                self.pipeline,
+                engine_id=dp.lm_engine_id,
+                tenants=dp.lm_tenants,
+                limits=self.server.limits,  # one global cap over both listeners
+                frame_timeout_s=dp.frame_timeout_s,
             )
             await self.lm_server.start(dp.lm_host, dp.lm_port)
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvgov-ttl-sweeper"))
@@ -350,6 +355,10 @@ async def build_sidecar(
         segment_size=settings.keys.segment_size,
         inline_crypto_bytes=inline,
         default_tenant=dp.lm_default_tenant or None,
+        denial_gate=DenialGate(
+            per_connection=dp.denials_recorded_per_connection,
+            per_second=dp.denials_recorded_per_s,
+        ),
     )
     metrics.watch(
         lambda: float(pipeline.pool.in_use_bytes),
@@ -373,6 +382,14 @@ async def build_sidecar(
             engine_tokens=dp.engine_tokens,
             allow_anonymous=settings.environment is Environment.DEVELOPMENT,
             digester=pseudonymizer.key_digester,
+            hello_timeout_s=dp.hello_timeout_s,
+            frame_timeout_s=dp.frame_timeout_s,
+        ),
+        ConnectionLimits(
+            max_total=dp.max_connections,
+            per_peer=dp.max_connections_per_peer,
+            per_engine=dp.max_connections_per_engine,
+            metrics=metrics,
         ),
     )
     return Sidecar(

@@ -12,14 +12,17 @@ tiers, makes the entry visible and queues its ``kv:put`` event; :meth:`Pipeline.
 waits for that event's group commit (a listener acks only then, and keeps reading meanwhile).
 A put whose event cannot be recorded is removed from every tier again: nothing stays stored
 unrecorded. A denied put stores nothing; a denied get is a miss; every denial is a
-``kv:entry:denied`` event. A tier's capacity eviction is a ``kv:evict`` event
-(:meth:`Pipeline.tier_evicted`). With ``governance=False`` policy, encryption and the ledger are
-skipped (benchmarks only).
+``kv:entry:denied`` event, up to the :class:`~kvgov.proxy.dataplane.limits.DenialGate`'s caps
+(per connection, the one whose handler runs: :data:`DENIAL_BUDGET`, and per second); beyond
+them one summary event per connection and second says how many were suppressed. A tier's
+capacity eviction is a ``kv:evict`` event (:meth:`Pipeline.tier_evicted`). With
+``governance=False`` policy, encryption and the ledger are skipped (benchmarks only).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -38,6 +41,7 @@ from kvgov.policy.interfaces import Decision, DecisionRecorder, PolicyEngine
 from kvgov.proxy.dataplane.buffers import BufferPool, Lease, size_class
 from kvgov.proxy.dataplane.identity import Denied, Identity, Who, build_input, resolve
 from kvgov.proxy.dataplane.index import EntryIndex, EntryMeta, envelope_head, parse_envelope
+from kvgov.proxy.dataplane.limits import DenialBudget, DenialGate, Suppressed
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
 from kvgov.proxy.dataplane.plans import (
     INLINE_CRYPTO_BYTES,
@@ -55,6 +59,12 @@ from kvgov.wire.messages import RequestContext
 __all__ = ["Found", "GetPlan", "Kept", "Pipeline", "PutPlan", "StoredPut"]
 
 log = logging.getLogger("kvgov.dataplane")
+
+#: the denial budget of the connection whose handler (or PUT storer) runs in this context: set
+#: once per connection task, so every denial it causes counts against it
+DENIAL_BUDGET: contextvars.ContextVar[DenialBudget | None] = contextvars.ContextVar(
+    "kvgov_denial_budget", default=None
+)
 
 #: room for an envelope head (magic, length, the item's small metadata as JSON)
 ENVELOPE_SLACK = 4096
@@ -80,6 +90,7 @@ class Pipeline:
         inline_crypto_bytes: int = INLINE_CRYPTO_BYTES,
         default_tenant: str | None = None,
         clock: Callable[[], float] = time.time,
+        denial_gate: DenialGate | None = None,
     ) -> None:
         if governance and (policy is None or keyring is None or sink is None):
             raise KvgovError("a governed pipeline needs policy, keyring and ledger sink")
@@ -101,6 +112,8 @@ class Pipeline:
         self.inline_crypto_bytes = inline_crypto_bytes
         self.default_tenant = default_tenant or None
         self.clock = clock
+        #: caps on denials recorded one event each (None: every denial is recorded)
+        self.denial_gate = denial_gate
         self._background: set[asyncio.Task[None]] = set()
         #: digests of puts planned and not yet stored or dropped (a second put of one is kept)
         self._storing: set[str] = set()
@@ -162,7 +175,15 @@ class Pipeline:
             self.sink.submit(event)
 
     async def deny(self, who: Who | None, denied: Denied, op: Operation) -> None:
-        self.metrics.denials.labels(op.value, denied.metric_reason).inc()
+        reason = denied.metric_reason
+        self.metrics.denials.labels(op.value, reason).inc()
+        gate = self.denial_gate
+        if gate is not None and self.governance:
+            if gate.flush_needed:
+                self.record_suppressed(gate.due())
+            if not gate.admit(DENIAL_BUDGET.get(), op.value, reason):
+                self.metrics.denials_suppressed.labels(op.value).inc()
+                return
         if who is None:
             event = Event(
                 kind=EventKind.KV_DENIED,
@@ -187,6 +208,28 @@ class Pipeline:
             await self._record(event, durable=op is Operation.PUT)
         except KvgovError as exc:  # still denied (nothing was stored); the connection lives on
             log.error("dataplane.denial.unrecorded", extra={"error": exc.code})
+
+    def end_denials(self, budget: DenialBudget) -> None:
+        """A connection closed: record the summary of what its budget still holds."""
+        if self.denial_gate is not None and self.governance:
+            self.record_suppressed(self.denial_gate.due(final=(budget,)))
+
+    def record_suppressed(self, summaries: list[Suppressed]) -> None:
+        """One ``kv:denied`` event per summary (in the background: nothing waits on it)."""
+        for s in summaries:
+            self._record_soon(
+                Event(
+                    kind=EventKind.KV_DENIED,
+                    principal=s.principal,
+                    outcome=Outcome.DENY,
+                    reason="suppressed",
+                    attrs={
+                        "suppressed": s.count,
+                        "operations": dict(s.by_operation),
+                        "reasons": dict(s.by_reason),
+                    },
+                )
+            )
 
     def identify(
         self, identity: Identity, raw_key: str, ctx: RequestContext

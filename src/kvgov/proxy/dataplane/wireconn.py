@@ -29,9 +29,17 @@ from typing import TYPE_CHECKING, Any
 
 from kvgov.errors import KvgovError
 from kvgov.proxy.dataplane.buffers import Lease, size_class
-from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, start_opening
+from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse, start_opening
 from kvgov.proxy.dataplane.identity import Identity
-from kvgov.proxy.dataplane.pipeline import Found, GetPlan, Kept, PutPlan, StoredPut
+from kvgov.proxy.dataplane.limits import DenialBudget
+from kvgov.proxy.dataplane.pipeline import (
+    DENIAL_BUDGET,
+    Found,
+    GetPlan,
+    Kept,
+    PutPlan,
+    StoredPut,
+)
 from kvgov.types import Operation
 from kvgov.wire.codec import (
     HEADER_SIZE,
@@ -105,6 +113,9 @@ class WireConnection(StreamProtocol):
         self._settling: set[asyncio.Future[None]] = set()
         self._next_id = 0
         self._acks: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.budget = DenialBudget(None)
+        #: holds a slot in the server's connection limits (released when lost)
+        self._admitted = False
 
     @property
     def busy(self) -> bool:
@@ -117,11 +128,24 @@ class WireConnection(StreamProtocol):
             if sock is not None and hasattr(socket, "SO_PEERCRED"):
                 creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
                 self.peer_uid = struct.unpack("3i", creds)[1]
+            peer = f"uid:{self.peer_uid}"
+        else:
+            name = transport.get_extra_info("peername")
+            peer = str(name[0]) if isinstance(name, tuple) and name else "?"
+        if not self.server.limits.admit(self, peer):
+            refuse(transport)  # over a cap: its descriptor goes back at once
+            return
+        self._admitted = True
         self.server.connections.add(self)
         self.server.pipeline.metrics.connections.labels(self.listener).inc()
         super().connection_made(transport)
+        self.arm(self.server.config.hello_timeout_s, "hello")
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._admitted:
+            self._admitted = False
+            self.server.limits.release(self)
+            self.server.pipeline.end_denials(self.budget)
         if self in self.server.connections:
             self.server.connections.discard(self)
             self.server.controls.discard(self)
@@ -147,10 +171,21 @@ class WireConnection(StreamProtocol):
         self.server.pipeline.metrics.protocol_errors.labels(self.listener, err.error.name).inc()
         self.send(FrameType.ERROR, sid, error_meta(err.error, err.message), flags=Flag.NONE)
 
+    def timed_out(self, phase: str) -> None:
+        self.server.pipeline.metrics.timeouts.labels(self.listener, phase).inc()
+        self.server.limits.summary.note(
+            "dataplane.connection.timed_out", listener=self.listener, phase=phase
+        )
+
     async def handle(self) -> None:
-        max_payload = self.server.config.max_frame_bytes
+        DENIAL_BUDGET.set(self.budget)  # this task's denials (and its storer's) count here
+        cfg = self.server.config
+        max_payload = cfg.max_frame_bytes
+        frame_s = cfg.frame_timeout_s
         head = memoryview(bytearray(HEADER_SIZE))
         while True:
+            if self.identity is not None:  # before HELLO its own deadline runs
+                self.arm_on_data(frame_s)
             await self.read_into(head)
             try:
                 header = decode_header(head, max_payload=max_payload)
@@ -165,16 +200,22 @@ class WireConnection(StreamProtocol):
                 )
                 return
             put = header.type is FrameType.PUT and not self.server.draining
+            payload_len = header.payload_len
             if not put:
+                # the frame's payload arrives within its deadline (none is kept but a PUT's)
+                await self.discard(payload_len)
+                payload_len = 0
                 await self._replies_sent()
+            if self.identity is not None:
+                self.disarm()  # a PUT re-arms once its buffers are taken
             self._handling = True
             started = time.perf_counter()
             try:
                 if put:
-                    await self._put(header.stream_id, meta, header.payload_len, started)
+                    await self._put(header.stream_id, meta, payload_len, started)
                 else:
                     await self._dispatch(
-                        header.type, header.stream_id, header.is_reply, meta, header.payload_len
+                        header.type, header.stream_id, header.is_reply, meta, payload_len
                     )
                     self._observe(header.type, started)
             except WireError as exc:
@@ -229,7 +270,16 @@ class WireConnection(StreamProtocol):
         version = meta.get("version", PROTOCOL_VERSION)
         if version != PROTOCOL_VERSION:
             raise WireError(ErrorCode.VERSION_MISMATCH, f"protocol {version} not supported")
-        self.identity = self.server.authenticate(meta, self)
+        identity = self.server.authenticate(meta, self)
+        if not self.server.limits.admit_engine(self, identity.engine):
+            raise WireError(
+                ErrorCode.UNAUTHENTICATED,
+                "too many connections for this engine",
+                hint="close idle connections or raise dataplane.max_connections_per_engine",
+            )
+        self.identity = identity
+        self.budget.principal = identity.principal
+        self.disarm()  # authenticated in time
         cfg = self.server.config
         control = meta.get("role") == "control"
         reply: dict[str, Any] = {
@@ -272,7 +322,10 @@ class WireConnection(StreamProtocol):
                 hint="send fewer or smaller items per frame",
             )
         # every item's buffer at once: never hold part of the pool while waiting for the rest
+        self.disarm()  # waiting for the pool is backpressure, not a stalled sender
         leases: list[Lease | None] = list(await pipeline.pool.acquire_many(bounds))
+        # the payload must arrive in time: a stalled frame gives its buffers back
+        self.arm(self.server.config.frame_timeout_s)
         results: list[dict[str, Any] | None] = []
         plans: list[PutPlan] = []
         try:
@@ -305,6 +358,7 @@ class WireConnection(StreamProtocol):
                     await self.read_into(window)
                     plan.segment_done(i, pipeline.executor)
                 results.append(None)
+            self.disarm()
         except BaseException:
             for left in leases:
                 if left is not None:
@@ -472,6 +526,8 @@ class WireConnection(StreamProtocol):
             ]
             total = sum(p.length for p in plans if p is not None)
             self.send(FrameType.GET, sid, {"items": items}, total)
+            if total:  # the reader must take the hits in time (they hold buffers)
+                self.arm(self.server.config.frame_timeout_s, "reply")
             # each hit's opening is queued while the one before it is sent (one ahead: the
             # crypto pool works ahead without one large GET queueing all of its jobs at once)
             hits = [h for h in plans if h is not None]
@@ -496,6 +552,8 @@ class WireConnection(StreamProtocol):
             finally:
                 if ahead is not None:
                     await ahead.settled()
+            if total:
+                self.disarm()
         finally:
             for lease in leases.values():
                 lease.release()
