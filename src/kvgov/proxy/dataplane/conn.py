@@ -233,11 +233,12 @@ class StreamProtocol(asyncio.BufferedProtocol):
             n -= step
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        if self.transport is not None and not self._closed:
+        t = self.transport
+        if t is not None and not self._closed and not t.is_closing():
             if self._wjob is not None:  # a sender thread is writing a hit: follow it
                 self._held.append(bytes(data))
                 return
-            self.transport.write(data)
+            t.write(data)
 
     async def send_view(self, data: memoryview) -> None:
         """Write ``data`` (after what is already queued), taking no copy of what the socket
