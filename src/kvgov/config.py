@@ -179,6 +179,9 @@ class DataPlaneSettings(_Section):
     max_connections_per_peer: int = Field(default=512, ge=1)
     #: ... authenticated as one engine (checked at HELLO; lm:// is its one declared engine)
     max_connections_per_engine: int = Field(default=64, ge=1)
+    #: keys (EXISTS, GET, REMOVE) or items (PUT) one kvgov wire frame may carry; a large frame
+    #: is handled in slices that yield to other connections
+    max_frame_items: int = Field(default=4096, ge=1, le=4096)
     #: seconds from connect to a completed HELLO
     hello_timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
     #: seconds for a frame's bytes to arrive once its first byte did (a PUT's payload: once

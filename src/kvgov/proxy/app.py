@@ -382,6 +382,7 @@ async def build_sidecar(
             engine_tokens=dp.engine_tokens,
             allow_anonymous=settings.environment is Environment.DEVELOPMENT,
             digester=pseudonymizer.key_digester,
+            max_frame_items=dp.max_frame_items,
             hello_timeout_s=dp.hello_timeout_s,
             frame_timeout_s=dp.frame_timeout_s,
         ),

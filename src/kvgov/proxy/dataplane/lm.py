@@ -219,6 +219,9 @@ class LmConnection(StreamProtocol):
             pipeline.metrics.protocol_errors.labels(self.listener, "TOO_LARGE").inc()
             log.warning("dataplane.lm.put_too_large", extra={"nbytes": length})
             raise ConnectionClosed
+        if length == 0:  # an empty value: nothing to cache, nothing recorded
+            pipeline.metrics.count_op("put", self.listener, "refused")
+            return
         who, denied = pipeline.identify(self.server.identity, key, EMPTY_CONTEXT)
         plan = None
         frame_s = self.server.frame_timeout_s

@@ -56,6 +56,8 @@ class ServerConfig:
     #: the key-digest key's digester, given to engines on their control connection's HELLO
     #: reply (after authentication) so they can match EVICT digests; None: EVICT cannot match
     digester: KeyDigester | None = field(default=None, repr=False)
+    #: keys (EXISTS, GET, REMOVE) or items (PUT) one frame may carry (at most MAX_BATCH)
+    max_frame_items: int = MAX_BATCH
     #: seconds from connect to a completed HELLO
     hello_timeout_s: float = 10.0
     #: seconds for a frame's bytes to arrive once it has begun (a PUT's: once its buffers are

@@ -62,6 +62,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgov.dataplane.server")
 
 MAX_BATCH = 4096
+#: items of a frame handled per turn of the event loop: a large frame yields to the other
+#: connections between slices (fairness: another engine's PING is not held behind it)
+SLICE = 64
 #: PUT frames per connection whose replies wait for their ledger commit
 MAX_PIPELINED_PUTS = 32
 
@@ -289,7 +292,7 @@ class WireConnection(StreamProtocol):
             "sidecar": cfg.sidecar_id,
             "engine": self.identity.engine,
             "max_frame_bytes": cfg.max_frame_bytes,
-            "max_batch": MAX_BATCH,
+            "max_batch": cfg.max_frame_items,
         }
         if control and cfg.digester is not None:
             # only now, after authentication, and only where EVICT is received (never logged)
@@ -305,14 +308,15 @@ class WireConnection(StreamProtocol):
         """Receive the items; :meth:`_finish_put` stores them and replies."""
         pipeline = self.server.pipeline
         try:
-            items = parse_put_items(meta, payload_len, MAX_BATCH)
+            items = parse_put_items(meta, payload_len, self.server.config.max_frame_items)
             ctx = RequestContext.from_meta(meta.get("ctx"))
         except WireError:
             await self.discard(payload_len)
             raise
         if self.identity is None:
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
-        bounds = [pipeline.lease_bound(item.length, item.meta) for item in items]
+        # an empty value takes no buffer (it is refused below)
+        bounds = [pipeline.lease_bound(i.length, i.meta) if i.length else 0 for i in items]
         if sum(bounds) > pipeline.pool.max_bytes:
             # its items' buffers are held together: waiting for that much room never ends
             await self.discard(payload_len)
@@ -323,14 +327,23 @@ class WireConnection(StreamProtocol):
             )
         # every item's buffer at once: never hold part of the pool while waiting for the rest
         self.disarm()  # waiting for the pool is backpressure, not a stalled sender
-        leases: list[Lease | None] = list(await pipeline.pool.acquire_many(bounds))
+        taken = iter(await pipeline.pool.acquire_many([b for b in bounds if b]))
+        leases: list[Lease | None] = [next(taken) if b else None for b in bounds]
         # the payload must arrive in time: a stalled frame gives its buffers back
         self.arm(self.server.config.frame_timeout_s)
         results: list[dict[str, Any] | None] = []
         plans: list[PutPlan] = []
         try:
             for index, item in enumerate(items):
+                if index % SLICE == SLICE - 1:
+                    await asyncio.sleep(0)  # the other connections' turn
                 lease, leases[index] = leases[index], None  # the plan owns it from here
+                if item.length == 0:  # an empty value: nothing to cache, nothing recorded
+                    if lease is not None:
+                        lease.release()
+                    results.append({"code": int(ErrorCode.BAD_REQUEST), "reason": "empty"})
+                    pipeline.metrics.count_op("put", self.listener, "refused")
+                    continue
                 who, denied = pipeline.identify(self.identity, item.key, item.ctx or ctx)
                 plan = None
                 if denied is None and who is not None:
@@ -478,14 +491,16 @@ class WireConnection(StreamProtocol):
 
     async def _get(self, sid: int, meta: dict[str, Any]) -> None:
         pipeline = self.server.pipeline
-        keys = key_list(meta, max_items=MAX_BATCH)
+        keys = key_list(meta, max_items=self.server.config.max_frame_items)
         ctx = RequestContext.from_meta(meta.get("ctx"))
         if self.identity is None:
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
         # first every key's entry and size, then the hits' buffers all at once (never part of
         # the pool held while waiting for the rest), then read them
         finds: list[Found | None] = []
-        for key in keys:
+        for i, key in enumerate(keys):
+            if i % SLICE == SLICE - 1:
+                await asyncio.sleep(0)  # the other connections' turn
             who, denied = pipeline.identify(self.identity, key, ctx)
             found = None
             if denied is not None:
@@ -563,13 +578,15 @@ class WireConnection(StreamProtocol):
 
     async def _keys_op(self, ftype: FrameType, sid: int, meta: dict[str, Any]) -> None:
         pipeline = self.server.pipeline
-        keys = key_list(meta, max_items=MAX_BATCH)
+        keys = key_list(meta, max_items=self.server.config.max_frame_items)
         ctx = RequestContext.from_meta(meta.get("ctx"))
         if self.identity is None:
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
         op = Operation.EXISTS if ftype is FrameType.EXISTS else Operation.REMOVE
         out: list[bool] = []
-        for key in keys:
+        for i, key in enumerate(keys):
+            if i % SLICE == SLICE - 1:
+                await asyncio.sleep(0)  # the other connections' turn
             who, denied = pipeline.identify(self.identity, key, ctx)
             if denied is not None or who is None:
                 if denied is not None:
