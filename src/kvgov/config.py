@@ -194,6 +194,10 @@ class DataPlaneSettings(_Section):
     denials_recorded_per_s: int = Field(default=256, ge=1)
     #: bytes of chunk buffers the pool may hold at once (backpressure beyond this)
     buffer_pool_bytes: int = Field(default=1024 * _MIB, ge=8 * _MIB)
+    #: the share of the pool one engine may hold at once (its stalled or pipelined frames
+    #: wait for its own buffers, not another engine's); the default leaves a 256 MiB frame
+    #: room in the default 1 GiB pool
+    buffer_pool_engine_share: float = Field(default=0.25, gt=0.0, le=1.0)
     crypto_threads: int = Field(default=2, ge=1, le=64)
     #: threads that write large replies to their sockets (each serves one reply at a time;
     #: replies beyond this many wait for a free one)

@@ -26,8 +26,9 @@ from tests.security.doors import (
 
 pytestmark = pytest.mark.postgres
 
-#: short deadlines so the attack tests run in seconds
-FAST = known_dataplane(hello_timeout_s=0.5, frame_timeout_s=1.0)
+#: short deadlines so the attack tests run in seconds; one engine may take the whole pool, so
+#: only the deadline frees it (test_resource_pool_share.py: the share alone)
+FAST = known_dataplane(hello_timeout_s=0.5, frame_timeout_s=1.0, buffer_pool_engine_share=1.0)
 MIB = 1 << 20
 
 

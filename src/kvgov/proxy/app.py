@@ -342,7 +342,9 @@ async def build_sidecar(
     pipeline = Pipeline(
         tiers=tiers,
         pseudonymizer=pseudonymizer,
-        pool=BufferPool(dp.buffer_pool_bytes),
+        pool=BufferPool(
+            dp.buffer_pool_bytes, int(dp.buffer_pool_bytes * dp.buffer_pool_engine_share)
+        ),
         executor=executor,
         sender=sender,
         metrics=metrics,

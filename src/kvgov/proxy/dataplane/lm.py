@@ -213,7 +213,7 @@ class LmConnection(StreamProtocol):
 
     async def _put(self, key: str, length: int, meta: dict[str, Any]) -> None:
         pipeline = self.server.pipeline
-        if pipeline.lease_bound(length) > pipeline.pool.max_bytes:
+        if pipeline.lease_bound(length) > pipeline.pool.owner_max_bytes:
             # no frame limit in this protocol: a length no buffer can hold closes the
             # connection (reading and dropping up to 2 GiB would only feed the sender)
             pipeline.metrics.protocol_errors.labels(self.listener, "TOO_LARGE").inc()

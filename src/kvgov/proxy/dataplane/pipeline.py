@@ -284,7 +284,7 @@ class Pipeline:
         head = envelope_head({**item_meta, "_n": length, "_sealed": governed})
         body_len = sealed_size(length, self.segment_size) if governed else length
         if given is None:
-            lease = await self.pool.acquire(len(head) + body_len)
+            lease = await self.pool.acquire(len(head) + body_len, who.identity.engine)
         else:
             lease = given.resize(len(head) + body_len)
         # the fastest tier's own buffer, when it can set one aside: sealed into, then kept
@@ -544,10 +544,11 @@ class Pipeline:
         found = await self.find(who)
         if found is None:
             return None
-        limit = self.pool.max_bytes if max_lease is None else min(max_lease, self.pool.max_bytes)
+        room = self.pool.owner_max_bytes
+        limit = room if max_lease is None else min(max_lease, room)
         if size_class(found.size) > limit:
             return await self.load(found, None)  # waiting for that much could wait for ever
-        return await self.load(found, await self.pool.acquire(found.size))
+        return await self.load(found, await self.pool.acquire(found.size, who.identity.engine))
 
     async def find(self, who: Who) -> Found | None:
         """A get's first step: the readable entry and its stored size, or None (a miss, now

@@ -317,7 +317,7 @@ class WireConnection(StreamProtocol):
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
         # an empty value takes no buffer (it is refused below)
         bounds = [pipeline.lease_bound(i.length, i.meta) if i.length else 0 for i in items]
-        if sum(bounds) > pipeline.pool.max_bytes:
+        if sum(bounds) > pipeline.pool.owner_max_bytes:
             # its items' buffers are held together: waiting for that much room never ends
             await self.discard(payload_len)
             raise WireError(
@@ -327,7 +327,8 @@ class WireConnection(StreamProtocol):
             )
         # every item's buffer at once: never hold part of the pool while waiting for the rest
         self.disarm()  # waiting for the pool is backpressure, not a stalled sender
-        taken = iter(await pipeline.pool.acquire_many([b for b in bounds if b]))
+        owner = self.identity.engine  # one engine holds at most its share of the pool
+        taken = iter(await pipeline.pool.acquire_many([b for b in bounds if b], owner))
         leases: list[Lease | None] = [next(taken) if b else None for b in bounds]
         # the payload must arrive in time: a stalled frame gives its buffers back
         self.arm(self.server.config.frame_timeout_s)
@@ -509,7 +510,7 @@ class WireConnection(StreamProtocol):
                 found = await pipeline.find(who)
             finds.append(found)
         budget = self.server.config.max_frame_bytes
-        room = pipeline.pool.max_bytes
+        room = pipeline.pool.owner_max_bytes
         taken: list[Found] = []
         for found in finds:
             # a hit beyond the frame limit or what the pool holds for one frame is a miss
@@ -520,7 +521,7 @@ class WireConnection(StreamProtocol):
         leases = dict(
             zip(
                 map(id, taken),
-                await pipeline.pool.acquire_many([f.size for f in taken]),
+                await pipeline.pool.acquire_many([f.size for f in taken], self.identity.engine),
                 strict=True,
             )
         )
