@@ -232,6 +232,18 @@ class DataPlaneSettings(_Section):
 class ApiSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=7080, ge=0, le=65535)
+    #: connections plus requests in progress the API server takes before answering 503
+    limit_concurrency: int = Field(default=512, ge=1)
+    #: seconds an idle keep-alive connection stays open
+    timeout_keep_alive_s: float = Field(default=5.0, gt=0.0, le=600.0)
+    #: seconds for a request (head and body) to arrive once begun; else it is closed
+    request_timeout_s: float = Field(default=10.0, gt=0.0, le=600.0)
+    #: bytes of a request head (request line and headers)
+    max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024)
+    #: bytes of a request body (413 beyond)
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    #: pending connections the kernel queues for the API port
+    backlog: int = Field(default=256, ge=1)
     #: require bearer tokens on the REST API (refused off in production)
     auth: bool = True
     #: serve ``/metrics`` without a token. Off: it needs an auditor or admin token that is not

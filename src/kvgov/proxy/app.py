@@ -427,9 +427,8 @@ async def run_sidecar(settings: Settings) -> None:
     """Build, start and serve until SIGTERM/SIGINT; then shut down gracefully."""
     import signal
 
-    import uvicorn
-
     from kvgov.proxy.api.app import create_control_app
+    from kvgov.proxy.api.server import api_config
 
     # handlers first: a SIGTERM while the sidecar starts (it serves before the control plane
     # is up) stops it gracefully once started, instead of killing it mid-way
@@ -447,9 +446,7 @@ async def run_sidecar(settings: Settings) -> None:
             None, register_sidecar, sidecar.engine, sidecar.sidecar_id, settings.chain_id, endpoint
         )
     api = settings.api
-    config = uvicorn.Config(
-        create_control_app(sidecar), host=api.host, port=api.port, log_config=None, lifespan="off"
-    )
+    config = api_config(create_control_app(sidecar), api)
     web = _control_server_class()(config)
     web_task = asyncio.create_task(web.serve())
     await stop.wait()
