@@ -24,8 +24,10 @@ crashes (sidecar exits plus connection handlers that died with a traceback: must
 sidecar's RSS and descriptors before and after, and the honest engine's throughput and
 latency before, during and after.
 
-Usage: ``python bench/soak.py`` (needs Postgres on 127.0.0.1:5432; bounded by
-``--max-seconds``, default 840); ``--frames 100000 --max-seconds 120`` for a short run.
+Usage: ``python bench/soak.py`` (needs Postgres on 127.0.0.1:5432): attacks until
+``--frames`` (1,000,000) were sent and at least ``--min-seconds`` (300) passed, at most
+``--max-seconds`` (840); ``--frames 100000 --min-seconds 30 --max-seconds 120`` for a short
+run.
 """
 
 from __future__ import annotations
@@ -522,7 +524,12 @@ async def attack(
     running = [asyncio.ensure_future(t) for t in tasks]
     deadline = time.monotonic() + args.max_seconds
     last = 0.0
-    while stats.total < args.frames and time.monotonic() < deadline and sidecar.poll() is None:
+    at_least = time.monotonic() + args.min_seconds
+    while (
+        (stats.total < args.frames or time.monotonic() < at_least)
+        and time.monotonic() < deadline
+        and sidecar.poll() is None
+    ):
         await asyncio.sleep(1)
         if time.monotonic() - last >= 30:
             last = time.monotonic()
@@ -576,6 +583,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=1_000_000)
     parser.add_argument("--max-seconds", type=float, default=840.0)
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=300.0,
+        help="attack at least this long (deadlines, floods and hogs cycle many times)",
+    )
     parser.add_argument("--phase", type=float, default=15.0, help="honest-only seconds")
     parser.add_argument("--settle", type=float, default=5.0)
     parser.add_argument("--fuzzers", type=int, default=4, help="per listener")
