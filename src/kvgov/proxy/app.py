@@ -206,6 +206,7 @@ class Sidecar:
         await self.server.drain(grace_s)
         if self.lm_server is not None:
             await self.lm_server.drain(grace_s)
+        await self.pipeline.recorded()  # e.g. the denial summaries of the closed connections
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

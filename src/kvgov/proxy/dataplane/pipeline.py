@@ -593,6 +593,12 @@ class Pipeline:
             durable=False,
         )
 
+    async def recorded(self, timeout_s: float = 10.0) -> None:
+        """Wait (at most ``timeout_s``) for the events being recorded in the background
+        (denial summaries of closed connections, ...): before the ledger writer closes."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout_s)
+
     def _record_soon(self, event: Event) -> None:
         task = asyncio.get_running_loop().create_task(self._record_later(event))
         self._background.add(task)

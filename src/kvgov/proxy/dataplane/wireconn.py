@@ -208,9 +208,10 @@ class WireConnection(StreamProtocol):
                 # the frame's payload arrives within its deadline (none is kept but a PUT's)
                 await self.discard(payload_len)
                 payload_len = 0
-                await self._replies_sent()
             if self.identity is not None:
-                self.disarm()  # a PUT re-arms once its buffers are taken
+                self.disarm()  # read; a PUT re-arms once its buffers are taken
+            if not put:
+                await self._replies_sent()
             self._handling = True
             started = time.perf_counter()
             try:
