@@ -217,7 +217,7 @@ class LmConnection(StreamProtocol):
             # no frame limit in this protocol: a length no buffer can hold closes the
             # connection (reading and dropping up to 2 GiB would only feed the sender)
             pipeline.metrics.protocol_errors.labels(self.listener, "TOO_LARGE").inc()
-            log.warning("dataplane.lm.put_too_large", extra={"nbytes": length})
+            self.server.limits.summary.note("dataplane.lm.put_too_large", nbytes=length)
             raise ConnectionClosed
         if length == 0:  # an empty value: nothing to cache, nothing recorded
             pipeline.metrics.count_op("put", self.listener, "refused")
