@@ -211,9 +211,32 @@ class DataPlaneSettings(_Section):
     #: engine tokens: ``{"token": "engine-id"}``. Empty in development accepts any engine id.
     engine_tokens: dict[str, SecretStr] = Field(default_factory=dict)
     max_frame_bytes: int = Field(default=256 * _MIB, ge=_MIB)
+    #: open data-plane connections, all listeners together (kvgov wire and lm://); more are
+    #: closed at once (``docs/operations.md``, "Limits")
     max_connections: int = Field(default=1024, ge=1)
+    #: ... from one peer (TCP address; on the Unix socket, one uid)
+    max_connections_per_peer: int = Field(default=512, ge=1)
+    #: ... authenticated as one engine (checked at HELLO; lm:// is its one declared engine)
+    max_connections_per_engine: int = Field(default=64, ge=1)
+    #: keys (EXISTS, GET, REMOVE) or items (PUT) one kvgov wire frame may carry; a large frame
+    #: is handled in slices that yield to other connections
+    max_frame_items: int = Field(default=4096, ge=1, le=4096)
+    #: seconds from connect to a completed HELLO
+    hello_timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
+    #: seconds for a frame's bytes to arrive once its first byte did (a PUT's payload: once
+    #: its buffers are taken; a stalled frame gives them back), and for a GET's hits to be
+    #: taken by the reader
+    frame_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
+    #: denials recorded one ledger event each, per connection and second, and in all per
+    #: second; the excess is summarised (one ``kv:denied`` event with ``attrs.suppressed``)
+    denials_recorded_per_connection: int = Field(default=32, ge=1)
+    denials_recorded_per_s: int = Field(default=256, ge=1)
     #: bytes of chunk buffers the pool may hold at once (backpressure beyond this)
     buffer_pool_bytes: int = Field(default=1024 * _MIB, ge=8 * _MIB)
+    #: the share of the pool one engine may hold at once (its stalled or pipelined frames
+    #: wait for its own buffers, not another engine's); the default leaves a 256 MiB frame
+    #: room in the default 1 GiB pool
+    buffer_pool_engine_share: float = Field(default=0.25, gt=0.0, le=1.0)
     crypto_threads: int = Field(default=2, ge=1, le=64)
     #: threads that write large replies to their sockets (each serves one reply at a time;
     #: replies beyond this many wait for a free one)
@@ -248,6 +271,18 @@ class DataPlaneSettings(_Section):
 class ApiSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=7080, ge=0, le=65535)
+    #: connections plus requests in progress the API server takes before answering 503
+    limit_concurrency: int = Field(default=512, ge=1)
+    #: seconds an idle keep-alive connection stays open
+    timeout_keep_alive_s: float = Field(default=5.0, gt=0.0, le=600.0)
+    #: seconds for a request (head and body) to arrive once begun; else it is closed
+    request_timeout_s: float = Field(default=10.0, gt=0.0, le=600.0)
+    #: bytes of a request head (request line and headers)
+    max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024)
+    #: bytes of a request body (413 beyond)
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    #: pending connections the kernel queues for the API port
+    backlog: int = Field(default=256, ge=1)
     #: require bearer tokens on the REST API (refused off in production)
     auth: bool = True
     #: serve ``/metrics`` without a token. Off: it needs an auditor or admin token that is not

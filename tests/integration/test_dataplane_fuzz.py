@@ -159,6 +159,8 @@ def _live(data_dir: Path, *, max_frame: int, pool: int, rego: bool = True) -> It
                 **LM_ON,
                 "max_frame_bytes": max_frame,
                 "buffer_pool_bytes": pool,
+                # one engine may use the whole pool here (tests/security: the share)
+                "buffer_pool_engine_share": 1.0,
             },
             tiers={"chain": ["memory"]},
         ),

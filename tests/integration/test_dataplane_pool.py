@@ -40,7 +40,14 @@ async def sidecar(tmp_path: Path, pg_url: str) -> AsyncIterator[Sidecar]:
     settings = Settings(
         data_dir=tmp_path / "data",
         database={"url": pg_url},
-        dataplane={"host": "127.0.0.1", "port": 0, "lm_port": -1, "buffer_pool_bytes": POOL},
+        dataplane={
+            "host": "127.0.0.1",
+            "port": 0,
+            "lm_port": -1,
+            "buffer_pool_bytes": POOL,
+            # one engine may use the whole pool here (tests/security: the share)
+            "buffer_pool_engine_share": 1.0,
+        },
         tiers={"chain": ["memory"], "memory_max_bytes": 256 * MIB},
     )
     async with running_sidecar(settings) as sc:

@@ -149,3 +149,63 @@ class LmClient:
         if head[0] != 200:
             return None
         return recv_exact(self.sock, head[1])
+
+
+def known_dataplane(**wanted: Any) -> dict[str, Any]:
+    """The data-plane settings of ``wanted`` that this build has (an attack test runs the
+    attack on a build without the limit, and fails there because the attack works)."""
+    from kvgov.config import DataPlaneSettings
+
+    return {k: v for k, v in wanted.items() if k in DataPlaneSettings.model_fields}
+
+
+class RawWire:
+    """A raw kvgov wire client: frames as an attacker writes them (no client library)."""
+
+    def __init__(self, port: int, timeout: float = 10.0) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, ftype: Any, meta: dict[str, Any] | None, payload_len: int = 0) -> None:
+        from kvgov.wire.codec import encode_frame
+
+        self.sock.sendall(encode_frame(ftype, 1, meta, payload_len))
+
+    def reply(self) -> tuple[Any, dict[str, Any]]:
+        from kvgov.wire.codec import HEADER_SIZE, decode_header, decode_meta
+
+        header = decode_header(recv_exact(self.sock, HEADER_SIZE))
+        meta = decode_meta(recv_exact(self.sock, header.meta_len))
+        recv_exact(self.sock, header.payload_len)
+        return header.type, meta
+
+    def hello(self, token: str) -> dict[str, Any]:
+        from kvgov.wire.codec import PROTOCOL_VERSION, FrameType
+
+        self.send(FrameType.HELLO, {"engine": "x", "token": token, "version": PROTOCOL_VERSION})
+        ftype, meta = self.reply()
+        assert ftype is FrameType.HELLO, meta
+        return meta
+
+    def closed_within(self, seconds: float) -> bool:
+        return closed_within(self.sock, seconds)
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes ``sock`` within ``seconds`` (what it still sends before
+    closing is read and dropped). Blocking: call it through :func:`run` in a test."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            if not sock.recv(65536):
+                return True
+        except TimeoutError:
+            return False
+        except OSError:  # reset
+            return True
+    return False

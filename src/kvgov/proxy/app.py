@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import time
 from collections.abc import Collection, Iterator
@@ -34,6 +35,7 @@ from kvgov.ledger.pseudonym import Pseudonymizer, generate_pseudonym_key_file
 from kvgov.policy.interfaces import PolicyEngine
 from kvgov.proxy.dataplane.buffers import BufferPool
 from kvgov.proxy.dataplane.index import EntryIndex
+from kvgov.proxy.dataplane.limits import ConnectionLimits, DenialGate, SummaryLog
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
 from kvgov.proxy.dataplane.pipeline import Pipeline
 from kvgov.proxy.dataplane.plans import inline_crypto_bytes, usable_cpus
@@ -63,9 +65,13 @@ class Sidecar:
     purge: Any = None
     #: records the keys the keyring creates itself (kvgov.proxy.keys_service.KeyEventRecorder)
     key_events: Any = None
+    #: the loop's exception handler before :meth:`start` replaced it (restored at stop)
+    _loop_handler: tuple[Any] | None = None
 
     async def start(self) -> None:
         dp = self.settings.dataplane
+        self._watch_accept_errors()
+        _descriptor_headroom(self.settings)
         await self.server.start(
             dp.host or None, dp.port, str(dp.unix_path) if dp.unix_path else None
         )
@@ -73,7 +79,11 @@ class Sidecar:
             from kvgov.proxy.dataplane.lm import LmServer
 
             self.lm_server = LmServer(
-                self.pipeline, engine_id=dp.lm_engine_id, tenants=dp.lm_tenants
+                self.pipeline,
+                engine_id=dp.lm_engine_id,
+                tenants=dp.lm_tenants,
+                limits=self.server.limits,  # one global cap over both listeners
+                frame_timeout_s=dp.frame_timeout_s,
             )
             await self.lm_server.start(dp.lm_host, dp.lm_port)
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvgov-ttl-sweeper"))
@@ -231,6 +241,7 @@ class Sidecar:
         await self.server.drain(grace_s)
         if self.lm_server is not None:
             await self.lm_server.drain(grace_s)
+        await self.pipeline.recorded()  # e.g. the denial summaries of the closed connections
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -250,7 +261,36 @@ class Sidecar:
         self.executor.shutdown(wait=True)
         if self.engine is not None:
             self.engine.dispose()
+        if self._loop_handler is not None:
+            asyncio.get_running_loop().set_exception_handler(self._loop_handler[0])
+            self._loop_handler = None
         log.info("sidecar.stopped")
+
+    def _watch_accept_errors(self) -> None:
+        """Count the listeners' accept() failures (descriptors or memory exhausted: asyncio
+        stops accepting on that socket for a second and retries) and log them summarised,
+        once per interval without a traceback, instead of one traceback per failure."""
+        loop = asyncio.get_running_loop()
+        previous = loop.get_exception_handler()
+        summary = SummaryLog(logging.getLogger("kvgov.dataplane.server"))
+
+        def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+            exc = context.get("exception")
+            if context.get("message") == ACCEPT_OUT_OF_RESOURCES and isinstance(exc, OSError):
+                self.metrics.accept_errors.inc()
+                summary.note(
+                    "dataplane.accept.out_of_resources",
+                    level=logging.ERROR,
+                    error=errno.errorcode.get(exc.errno or 0, str(exc.errno)),
+                )
+                return
+            if previous is not None:
+                previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+
+        self._loop_handler = (previous,)
+        loop.set_exception_handler(handler)
 
     async def evict_on_engines(
         self, keys: list[str], timeout_s: float, *, tenant: str, holders: Collection[str] = ()
@@ -371,7 +411,9 @@ async def build_sidecar(
     pipeline = Pipeline(
         tiers=tiers,
         pseudonymizer=pseudonymizer,
-        pool=BufferPool(dp.buffer_pool_bytes),
+        pool=BufferPool(
+            dp.buffer_pool_bytes, int(dp.buffer_pool_bytes * dp.buffer_pool_engine_share)
+        ),
         executor=executor,
         sender=sender,
         metrics=metrics,
@@ -383,6 +425,10 @@ async def build_sidecar(
         segment_size=settings.keys.segment_size,
         inline_crypto_bytes=inline,
         default_tenant=dp.lm_default_tenant or None,
+        denial_gate=DenialGate(
+            per_connection=dp.denials_recorded_per_connection,
+            per_second=dp.denials_recorded_per_s,
+        ),
     )
     metrics.watch(
         lambda: float(pipeline.pool.in_use_bytes),
@@ -406,6 +452,15 @@ async def build_sidecar(
             engine_tokens=dp.engine_tokens,
             allow_anonymous=settings.environment is Environment.DEVELOPMENT,
             digester=pseudonymizer.key_digester,
+            max_frame_items=dp.max_frame_items,
+            hello_timeout_s=dp.hello_timeout_s,
+            frame_timeout_s=dp.frame_timeout_s,
+        ),
+        ConnectionLimits(
+            max_total=dp.max_connections,
+            per_peer=dp.max_connections_per_peer,
+            per_engine=dp.max_connections_per_engine,
+            metrics=metrics,
         ),
     )
     return Sidecar(
@@ -421,6 +476,36 @@ async def build_sidecar(
         sidecar_id=sidecar_id,
         key_events=key_events,
     )
+
+
+#: what asyncio's loop reports when accept() fails for want of descriptors or memory
+ACCEPT_OUT_OF_RESOURCES = "socket.accept() out of system resource"
+#: descriptors kept for everything but connections (ledger, tiers, journal, threads)
+DESCRIPTOR_RESERVE = 256
+
+
+def _descriptor_headroom(settings: Settings) -> None:
+    """Raise the soft descriptor limit towards what the connection caps need (up to the hard
+    limit); warn, saying what to set, when even that is short."""
+    import resource
+
+    need = settings.dataplane.max_connections + settings.api.limit_concurrency + DESCRIPTOR_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning(
+            "sidecar.descriptors.low",
+            extra={
+                "limit": soft,
+                "needed": need,
+                "hint": "raise the descriptor limit (ulimit -n) or lower "
+                "dataplane.max_connections / api.limit_concurrency",
+            },
+        )
 
 
 def _control_server_class() -> Any:
@@ -440,9 +525,8 @@ async def run_sidecar(settings: Settings) -> None:
     """Build, start and serve until SIGTERM/SIGINT; then shut down gracefully."""
     import signal
 
-    import uvicorn
-
     from kvgov.proxy.api.app import create_control_app
+    from kvgov.proxy.api.server import api_config
 
     # handlers first: a SIGTERM while the sidecar starts (it serves before the control plane
     # is up) stops it gracefully once started, instead of killing it mid-way
@@ -460,9 +544,7 @@ async def run_sidecar(settings: Settings) -> None:
             None, register_sidecar, sidecar.engine, sidecar.sidecar_id, settings.chain_id, endpoint
         )
     api = settings.api
-    config = uvicorn.Config(
-        create_control_app(sidecar), host=api.host, port=api.port, log_config=None, lifespan="off"
-    )
+    config = api_config(create_control_app(sidecar), api)
     web = _control_server_class()(config)
     web_task = asyncio.create_task(web.serve())
     await stop.wait()

@@ -5,6 +5,10 @@ the pool never holds more than ``max_bytes`` (in use plus idle). When it is exha
 :meth:`BufferPool.acquire` waits: the connection asking stops reading from its socket, which
 is how backpressure reaches the engine (TCP flow control), instead of memory growing.
 
+One owner (an engine identity) may hold at most ``owner_max_bytes`` of it at once
+(``dataplane.buffer_pool_engine_share``): an engine that stalls its frames, or pipelines
+without end, waits for its own buffers without holding up another engine's requests.
+
 Buffers are recycled by size class (powers of two from 64 KiB to 1 MiB, whole MiB above), so
 steady-state traffic of one chunk size allocates nothing.
 """
@@ -36,12 +40,13 @@ def size_class(n: int) -> int:
 class Lease:
     """One buffer on loan; :meth:`release` returns it (idempotent)."""
 
-    __slots__ = ("_pool", "buf", "size")
+    __slots__ = ("_pool", "buf", "owner", "size")
 
-    def __init__(self, pool: BufferPool, buf: Pooled, size: int) -> None:
+    def __init__(self, pool: BufferPool, buf: Pooled, size: int, owner: str | None = None) -> None:
         self._pool: BufferPool | None = pool
         self.buf = buf
         self.size = size
+        self.owner = owner
 
     @property
     def view(self) -> memoryview:
@@ -59,16 +64,21 @@ class Lease:
         pool = self._pool
         if pool is not None:
             self._pool = None
-            pool._give_back(self.buf)
+            pool._give_back(self.buf, self.owner)
 
 
 class BufferPool:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, owner_max_bytes: int | None = None) -> None:
         self.max_bytes = max_bytes
+        #: what one owner (engine) may hold at once
+        self.owner_max_bytes = min(max_bytes, owner_max_bytes or max_bytes)
         self._idle: dict[int, deque[Pooled]] = {}
         self._idle_bytes = 0
         self._in_use = 0
         self._waiters: deque[tuple[tuple[int, ...], asyncio.Future[None]]] = deque()
+        self._owned: Counter[str] = Counter()
+        #: requests waiting for their owner's own buffers to come back (not in the line)
+        self._owner_waiters: dict[str, list[asyncio.Future[None]]] = {}
 
     @property
     def in_use_bytes(self) -> int:
@@ -78,22 +88,58 @@ class BufferPool:
     def idle_bytes(self) -> int:
         return self._idle_bytes
 
-    async def acquire(self, n: int) -> Lease:
-        """A buffer of at least ``n`` bytes (its ``view`` is exactly ``n``); waits for room."""
-        return (await self.acquire_many((n,)))[0]
+    def owned_bytes(self, owner: str) -> int:
+        return self._owned.get(owner, 0)
 
-    async def acquire_many(self, sizes: Sequence[int]) -> list[Lease]:
+    async def acquire(self, n: int, owner: str | None = None) -> Lease:
+        """A buffer of at least ``n`` bytes (its ``view`` is exactly ``n``); waits for room."""
+        return (await self.acquire_many((n,), owner))[0]
+
+    async def acquire_many(self, sizes: Sequence[int], owner: str | None = None) -> list[Lease]:
         """Buffers for every size at once, or none: waits until all of them fit together.
 
         What one request (a PUT or GET frame of several items) holds together is taken in one
         step, so no connection ever holds part of the pool while waiting for more (two
         connections doing that could wait for each other for ever). Waiters are served in
-        order."""
+        order. A request of an ``owner`` holding its share already waits apart, until its own
+        buffers come back, and then takes its place in line."""
         classes = tuple(size_class(n) for n in sizes)
-        if sum(classes) > self.max_bytes:
+        total = sum(classes)
+        limit = self.max_bytes if owner is None else self.owner_max_bytes
+        if total > limit:
             raise ProtocolError(f"{sum(sizes)} bytes in one request do not fit the buffer pool")
         if not classes:
             return []
+        while True:
+            if owner is not None and self._owned[owner] + total > limit:
+                await self._wait_owner(owner)
+                continue
+            await self._in_line(classes)
+            if owner is not None and self._owned[owner] + total > limit:
+                self._wake()  # its own share filled meanwhile: the next in line goes first
+                continue
+            break
+        leases = [self._take(cls, n, owner) for cls, n in zip(classes, sizes, strict=True)]
+        if owner is not None:
+            self._owned[owner] += total
+        if self._waiters:
+            self._wake()
+        return leases
+
+    async def _wait_owner(self, owner: str) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = self._owner_waiters.setdefault(owner, [])
+        waiting.append(fut)
+        try:
+            await fut
+        finally:
+            if fut in waiting:
+                waiting.remove(fut)
+            if not waiting:
+                self._owner_waiters.pop(owner, None)
+
+    async def _in_line(self, classes: tuple[int, ...]) -> None:
+        """Wait behind earlier waiters until buffers of ``classes`` fit."""
         queued = False
         # behind earlier waiters (in order), then until they fit: a woken waiter that finds
         # its room taken by a newcomer waits again at the head of the line
@@ -109,10 +155,6 @@ class BufferPool:
             except asyncio.CancelledError:
                 self._wake()  # if it had been woken, the next waiter's turn
                 raise
-        leases = [self._take(cls, n) for cls, n in zip(classes, sizes, strict=True)]
-        if self._waiters:
-            self._wake()
-        return leases
 
     def _fits(self, classes: Sequence[int]) -> bool:
         """Whether buffers of these classes can be taken now (idle ones first; idle buffers
@@ -135,7 +177,7 @@ class BufferPool:
                 del self._idle[size]
         return self._in_use + self._idle_bytes + fresh <= self.max_bytes
 
-    def _take(self, cls: int, n: int) -> Lease:
+    def _take(self, cls: int, n: int, owner: str | None = None) -> Lease:
         bufs = self._idle.get(cls)
         if bufs:
             buf = bufs.pop()
@@ -143,11 +185,20 @@ class BufferPool:
         else:
             buf = new_buffer(cls)  # its pages faulted in at once
         self._in_use += cls
-        return Lease(self, buf, n)
+        return Lease(self, buf, n, owner)
 
-    def _give_back(self, buf: Pooled) -> None:
+    def _give_back(self, buf: Pooled, owner: str | None = None) -> None:
         cls = len(buf)
         self._in_use -= cls
+        if owner is not None:
+            left = self._owned[owner] - cls
+            if left > 0:
+                self._owned[owner] = left
+            else:
+                del self._owned[owner]
+            for fut in self._owner_waiters.get(owner, ()):
+                if not fut.done():
+                    fut.set_result(None)
         self._idle.setdefault(cls, deque()).append(buf)
         self._idle_bytes += cls
         self._wake()

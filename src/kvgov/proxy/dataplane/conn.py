@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import select
 from collections.abc import Coroutine
@@ -39,6 +40,14 @@ SCRATCH_BYTES = 64 * 1024
 WRITE_HIGH_WATER = 4 * 1024 * 1024
 #: what :meth:`StreamProtocol.send_view` hands the transport (copied) when the socket is full
 SEND_PIECE = 256 * 1024
+
+
+def refuse(transport: asyncio.BaseTransport) -> None:
+    """Close a connection over a cap at once (a reset: its descriptor goes back now)."""
+    if isinstance(transport, asyncio.Transport):
+        transport.abort()
+    else:
+        transport.close()
 
 
 class ConnectionClosed(Exception):  # noqa: N818 - a signal between the protocol and its handler
@@ -75,6 +84,42 @@ class StreamProtocol(asyncio.BufferedProtocol):
         #: the sender-thread job writing a hit to ``_wfd`` now; ``write`` holds data meanwhile
         self._wjob: asyncio.Future[None] | None = None
         self._held: list[bytes] = []
+        #: loop time after which the listener's watchdog closes this connection (math.inf:
+        #: none); set by :meth:`arm`, or by the first byte after :meth:`arm_on_data`
+        self.deadline = math.inf
+        self._arm_after = 0.0
+        #: what the deadline guards now ("hello", "frame", "reply"), for the timeout metric
+        self.phase = "frame"
+
+    # -- deadlines -----------------------------------------------------------------------------
+
+    def arm(self, seconds: float, phase: str = "frame") -> None:
+        """Close the connection unless :meth:`disarm` comes within ``seconds``."""
+        self._arm_after = 0.0
+        self.phase = phase
+        self.deadline = asyncio.get_running_loop().time() + seconds
+
+    def arm_on_data(self, seconds: float) -> None:
+        """Arm a frame deadline of ``seconds`` once the next byte arrives (idle between
+        frames is allowed; a frame, once begun, must arrive in time)."""
+        if self._end > self._start:
+            self.arm(seconds)
+        else:
+            self._arm_after = seconds
+
+    def disarm(self) -> None:
+        self._arm_after = 0.0
+        self.deadline = math.inf
+
+    def expire(self) -> None:
+        """The deadline passed (called by the watchdog): close; the pending read fails, and
+        the handler releases what it held (pool buffers, unfinished plans)."""
+        self.deadline = math.inf
+        self.timed_out(self.phase)
+        self.close()
+
+    def timed_out(self, phase: str) -> None:
+        """Count a timeout (subclasses: metrics and summarised logs)."""
 
     # -- protocol callbacks --------------------------------------------------------------------
 
@@ -113,6 +158,8 @@ class StreamProtocol(asyncio.BufferedProtocol):
         return self._sview[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._arm_after:
+            self.arm(self._arm_after)
         if self._into_target:
             self._tgot += nbytes
             self._check_target()
@@ -186,11 +233,12 @@ class StreamProtocol(asyncio.BufferedProtocol):
             n -= step
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        if self.transport is not None and not self._closed:
+        t = self.transport
+        if t is not None and not self._closed and not t.is_closing():
             if self._wjob is not None:  # a sender thread is writing a hit: follow it
                 self._held.append(bytes(data))
                 return
-            self.transport.write(data)
+            t.write(data)
 
     async def send_view(self, data: memoryview) -> None:
         """Write ``data`` (after what is already queued), taking no copy of what the socket

@@ -31,9 +31,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvgov.errors import ConfigError, KvgovError
-from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol
+from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse
 from kvgov.proxy.dataplane.identity import Identity
-from kvgov.proxy.dataplane.pipeline import Kept, Pipeline, PutPlan, StoredPut
+from kvgov.proxy.dataplane.limits import ConnectionLimits, DenialBudget, Watchdog
+from kvgov.proxy.dataplane.pipeline import DENIAL_BUDGET, Kept, Pipeline, PutPlan, StoredPut
 from kvgov.types import Operation
 from kvgov.wire.itemmeta import from_lm, to_lm
 from kvgov.wire.messages import EMPTY_CONTEXT
@@ -52,7 +53,15 @@ class LmServer:
     """The listener: every connection speaks as one declared engine identity, for the declared
     tenants only (``dataplane.lm_engine_id``, ``dataplane.lm_tenants``)."""
 
-    def __init__(self, pipeline: Pipeline, *, engine_id: str, tenants: Iterable[str]) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        *,
+        engine_id: str,
+        tenants: Iterable[str],
+        limits: ConnectionLimits | None = None,
+        frame_timeout_s: float = 30.0,
+    ) -> None:
         if not engine_id:
             raise ConfigError("the lm:// listener needs dataplane.lm_engine_id")
         served = frozenset(tenants)
@@ -63,11 +72,23 @@ class LmServer:
         self.connections: set[LmConnection] = set()
         self._server: asyncio.Server | None = None
         self.port: int | None = None
+        self.limits = (
+            limits
+            if limits is not None
+            else ConnectionLimits(
+                max_total=1024, per_peer=1024, per_engine=1024, metrics=pipeline.metrics
+            )
+        )
+        #: a request's bytes (and a PUT's value) must arrive within this, a GET's reply be
+        #: taken within it
+        self.frame_timeout_s = frame_timeout_s
+        self.watchdog = Watchdog(lambda: self.connections, Watchdog.tick_for(frame_timeout_s))
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: LmConnection(self), host, port)
         self.port = self._server.sockets[0].getsockname()[1]
+        self.watchdog.start()
 
     async def stop_accepting(self) -> None:
         if self._server is not None:
@@ -80,6 +101,7 @@ class LmServer:
             await asyncio.sleep(0.01)
         for conn in list(self.connections):
             conn.close()
+        await self.watchdog.stop()
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -96,6 +118,8 @@ class LmConnection(StreamProtocol):
         #: when one arrives, gone when none is left)
         self._to_store: deque[PutPlan] = deque()
         self._storer: asyncio.Task[None] | None = None
+        self.budget = DenialBudget(server.identity.principal)
+        self._admitted = False
 
     @property
     def busy(self) -> bool:
@@ -103,11 +127,33 @@ class LmConnection(StreamProtocol):
         return self._handling or bool(self._to_store) or bool(self._unsettled)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        name = transport.get_extra_info("peername")
+        peer = str(name[0]) if isinstance(name, tuple) and name else "?"
+        limits = self.server.limits
+        # every connection is the one declared engine: its cap is the engine cap
+        if not limits.admit(self, peer):
+            refuse(transport)
+            return
+        if not limits.admit_engine(self, self.server.identity.engine):
+            limits.release(self)
+            refuse(transport)
+            return
+        self._admitted = True
         self.server.connections.add(self)
         self.server.pipeline.metrics.connections.labels(self.listener).inc()
         super().connection_made(transport)
 
+    def timed_out(self, phase: str) -> None:
+        self.server.pipeline.metrics.timeouts.labels(self.listener, phase).inc()
+        self.server.limits.summary.note(
+            "dataplane.connection.timed_out", listener=self.listener, phase=phase
+        )
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._admitted:
+            self._admitted = False
+            self.server.limits.release(self)
+            self.server.pipeline.end_denials(self.budget)
         if self in self.server.connections:
             self.server.connections.discard(self)
             self.server.pipeline.metrics.connections.labels(self.listener).dec()
@@ -127,10 +173,14 @@ class LmConnection(StreamProtocol):
         self.write(REPLY.pack(code, length, fmt, dtype, s[0], s[1], s[2], s[3], location))
 
     async def handle(self) -> None:
+        DENIAL_BUDGET.set(self.budget)  # this task's denials (and its storer's) count here
         head = memoryview(bytearray(REQUEST.size))
         metrics = self.server.pipeline.metrics
+        frame_s = self.server.frame_timeout_s
         while True:
+            self.arm_on_data(frame_s)  # idle between requests is allowed, not a partial one
             await self.read_into(head)
+            self.disarm()
             command, length, fmt, dtype, location, s0, s1, s2, s3, raw = REQUEST.unpack(head)
             try:  # LMCache pads with spaces; C clients may pad with NULs
                 key = raw.rstrip(b"\x00").decode().strip()
@@ -162,19 +212,25 @@ class LmConnection(StreamProtocol):
 
     async def _put(self, key: str, length: int, meta: dict[str, Any]) -> None:
         pipeline = self.server.pipeline
-        if pipeline.lease_bound(length) > pipeline.pool.max_bytes:
+        if pipeline.lease_bound(length) > pipeline.pool.owner_max_bytes:
             # no frame limit in this protocol: a length no buffer can hold closes the
             # connection (reading and dropping up to 2 GiB would only feed the sender)
             pipeline.metrics.protocol_errors.labels(self.listener, "TOO_LARGE").inc()
-            log.warning("dataplane.lm.put_too_large", extra={"nbytes": length})
+            self.server.limits.summary.note("dataplane.lm.put_too_large", nbytes=length)
             raise ConnectionClosed
+        if length == 0:  # an empty value: nothing to cache, nothing recorded
+            pipeline.metrics.count_op("put", self.listener, "refused")
+            return
         who, denied = pipeline.identify(self.server.identity, key, EMPTY_CONTEXT)
         plan = None
+        frame_s = self.server.frame_timeout_s
         if denied is None and who is not None:
-            got = await pipeline.plan_put(who, length, meta)
+            got = await pipeline.plan_put(who, length, meta)  # may wait for the pool
+            self.arm(frame_s)  # the value must arrive in time (a stalled one frees its buffer)
             if isinstance(got, Kept):  # live already: not rewritten
                 pipeline.metrics.count_op("put", self.listener, "kept")
                 await self.discard(length)
+                self.disarm()
                 return
             if isinstance(got, PutPlan):
                 plan = got
@@ -184,12 +240,15 @@ class LmConnection(StreamProtocol):
             if denied is not None:
                 await pipeline.deny(who, denied, Operation.PUT)
             pipeline.metrics.count_op("put", self.listener, "denied")
+            self.arm(frame_s)
             await self.discard(length)
+            self.disarm()
             return
         try:
             for i, window in enumerate(plan.windows):
                 await self.read_into(window)
                 plan.segment_done(i, pipeline.executor)
+            self.disarm()
         except BaseException:
             await plan.discard()
             raise
@@ -253,6 +312,7 @@ class LmConnection(StreamProtocol):
         try:
             fmt, dtype, shape, location = to_lm(plan.item_meta)
             self.reply(OK, length=plan.length, fmt=fmt, dtype=dtype, shape=shape, location=location)
+            self.arm(self.server.frame_timeout_s, "reply")  # the hit's buffer is held meanwhile
             try:
                 await self.send_plan(
                     plan,
@@ -264,6 +324,7 @@ class LmConnection(StreamProtocol):
                 pipeline.metrics.count_op("get", self.listener, "error")
                 await pipeline.drop_unreadable(plan.who, exc)
                 raise ConnectionClosed from exc
+            self.disarm()
         finally:
             plan.release()
 

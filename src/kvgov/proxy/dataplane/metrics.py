@@ -66,6 +66,29 @@ class DataPlaneMetrics:
         self.protocol_errors = Counter(
             "kvgov_dataplane_protocol_errors", "Frames rejected", ["listener", "error"], registry=r
         )
+        self.refused = Counter(
+            "kvgov_dataplane_connections_refused",
+            "Connections closed at once: a connection cap (global, peer, engine) was reached",
+            ["listener", "cap"],
+            registry=r,
+        )
+        self.timeouts = Counter(
+            "kvgov_dataplane_timeouts",
+            "Connections closed because a deadline passed (hello, frame or reply)",
+            ["listener", "phase"],
+            registry=r,
+        )
+        self.denials_suppressed = Counter(
+            "kvgov_dataplane_denials_suppressed",
+            "Denials over the recording caps: summarised in one ledger event, not one each",
+            ["op"],
+            registry=r,
+        )
+        self.accept_errors = Counter(
+            "kvgov_dataplane_accept_errors",
+            "Listener accept() failures (descriptor or memory exhaustion); accepting backs off",
+            registry=r,
+        )
         self.pool_bytes = Gauge(
             "kvgov_dataplane_buffer_pool_in_use_bytes", "Bytes of pooled buffers in use", registry=r
         )

@@ -21,14 +21,18 @@ AAD) and every segment are authenticated and opened into the hit's buffer first,
 edited, truncated, extended, flipped or moved at rest is a miss, never bytes on the wire; it is
 dropped from the index and every tier, recorded (``kv:delete``, reason ``unreadable:<code>``)
 and counted (``kvgov_dataplane_unreadable_total``). A tier's capacity eviction is a
-``kv:evict`` event (:meth:`Pipeline.tier_evicted`). With ``governance=False`` policy,
-encryption and the ledger are skipped (benchmarks only).
+``kv:evict`` event (:meth:`Pipeline.tier_evicted`). Denials are recorded one event each up to the
+:class:`~kvgov.proxy.dataplane.limits.DenialGate`'s caps (per connection, the one whose handler
+runs: :data:`DENIAL_BUDGET`, and per second); beyond them one summary event per connection and
+second says how many were suppressed. With ``governance=False`` policy, encryption and the
+ledger are skipped (benchmarks only).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -54,6 +58,7 @@ from kvgov.policy.interfaces import Decision, PolicyEngine
 from kvgov.proxy.dataplane.buffers import BufferPool, Lease, size_class
 from kvgov.proxy.dataplane.identity import Denied, Identity, Who, build_input, resolve
 from kvgov.proxy.dataplane.index import EntryIndex, EntryMeta
+from kvgov.proxy.dataplane.limits import DenialBudget, DenialGate, Suppressed
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
 from kvgov.proxy.dataplane.plans import (
     INLINE_CRYPTO_BYTES,
@@ -73,6 +78,12 @@ from kvgov.wire.messages import RequestContext
 __all__ = ["Found", "GetPlan", "Kept", "Pipeline", "PutPlan", "StoredPut"]
 
 log = logging.getLogger("kvgov.dataplane")
+
+#: the denial budget of the connection whose handler (or PUT storer) runs in this context: set
+#: once per connection task, so every denial it causes counts against it
+DENIAL_BUDGET: contextvars.ContextVar[DenialBudget | None] = contextvars.ContextVar(
+    "kvgov_denial_budget", default=None
+)
 
 
 class Pipeline:
@@ -94,6 +105,7 @@ class Pipeline:
         inline_crypto_bytes: int = INLINE_CRYPTO_BYTES,
         default_tenant: str | None = None,
         clock: Callable[[], float] = time.time,
+        denial_gate: DenialGate | None = None,
     ) -> None:
         if governance and (policy is None or keyring is None or sink is None):
             raise KvgovError("a governed pipeline needs policy, keyring and ledger sink")
@@ -114,6 +126,8 @@ class Pipeline:
         self.inline_crypto_bytes = inline_crypto_bytes
         self.default_tenant = default_tenant or None
         self.clock = clock
+        #: caps on denials recorded one event each (None: every denial is recorded)
+        self.denial_gate = denial_gate
         self._background: set[asyncio.Task[None]] = set()
         #: digests of puts planned and not yet stored or dropped (a second put of one is kept)
         self._storing: set[str] = set()
@@ -173,7 +187,15 @@ class Pipeline:
             self.sink.submit(event)
 
     async def deny(self, who: Who | None, denied: Denied, op: Operation) -> None:
-        self.metrics.denials.labels(op.value, denied.metric_reason).inc()
+        reason = denied.metric_reason
+        self.metrics.denials.labels(op.value, reason).inc()
+        gate = self.denial_gate
+        if gate is not None and self.governance:
+            if gate.flush_needed:
+                self.record_suppressed(gate.due())
+            if not gate.admit(DENIAL_BUDGET.get(), op.value, reason):
+                self.metrics.denials_suppressed.labels(op.value).inc()
+                return
         if who is None:
             event = Event(
                 kind=EventKind.KV_DENIED,
@@ -198,6 +220,28 @@ class Pipeline:
             await self._record(event, durable=op is Operation.PUT)
         except KvgovError as exc:  # still denied (nothing was stored); the connection lives on
             log.error("dataplane.denial.unrecorded", extra={"error": exc.code})
+
+    def end_denials(self, budget: DenialBudget) -> None:
+        """A connection closed: record the summary of what its budget still holds."""
+        if self.denial_gate is not None and self.governance:
+            self.record_suppressed(self.denial_gate.due(final=(budget,)))
+
+    def record_suppressed(self, summaries: list[Suppressed]) -> None:
+        """One ``kv:denied`` event per summary (in the background: nothing waits on it)."""
+        for s in summaries:
+            self._record_soon(
+                Event(
+                    kind=EventKind.KV_DENIED,
+                    principal=s.principal,
+                    outcome=Outcome.DENY,
+                    reason="suppressed",
+                    attrs={
+                        "suppressed": s.count,
+                        "operations": dict(s.by_operation),
+                        "reasons": dict(s.by_reason),
+                    },
+                )
+            )
 
     def identify(
         self, identity: Identity, raw_key: str, ctx: RequestContext
@@ -257,7 +301,7 @@ class Pipeline:
         head = sealformat.encode_head(item_meta, length, sealed=governed)
         body_len = sealed_size(length, self.segment_size) if governed else length
         if given is None:
-            lease = await self.pool.acquire(len(head) + body_len)
+            lease = await self.pool.acquire(len(head) + body_len, who.identity.engine)
         else:
             lease = given.resize(len(head) + body_len)
         # the fastest tier's own buffer, when it can set one aside: sealed into, then kept
@@ -517,10 +561,11 @@ class Pipeline:
         found = await self.find(who)
         if found is None:
             return None
-        limit = self.pool.max_bytes if max_lease is None else min(max_lease, self.pool.max_bytes)
+        room = self.pool.owner_max_bytes
+        limit = room if max_lease is None else min(max_lease, room)
         if size_class(found.size) > limit:
             return await self.load(found, None)  # waiting for that much could wait for ever
-        return await self.load(found, await self.pool.acquire(found.size))
+        return await self.load(found, await self.pool.acquire(found.size, who.identity.engine))
 
     async def find(self, who: Who) -> Found | None:
         """A get's first step: the readable entry and its stored size, or None (a miss, now
@@ -564,6 +609,12 @@ class Pipeline:
             ),
             durable=False,
         )
+
+    async def recorded(self, timeout_s: float = 10.0) -> None:
+        """Wait (at most ``timeout_s``) for the events being recorded in the background
+        (denial summaries of closed connections, ...): before the ledger writer closes."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout_s)
 
     def _record_soon(self, event: Event) -> None:
         task = asyncio.get_running_loop().create_task(self._record_later(event))

@@ -21,6 +21,7 @@ from pydantic import SecretStr
 
 from kvgov.policy.interfaces import PolicyInput
 from kvgov.proxy.dataplane.identity import Identity
+from kvgov.proxy.dataplane.limits import ConnectionLimits, Watchdog
 from kvgov.proxy.dataplane.pipeline import Pipeline
 from kvgov.proxy.dataplane.wireconn import (
     MAX_BATCH,
@@ -55,14 +56,35 @@ class ServerConfig:
     #: the key-digest key's digester, given to engines on their control connection's HELLO
     #: reply (after authentication) so they can match EVICT digests; None: EVICT cannot match
     digester: KeyDigester | None = field(default=None, repr=False)
+    #: keys (EXISTS, GET, REMOVE) or items (PUT) one frame may carry (at most MAX_BATCH)
+    max_frame_items: int = MAX_BATCH
+    #: seconds from connect to a completed HELLO
+    hello_timeout_s: float = 10.0
+    #: seconds for a frame's bytes to arrive once it has begun (a PUT's: once its buffers are
+    #: taken), and for a GET's hits to be taken by the reader
+    frame_timeout_s: float = 30.0
 
 
 class WireServer:
     """Owns the listeners, the set of live connections and the control connections."""
 
-    def __init__(self, pipeline: Pipeline, config: ServerConfig) -> None:
+    def __init__(
+        self, pipeline: Pipeline, config: ServerConfig, limits: ConnectionLimits | None = None
+    ) -> None:
         self.pipeline = pipeline
         self.config = config
+        #: connection caps (shared with the lm:// listener by the sidecar)
+        self.limits = (
+            limits
+            if limits is not None
+            else ConnectionLimits(
+                max_total=1024, per_peer=1024, per_engine=1024, metrics=pipeline.metrics
+            )
+        )
+        self.watchdog = Watchdog(
+            lambda: self.connections,
+            Watchdog.tick_for(config.hello_timeout_s, config.frame_timeout_s),
+        )
         self.connections: set[WireConnection] = set()
         self.controls: set[WireConnection] = set()
         self._servers: list[asyncio.Server] = []
@@ -86,6 +108,7 @@ class WireServer:
             os.chmod(unix_path, 0o660)  # noqa: PTH101
             self._servers.append(srv)
             self.addresses.append(f"unix://{unix_path}")
+        self.watchdog.start()
 
     @property
     def tcp_port(self) -> int | None:
@@ -108,6 +131,7 @@ class WireServer:
             await asyncio.sleep(0.01)
         for conn in list(self.connections):
             conn.close()
+        await self.watchdog.stop()
         for srv in self._servers:
             await srv.wait_closed()
 

@@ -29,9 +29,17 @@ from typing import TYPE_CHECKING, Any
 
 from kvgov.errors import KvgovError
 from kvgov.proxy.dataplane.buffers import Lease, size_class
-from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, start_opening
+from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse, start_opening
 from kvgov.proxy.dataplane.identity import Identity
-from kvgov.proxy.dataplane.pipeline import Found, GetPlan, Kept, PutPlan, StoredPut
+from kvgov.proxy.dataplane.limits import DenialBudget
+from kvgov.proxy.dataplane.pipeline import (
+    DENIAL_BUDGET,
+    Found,
+    GetPlan,
+    Kept,
+    PutPlan,
+    StoredPut,
+)
 from kvgov.types import Operation
 from kvgov.wire.codec import (
     HEADER_SIZE,
@@ -54,6 +62,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgov.dataplane.server")
 
 MAX_BATCH = 4096
+#: items of a frame handled per turn of the event loop: a large frame yields to the other
+#: connections between slices (fairness: another engine's PING is not held behind it)
+SLICE = 64
 #: PUT frames per connection whose replies wait for their ledger commit
 MAX_PIPELINED_PUTS = 32
 
@@ -105,6 +116,9 @@ class WireConnection(StreamProtocol):
         self._settling: set[asyncio.Future[None]] = set()
         self._next_id = 0
         self._acks: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.budget = DenialBudget(None)
+        #: holds a slot in the server's connection limits (released when lost)
+        self._admitted = False
 
     @property
     def busy(self) -> bool:
@@ -117,11 +131,24 @@ class WireConnection(StreamProtocol):
             if sock is not None and hasattr(socket, "SO_PEERCRED"):
                 creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
                 self.peer_uid = struct.unpack("3i", creds)[1]
+            peer = f"uid:{self.peer_uid}"
+        else:
+            name = transport.get_extra_info("peername")
+            peer = str(name[0]) if isinstance(name, tuple) and name else "?"
+        if not self.server.limits.admit(self, peer):
+            refuse(transport)  # over a cap: its descriptor goes back at once
+            return
+        self._admitted = True
         self.server.connections.add(self)
         self.server.pipeline.metrics.connections.labels(self.listener).inc()
         super().connection_made(transport)
+        self.arm(self.server.config.hello_timeout_s, "hello")
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._admitted:
+            self._admitted = False
+            self.server.limits.release(self)
+            self.server.pipeline.end_denials(self.budget)
         if self in self.server.connections:
             self.server.connections.discard(self)
             self.server.controls.discard(self)
@@ -147,10 +174,21 @@ class WireConnection(StreamProtocol):
         self.server.pipeline.metrics.protocol_errors.labels(self.listener, err.error.name).inc()
         self.send(FrameType.ERROR, sid, error_meta(err.error, err.message), flags=Flag.NONE)
 
+    def timed_out(self, phase: str) -> None:
+        self.server.pipeline.metrics.timeouts.labels(self.listener, phase).inc()
+        self.server.limits.summary.note(
+            "dataplane.connection.timed_out", listener=self.listener, phase=phase
+        )
+
     async def handle(self) -> None:
-        max_payload = self.server.config.max_frame_bytes
+        DENIAL_BUDGET.set(self.budget)  # this task's denials (and its storer's) count here
+        cfg = self.server.config
+        max_payload = cfg.max_frame_bytes
+        frame_s = cfg.frame_timeout_s
         head = memoryview(bytearray(HEADER_SIZE))
         while True:
+            if self.identity is not None:  # before HELLO its own deadline runs
+                self.arm_on_data(frame_s)
             await self.read_into(head)
             try:
                 header = decode_header(head, max_payload=max_payload)
@@ -165,16 +203,23 @@ class WireConnection(StreamProtocol):
                 )
                 return
             put = header.type is FrameType.PUT and not self.server.draining
+            payload_len = header.payload_len
+            if not put:
+                # the frame's payload arrives within its deadline (none is kept but a PUT's)
+                await self.discard(payload_len)
+                payload_len = 0
+            if self.identity is not None:
+                self.disarm()  # read; a PUT re-arms once its buffers are taken
             if not put:
                 await self._replies_sent()
             self._handling = True
             started = time.perf_counter()
             try:
                 if put:
-                    await self._put(header.stream_id, meta, header.payload_len, started)
+                    await self._put(header.stream_id, meta, payload_len, started)
                 else:
                     await self._dispatch(
-                        header.type, header.stream_id, header.is_reply, meta, header.payload_len
+                        header.type, header.stream_id, header.is_reply, meta, payload_len
                     )
                     self._observe(header.type, started)
             except WireError as exc:
@@ -229,7 +274,16 @@ class WireConnection(StreamProtocol):
         version = meta.get("version", PROTOCOL_VERSION)
         if version != PROTOCOL_VERSION:
             raise WireError(ErrorCode.VERSION_MISMATCH, f"protocol {version} not supported")
-        self.identity = self.server.authenticate(meta, self)
+        identity = self.server.authenticate(meta, self)
+        if not self.server.limits.admit_engine(self, identity.engine):
+            raise WireError(
+                ErrorCode.UNAUTHENTICATED,
+                "too many connections for this engine",
+                hint="close idle connections or raise dataplane.max_connections_per_engine",
+            )
+        self.identity = identity
+        self.budget.principal = identity.principal
+        self.disarm()  # authenticated in time
         cfg = self.server.config
         control = meta.get("role") == "control"
         reply: dict[str, Any] = {
@@ -239,7 +293,7 @@ class WireConnection(StreamProtocol):
             "sidecar": cfg.sidecar_id,
             "engine": self.identity.engine,
             "max_frame_bytes": cfg.max_frame_bytes,
-            "max_batch": MAX_BATCH,
+            "max_batch": cfg.max_frame_items,
         }
         if control and cfg.digester is not None:
             # only now, after authentication, and only where EVICT is received (never logged)
@@ -255,15 +309,16 @@ class WireConnection(StreamProtocol):
         """Receive the items; :meth:`_finish_put` stores them and replies."""
         pipeline = self.server.pipeline
         try:
-            items = parse_put_items(meta, payload_len, MAX_BATCH)
+            items = parse_put_items(meta, payload_len, self.server.config.max_frame_items)
             ctx = RequestContext.from_meta(meta.get("ctx"))
         except WireError:
             await self.discard(payload_len)
             raise
         if self.identity is None:
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
-        bounds = [pipeline.lease_bound(item.length, item.meta) for item in items]
-        if sum(bounds) > pipeline.pool.max_bytes:
+        # an empty value takes no buffer (it is refused below)
+        bounds = [pipeline.lease_bound(i.length, i.meta) if i.length else 0 for i in items]
+        if sum(bounds) > pipeline.pool.owner_max_bytes:
             # its items' buffers are held together: waiting for that much room never ends
             await self.discard(payload_len)
             raise WireError(
@@ -272,12 +327,25 @@ class WireConnection(StreamProtocol):
                 hint="send fewer or smaller items per frame",
             )
         # every item's buffer at once: never hold part of the pool while waiting for the rest
-        leases: list[Lease | None] = list(await pipeline.pool.acquire_many(bounds))
+        self.disarm()  # waiting for the pool is backpressure, not a stalled sender
+        owner = self.identity.engine  # one engine holds at most its share of the pool
+        taken = iter(await pipeline.pool.acquire_many([b for b in bounds if b], owner))
+        leases: list[Lease | None] = [next(taken) if b else None for b in bounds]
+        # the payload must arrive in time: a stalled frame gives its buffers back
+        self.arm(self.server.config.frame_timeout_s)
         results: list[dict[str, Any] | None] = []
         plans: list[PutPlan] = []
         try:
             for index, item in enumerate(items):
+                if index % SLICE == SLICE - 1:
+                    await asyncio.sleep(0)  # the other connections' turn
                 lease, leases[index] = leases[index], None  # the plan owns it from here
+                if item.length == 0:  # an empty value: nothing to cache, nothing recorded
+                    if lease is not None:
+                        lease.release()
+                    results.append({"code": int(ErrorCode.BAD_REQUEST), "reason": "empty"})
+                    pipeline.metrics.count_op("put", self.listener, "refused")
+                    continue
                 who, denied = pipeline.identify(self.identity, item.key, item.ctx or ctx)
                 plan = None
                 if denied is None and who is not None:
@@ -306,6 +374,7 @@ class WireConnection(StreamProtocol):
                     await self.read_into(window)
                     plan.segment_done(i, pipeline.executor)
                 results.append(None)
+            self.disarm()
         except BaseException:
             for left in leases:
                 if left is not None:
@@ -425,14 +494,16 @@ class WireConnection(StreamProtocol):
 
     async def _get(self, sid: int, meta: dict[str, Any]) -> None:
         pipeline = self.server.pipeline
-        keys = key_list(meta, max_items=MAX_BATCH)
+        keys = key_list(meta, max_items=self.server.config.max_frame_items)
         ctx = RequestContext.from_meta(meta.get("ctx"))
         if self.identity is None:
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
         # first every key's entry and size, then the hits' buffers all at once (never part of
         # the pool held while waiting for the rest), then read them
         finds: list[Found | None] = []
-        for key in keys:
+        for i, key in enumerate(keys):
+            if i % SLICE == SLICE - 1:
+                await asyncio.sleep(0)  # the other connections' turn
             who, denied = pipeline.identify(self.identity, key, ctx)
             found = None
             if denied is not None:
@@ -441,7 +512,7 @@ class WireConnection(StreamProtocol):
                 found = await pipeline.find(who)
             finds.append(found)
         budget = self.server.config.max_frame_bytes
-        room = pipeline.pool.max_bytes
+        room = pipeline.pool.owner_max_bytes
         taken: list[Found] = []
         for found in finds:
             # a hit beyond the frame limit or what the pool holds for one frame is a miss
@@ -452,7 +523,7 @@ class WireConnection(StreamProtocol):
         leases = dict(
             zip(
                 map(id, taken),
-                await pipeline.pool.acquire_many([f.size for f in taken]),
+                await pipeline.pool.acquire_many([f.size for f in taken], self.identity.engine),
                 strict=True,
             )
         )
@@ -473,6 +544,8 @@ class WireConnection(StreamProtocol):
             ]
             total = sum(p.length for p in plans if p is not None)
             self.send(FrameType.GET, sid, {"items": items}, total)
+            if total:  # the reader must take the hits in time (they hold buffers)
+                self.arm(self.server.config.frame_timeout_s, "reply")
             # the pipeline opened and authenticated every hit before it was announced (a bad
             # one is a miss above); a plan that still carries a reader would be opened here,
             # one ahead of the hit being sent
@@ -498,6 +571,8 @@ class WireConnection(StreamProtocol):
             finally:
                 if ahead is not None:
                     await ahead.settled()
+            if total:
+                self.disarm()
         finally:
             for lease in leases.values():
                 lease.release()
@@ -507,13 +582,15 @@ class WireConnection(StreamProtocol):
 
     async def _keys_op(self, ftype: FrameType, sid: int, meta: dict[str, Any]) -> None:
         pipeline = self.server.pipeline
-        keys = key_list(meta, max_items=MAX_BATCH)
+        keys = key_list(meta, max_items=self.server.config.max_frame_items)
         ctx = RequestContext.from_meta(meta.get("ctx"))
         if self.identity is None:
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
         op = Operation.EXISTS if ftype is FrameType.EXISTS else Operation.REMOVE
         out: list[bool] = []
-        for key in keys:
+        for i, key in enumerate(keys):
+            if i % SLICE == SLICE - 1:
+                await asyncio.sleep(0)  # the other connections' turn
             who, denied = pipeline.identify(self.identity, key, ctx)
             if denied is not None or who is None:
                 if denied is not None:
