@@ -142,7 +142,7 @@ async def test_events_are_chained_and_indexes_follow(engine: sa.Engine) -> None:
         assert entry.created_at == t0 and entry.updated_at == t0 + timedelta(seconds=2)
         assert entry.expires_at == t0 + timedelta(hours=1)
         assert entry.created_request_id == "req-1"
-        req = session.get(Request, "req-1")
+        req = session.get(Request, ("req-1", "acme"))  # a request is an id in a tenant
         assert req is not None
         assert (req.first_seen_at, req.last_seen_at) == (t0, t0 + timedelta(seconds=2))
         assert (req.tenant, req.actor, req.principal) == ("acme", owner, "engine-1")
