@@ -65,6 +65,13 @@ class ProdDatabase:
     url: str
     runtime_role: str
 
+    @property
+    def superuser_dsn(self) -> str:
+        """A libpq DSN to this database as the server's superuser (what a DBA holds)."""
+        from tests.conftest import PG_ADMIN_DSN
+
+        return PG_ADMIN_DSN.rsplit("/", 1)[0] + "/" + self.url.rsplit("/", 1)[1]
+
 
 def settings(tmp_path: Path, db: ProdDatabase, **dataplane: Any) -> Settings:
     tmp_path.mkdir(parents=True, exist_ok=True)
