@@ -260,11 +260,12 @@ async def test_a_wrong_protocol_version_is_refused(
                 await run(_refused, raw, "version_mismatch")
             finally:
                 raw.close()
-        for version in (2, "1", None, [1]):  # in the HELLO itself, with a valid token
+        claims: list[object] = [2, "1", None, [1]]
+        for claimed in claims:  # in the HELLO itself, with a valid token
             raw = RawWire(port)
             try:
                 raw.send(
-                    FrameType.HELLO, 1, {"version": version, "engine": "e", "token": "tok-acme"}
+                    FrameType.HELLO, 1, {"version": claimed, "engine": "e", "token": "tok-acme"}
                 )
                 await run(_refused, raw, "version_mismatch")
             finally:

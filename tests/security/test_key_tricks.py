@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -255,7 +256,7 @@ async def test_hostile_strings_in_keys_and_contexts_do_not_break_the_ledger(
         long_tenant = "t" * 900
         try:
             await run(raw.hello, "tok-globex")
-            probes = [
+            probes: list[tuple[dict[str, Any], str]] = [
                 ({"keys": [f"{HEAD}@tenant%{long_tenant}"]}, "long tenant"),
                 ({"keys": [f"{HEAD}@tenant%globex"], "ctx": {"request_id": "r" * 256}}, "req"),
                 ({"keys": [f"{HEAD}@tenant%globex@user%{'u' * 900}"]}, "long user"),
