@@ -2,32 +2,33 @@
 
 One ``LedgerWriter`` per process owns one hash chain. Callers ``submit`` (or ``append``) events
 into a bounded in-memory queue; one background task takes what has accumulated (up to
-``batch_max_events``), and a single worker thread, the chain's only sequencer, writes it as one
-transaction (see :mod:`kvgov.ledger.batch`). This is group commit: an event arriving while the
-writer is idle is committed at once, and whatever arrives during a commit forms the next batch
-(no artificial delay). Each event's future resolves with its
-position only after that transaction committed, so an acknowledged event survives a crash.
+``batch_max_events``), a sequencer thread chains it and a committer thread writes it as one
+transaction. This is group commit: an event arriving while the writer is idle is committed at
+once, and whatever arrives during a commit forms the next batch (no artificial delay). Each
+event's future resolves with its position only after that transaction committed, so an
+acknowledged event survives a crash.
 
-Urgency: an event someone waits for (``submit``, ``append``; a put's acknowledgement) goes
-into the next batch at once. An event nothing waits on (``submit_lazy``: gets, misses,
-exists, evictions) may linger up to ``lazy_max_delay_ms`` so that many of them share one
-commit; it goes earlier with the next urgent event, on :meth:`LedgerWriter.flush`, when a batch
-is full, or on close. Lazy events are therefore durable within that window, not on return.
+``LedgerWriter`` is a facade; each concern is a part of its own in :mod:`kvgov.ledger.writing`:
 
-Journal: with a :class:`~kvgov.ledger.journal.Journal`, :meth:`LedgerWriter.submit_queued`
-(a put's acknowledgement) resolves once the event is fsynced to the local journal, and the
-event itself waits for company like a lazy one: Postgres gets large batches, each moving the
-chain's journal mark in its own transaction. Lazy events are journaled too
-(``journal_lazy_events``), nobody waiting: a crash then loses none of them either. On start,
-journal records after the mark are replayed first. If the journal fails (disk full, I/O
-error), it is set aside and every waiter falls back to waiting for the commit: durability never
-rests on a failed write.
+- urgency and batching (:mod:`~kvgov.ledger.writing.schedule`): an event someone waits for
+  (``submit``, ``append``) goes into the next batch at once; one nothing waits on
+  (``submit_lazy``: gets, misses, exists, evictions) may linger up to ``lazy_max_delay_ms`` to
+  share a commit, and goes earlier with the next urgent event, on :meth:`LedgerWriter.flush`,
+  when a batch is full, or on close: lazy events are durable within that window;
+- sequencing (:mod:`~kvgov.ledger.writing.sequence`): the chain head, seqs and hashes;
+- committing (:mod:`~kvgov.ledger.writing.commit`): a transient database error retries the
+  batch with backoff (callers keep waiting); a batch the database refuses is split so that
+  only the offending events fail (:class:`~kvgov.errors.LedgerError`);
+- journal acknowledgement (:mod:`~kvgov.ledger.writing.acks`): with a
+  :class:`~kvgov.ledger.journal.Journal`, :meth:`LedgerWriter.submit_queued` resolves once the
+  event is fsynced to the local journal, and the event waits for company like a lazy one; lazy
+  events are journaled too (``journal_lazy_events``). A failed journal is set aside and its
+  waiters wait for their commits: durability never rests on a failed write;
+- replay (:mod:`~kvgov.ledger.writing.replay`): on start, the chain is registered and the
+  journal records after its mark are committed before anything new.
 
-Failures are never acknowledged and never silently dropped: a transient database error retries
-the batch with backoff (callers keep waiting); a batch the database refuses is split so that
-only the offending events fail (their futures raise :class:`~kvgov.errors.LedgerError`). A
-full queue raises :class:`~kvgov.errors.LedgerBackpressureError` from ``submit``; ``append``
-waits for room instead.
+Failures are never acknowledged and never silently dropped. A full queue raises
+:class:`~kvgov.errors.LedgerBackpressureError` from ``submit``; ``append`` waits for room.
 """
 
 from __future__ import annotations
