@@ -22,6 +22,7 @@ GROUPS: tuple[str, ...] = (
     "purge",
     "provenance",
     "demo",
+    "health",
 )
 
 
