@@ -62,7 +62,7 @@ port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); pr
 name=kvgov-image-check-$$
 state=$(mktemp -d)
 chown 10001:10001 "$state" 2>/dev/null || chmod 0777 "$state"
-trap '"$PODMAN" rm -f "$name" >/dev/null 2>&1 || true; rm -rf "$state"' EXIT
+trap '"$PODMAN" rm -f -v "$name" >/dev/null 2>&1 || true; rm -rf "$state"' EXIT
 start=$(date +%s.%N)
 "$PODMAN" run -d --name "$name" --read-only --read-only-tmpfs=false --network=host \
     --security-opt no-new-privileges --cap-drop ALL --no-healthcheck \

@@ -114,4 +114,12 @@ def inspect(container: str) -> dict[str, Any]:
 
 def remove(*containers: str) -> None:
     for name in containers:
-        podman("rm", "-f", "-t", "30", name, check=False)
+        podman("rm", "-f", "-v", "-t", "30", name, check=False)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
