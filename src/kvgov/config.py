@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -430,7 +431,7 @@ class Settings(BaseSettings):
 class _ShorthandSource(PydanticBaseSettingsSource):
     """``KVGOV_DATABASE_URL`` is the documented way to pick Postgres; map it onto the model."""
 
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
@@ -492,5 +493,5 @@ def _unknown_env_names() -> list[str]:
     return unknown
 
 
-def _is_mapping(annotation: Any) -> bool:
+def _is_mapping(annotation: object) -> bool:
     return getattr(annotation, "__origin__", None) is dict

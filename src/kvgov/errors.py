@@ -117,6 +117,13 @@ class NotFoundError(KvgovError):
     code = "not_found"
 
 
+class InvalidInputError(KvgovError):
+    """Input well-formed for its schema but invalid (a bad cursor, a missing companion
+    parameter, a retention period out of range); the API answers 422."""
+
+    code = "invalid_input"
+
+
 class PurgeError(KvgovError):
     """A purge could not complete."""
 

@@ -66,6 +66,7 @@ class EventKind(StrEnum):
     API_ACCESS = "api:access"
     TOKEN_CREATED = "token:created"  # noqa: S105 - an event name, not a secret
     TOKEN_REVOKED = "token:revoked"  # noqa: S105 - an event name, not a secret
+    TENANT_RETENTION_SET = "tenant:retention:set"
     ENGINE_CONNECTED = "engine:connected"
     ENGINE_REJECTED = "engine:rejected"
     SIDECAR_STARTED = "sidecar:started"

@@ -127,11 +127,13 @@ async def test_denials_cross_tenant_and_expiry(sidecar: Sidecar) -> None:
         # unknown tenant: the policy denies the put
         ack = await _run(client.put, _key(tenant="nobody"), PATTERN, None)
         assert ack.error is ErrorCode.DENIED
-        # expired entries miss
+        # expired entries miss, and the sweeper deletes them (recorded once)
         sidecar.pipeline.clock = lambda: time.time() + 10**6
         assert (
             await _run(client.get_into, _key(), bytearray(4096), RequestContext(user="u42")) is None
         )
+        await sidecar.sweep()
+        await sidecar.sweep()
     finally:
         client.close()
     assert sidecar.writer is not None

@@ -14,13 +14,9 @@ import pytest
 from kvgov.config import Settings, load_settings
 from kvgov.errors import ConfigError, LedgerError, StartupError
 from kvgov.ledger.db import head_revision, make_engine, migrate, upgrade
+from kvgov.ledger.grants import RUNTIME_PRIVILEGES, RUNTIME_SEQUENCES, grant_statements
 from kvgov.ledger.models import Base
-from kvgov.ledger.roles import (
-    RUNTIME_PRIVILEGES,
-    RUNTIME_SEQUENCES,
-    check_schema,
-    grant_statements,
-)
+from kvgov.ledger.roles import check_schema
 from tests.e2e.served import kvgov
 from tests.pgroles import RoleDatabase, role_database
 

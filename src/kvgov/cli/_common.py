@@ -10,11 +10,16 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 
 from kvgov.config import Settings, load_settings
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from kvgov.ledger.events import Event
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -46,7 +51,7 @@ def settings(ctx: typer.Context) -> Settings:
     return state(ctx).settings
 
 
-def emit_json(data: Any) -> None:
+def emit_json(data: object) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
@@ -57,3 +62,19 @@ def echo(message: str) -> None:
 def fail(message: str, code: int = EXIT_FAILED) -> typer.Exit:
     typer.echo(message, err=True)
     return typer.Exit(code)
+
+
+async def append_events(s: Settings, engine: Engine, *events: Event) -> None:
+    """Append ``events`` to this node's chain and wait until they are durable."""
+    from kvgov.ledger.chain import load_signing_key
+    from kvgov.ledger.writer import LedgerWriter
+
+    writer = LedgerWriter(
+        engine, chain_id=s.chain_id, signing_key=load_signing_key(s.signing_key_path)
+    )
+    await writer.start()
+    try:
+        for event in events:
+            await writer.append(event)
+    finally:
+        await writer.close()

@@ -53,7 +53,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Print the SQL that gives the runtime role exactly its privileges (for a DBA)."""
         from kvgov.cli._common import EXIT_USAGE, fail
-        from kvgov.ledger.roles import grant_statements
+        from kvgov.ledger.grants import grant_statements
 
         s = settings(ctx)
         name = role if role is not None else s.database.runtime_role

@@ -17,11 +17,15 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from kvgov.cli._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, emit_json, settings
+
+if TYPE_CHECKING:
+    from kvgov.config import Settings
+    from kvgov.proxy.purge.model import JobView, PurgeRequest
 
 
 def register(app: typer.Typer) -> None:
@@ -123,7 +127,9 @@ def register(app: typer.Typer) -> None:
     app.add_typer(group)
 
 
-async def _purge(cfg: Any, req: Any, *, wait: bool, as_json: bool, out: Path | None) -> int:
+async def _purge(
+    cfg: Settings, req: PurgeRequest, *, wait: bool, as_json: bool, out: Path | None
+) -> int:
     from kvgov.proxy.purge.build import cli_service
 
     async with cli_service(cfg) as service:
@@ -145,7 +151,7 @@ async def _purge(cfg: Any, req: Any, *, wait: bool, as_json: bool, out: Path | N
     return _report(job, as_json=as_json, out=out)
 
 
-async def _status(cfg: Any, purge_id: str, *, as_json: bool) -> int:
+async def _status(cfg: Settings, purge_id: str, *, as_json: bool) -> int:
     from kvgov.proxy.purge.build import cli_service
 
     async with cli_service(cfg, writer=False) as service:
@@ -153,7 +159,7 @@ async def _status(cfg: Any, purge_id: str, *, as_json: bool) -> int:
     return _report(job, as_json=as_json, out=None)
 
 
-def _report(job: Any, *, as_json: bool, out: Path | None) -> int:
+def _report(job: JobView, *, as_json: bool, out: Path | None) -> int:
     from kvgov.types import PurgeState
 
     if out is not None and job.receipt is not None:

@@ -17,6 +17,7 @@ GROUPS: tuple[str, ...] = (
     "db",
     "audit",
     "token",
+    "tenant",
     "policy",
     "serve",
     "purge",

@@ -14,14 +14,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvgov.cli._common import EXIT_OK, echo, emit_json, fail, settings
+from kvgov.cli._common import EXIT_OK, append_events, echo, emit_json, fail, settings
 
 if TYPE_CHECKING:
-    from sqlalchemy import Engine
     from sqlalchemy.orm import Session
 
-    from kvgov.config import Settings
-    from kvgov.ledger.events import Event
     from kvgov.types import EventKind
 
 _ROLES = "auditor, admin or engine"
@@ -151,24 +148,10 @@ def _session(
             principal=f"cli:{getpass.getuser()}",
             attrs={"token_id": token_id, "role": role},
         )
-        asyncio.run(_append(s, engine, event))
+        asyncio.run(append_events(s, engine, event))
 
     try:
         with make_sessionmaker(engine)() as session:
             yield session, record_event
     finally:
         engine.dispose()
-
-
-async def _append(s: Settings, engine: Engine, event: Event) -> None:
-    from kvgov.ledger.chain import load_signing_key
-    from kvgov.ledger.writer import LedgerWriter
-
-    writer = LedgerWriter(
-        engine, chain_id=s.chain_id, signing_key=load_signing_key(s.signing_key_path)
-    )
-    await writer.start()
-    try:
-        await writer.append(event)
-    finally:
-        await writer.close()

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -52,11 +52,11 @@ _ENCODER = json.JSONEncoder(
 )
 
 
-def _unserializable(value: Any) -> Any:
+def _unserializable(value: object) -> NoReturn:
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
-def _make_fast_encoder() -> Callable[[Any], str] | None:
+def _make_fast_encoder() -> Callable[[object], str] | None:
     """The C encoder behind ``_ENCODER``, built once (``JSONEncoder.encode`` builds it on every
     call). Same output; no circular-reference bookkeeping (a cycle ends in RecursionError)."""
     make = getattr(json.encoder, "c_make_encoder", None)
@@ -68,7 +68,7 @@ def _make_fast_encoder() -> Callable[[Any], str] | None:
         None, _unserializable, _encode_str, None, ":", ",", sort_keys, skipkeys, allow_nan
     )
 
-    def encode(value: Any) -> str:
+    def encode(value: object) -> str:
         if type(value) is str:
             return _encode_str(value)
         return "".join(c_encode(value, 0))
@@ -79,7 +79,7 @@ def _make_fast_encoder() -> Callable[[Any], str] | None:
 _FAST_ENCODE = _make_fast_encoder()
 
 
-def canonical_json(value: Any) -> str:
+def canonical_json(value: object) -> str:
     """Deterministic JSON: sorted keys, compact, UTF-8, no NaN/Infinity."""
     try:
         if _FAST_ENCODE is not None:
@@ -134,7 +134,7 @@ class ChainedFields:
     attrs_json: str | None = None
 
 
-def _scalar(value: Any) -> str:
+def _scalar(value: Any) -> str:  # hot: type() checks, not isinstance narrowing
     """One JSON scalar exactly as ``canonical_json`` writes it (the common types fast)."""
     kind = type(value)
     if kind is str:

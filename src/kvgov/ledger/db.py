@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import JSON, Connection, DateTime, Engine, String, create_engine, event
 from sqlalchemy.dialects.postgresql import JSONB
@@ -35,6 +35,11 @@ from sqlalchemy.types import TypeDecorator
 from kvgov.config import Settings
 from kvgov.errors import ConfigError, KvgovError, LedgerError, StartupError
 from kvgov.logging import get_logger
+
+if TYPE_CHECKING:
+    from alembic.config import Config as AlembicConfig
+    from alembic.script import ScriptDirectory
+    from sqlalchemy.engine.interfaces import DBAPIConnection
 
 log = get_logger(__name__)
 
@@ -84,12 +89,12 @@ class StrEnumType(TypeDecorator[StrEnum]):
         super().__init__(length=length)
         self.enum_cls = enum_cls
 
-    def process_bind_param(self, value: Any, dialect: Dialect) -> str | None:
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
         if value is None:
             return None
         return self.enum_cls(value).value
 
-    def process_result_value(self, value: Any, dialect: Dialect) -> StrEnum | None:
+    def process_result_value(self, value: str | None, dialect: Dialect) -> StrEnum | None:
         if value is None:
             return None
         return self.enum_cls(value)
@@ -146,7 +151,7 @@ def _ensure_sqlite_dir(url: str) -> None:
     os.close(fd)  # an empty file is an empty SQLite database
 
 
-def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
+def _sqlite_on_connect(dbapi_conn: DBAPIConnection, _record: object) -> None:
     # pysqlite's own transaction handling is switched off; "begin" below issues BEGIN itself so
     # that SAVEPOINTs and the writer's batches behave as on Postgres.
     dbapi_conn.isolation_level = None
@@ -165,7 +170,7 @@ def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
 SQLITE_BEGIN_IMMEDIATE = "kvgov_sqlite_begin_immediate"
 
 
-def _sqlite_on_begin(conn: Any) -> None:
+def _sqlite_on_begin(conn: Connection) -> None:
     immediate = conn.get_execution_options().get(SQLITE_BEGIN_IMMEDIATE, False)
     conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
@@ -201,7 +206,7 @@ def migrations_dir() -> Path:
     )
 
 
-def alembic_config(url: str) -> Any:
+def alembic_config(url: str) -> AlembicConfig:
     """An Alembic ``Config`` for ``url`` that does not need ``alembic.ini`` to be found."""
     import sys
 
@@ -255,7 +260,7 @@ def upgrade(
     is held (:func:`migration_connection`), so one process applies each revision and the others
     wait, then find nothing to do. Migrations run in one transaction; then, in it and still
     under the lock, ``runtime_role`` (if any, Postgres) gets the runtime privileges
-    (:func:`kvgov.ledger.roles.apply_grants`)."""
+    (:func:`kvgov.ledger.grants.apply_grants`)."""
     from alembic import command
 
     try:
@@ -266,7 +271,7 @@ def upgrade(
             command.upgrade(cfg, revision)
             after = revision_of(conn)
             if runtime_role and conn.dialect.name == "postgresql":
-                from kvgov.ledger.roles import apply_grants
+                from kvgov.ledger.grants import apply_grants
 
                 apply_grants(conn, runtime_role)
     except KvgovError:
@@ -374,7 +379,7 @@ def revision_of(conn: Connection) -> str | None:
     return MigrationContext.configure(conn).get_current_revision()
 
 
-def _script_directory() -> Any:
+def _script_directory() -> ScriptDirectory:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory(migrations_dir().as_posix())

@@ -2,16 +2,16 @@
 
 Migrations run as the owner of the schema; sidecars and the CLI connect as a runtime role that
 can read and append but can never alter a table, drop or disable a trigger, truncate, or
-update or delete a row of the chained tables (``docs/database.md``). :data:`RUNTIME_PRIVILEGES`
-is that role's whole allowance: UPDATE only where the code updates, DELETE nowhere (kvgov never
-deletes a row). ``kvgov db upgrade`` applies it after migrating (:func:`apply_grants`, under the
-migration lock) and ``kvgov db grants`` prints it for a DBA (:func:`grant_statements`); a
-production sidecar checks its own role against it before it serves (:func:`runtime_problems`).
+update or delete a row of the chained tables (``docs/database.md``).
+:data:`kvgov.ledger.grants.RUNTIME_PRIVILEGES` is that role's whole allowance: UPDATE only where
+the code updates, DELETE nowhere (kvgov never deletes a row). ``kvgov db upgrade`` applies it
+after migrating (``grants.apply_grants``, under the migration lock) and ``kvgov db grants``
+prints it for a DBA; a production sidecar checks its own role against it before it serves
+(:func:`runtime_problems`), and refuses a schema that is not at its revision
+(:func:`check_schema`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import ProgrammingError, SQLAlchemyError
@@ -28,88 +28,10 @@ from kvgov.ledger.db import (
     redact_url,
     revision_of,
 )
+from kvgov.ledger.grants import RUNTIME_PRIVILEGES, apply_grants
 from kvgov.logging import get_logger
 
 log = get_logger(__name__)
-
-#: every table kvgov creates, with what the runtime role may do to it
-RUNTIME_PRIVILEGES: dict[str, tuple[str, ...]] = {
-    # the chained evidence: appended, never changed (the append-only triggers stop the
-    # owner's accidents; the runtime role has no privilege to try)
-    "ledger_events": ("SELECT", "INSERT"),
-    "checkpoints": ("SELECT", "INSERT"),
-    "chains": ("SELECT", "INSERT"),
-    # erasure sets payload and salt to NULL (the chained digest stays)
-    "event_payloads": ("SELECT", "INSERT", "UPDATE"),
-    # the writer's index upserts; purges mark users erased
-    "cache_entries": ("SELECT", "INSERT", "UPDATE"),
-    "requests": ("SELECT", "INSERT", "UPDATE"),
-    "user_refs": ("SELECT", "INSERT", "UPDATE"),
-    "policy_decisions": ("SELECT", "INSERT"),
-    # each writer moves its chain's journal mark in its batch's transaction
-    "ledger_journal_marks": ("SELECT", "INSERT", "UPDATE"),
-    # wrapped data keys: new versions, state changes, destruction (wrapped set to NULL)
-    "data_keys": ("SELECT", "INSERT", "UPDATE"),
-    # the purge state machine: steps are claimed with FOR UPDATE (which needs UPDATE)
-    "purge_jobs": ("SELECT", "INSERT", "UPDATE"),
-    "purge_steps": ("SELECT", "INSERT", "UPDATE"),
-    "purge_receipts": ("SELECT", "INSERT"),
-    # heartbeats; API tokens are revoked and stamped with their last use
-    "sidecars": ("SELECT", "INSERT", "UPDATE"),
-    "api_tokens": ("SELECT", "INSERT", "UPDATE"),
-    # written by operators, read by retention and the API
-    "tenants": ("SELECT",),
-    # a production sidecar reads the schema's revision before it starts
-    "alembic_version": ("SELECT",),
-}
-
-#: sequences behind SERIAL columns (new purge steps draw their ids)
-RUNTIME_SEQUENCES: dict[str, str] = {"purge_steps_id_seq": "purge_steps"}
-
-
-def quote_ident(name: str) -> str:
-    """``name`` as a quoted SQL identifier."""
-    return '"' + name.replace('"', '""') + '"'
-
-
-def grant_statements(
-    role: str, schema: str = "public", tables: Iterable[str] | None = None
-) -> list[str]:
-    """The SQL that gives ``role`` exactly the runtime privileges (and nothing else) on the
-    ``tables`` that exist (all by default). Each table's privileges are revoked first, so
-    running it again after kvgov narrows a grant takes the old privilege away."""
-    r, s = quote_ident(role), quote_ident(schema)
-    present = set(RUNTIME_PRIVILEGES if tables is None else tables)
-    out = [f"GRANT USAGE ON SCHEMA {s} TO {r};"]
-    for table, privileges in RUNTIME_PRIVILEGES.items():
-        if table not in present:
-            continue
-        name = f"{s}.{quote_ident(table)}"
-        out.append(f"REVOKE ALL ON TABLE {name} FROM {r};")
-        out.append(f"GRANT {', '.join(privileges)} ON TABLE {name} TO {r};")
-    for sequence, table in RUNTIME_SEQUENCES.items():
-        if table in present:
-            out.append(f"GRANT USAGE, SELECT ON SEQUENCE {s}.{quote_ident(sequence)} TO {r};")
-    return out
-
-
-def apply_grants(conn: Connection, role: str) -> list[str]:
-    """Grant the runtime privileges to ``role`` on the tables of the connection's schema, in
-    the caller's transaction; return the statements run. The role must exist."""
-    exists = conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}).first()
-    if exists is None:
-        raise ConfigError(
-            f"database.runtime_role {role!r} does not exist",
-            hint="create it first (docs/database.md, 'Roles'), or leave runtime_role empty",
-        )
-    schema = str(conn.execute(text("SELECT current_schema()")).scalar_one())
-    tables = conn.execute(
-        text("SELECT tablename FROM pg_tables WHERE schemaname = :s"), {"s": schema}
-    ).scalars()
-    statements = grant_statements(role, schema, set(tables))
-    for statement in statements:
-        conn.exec_driver_sql(statement)
-    return statements
 
 
 def grant_runtime_role(settings: Settings, role: str) -> list[str]:

@@ -26,7 +26,6 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kvgov.errors import PolicyError
 from kvgov.logging import get_logger
@@ -231,7 +230,7 @@ class EmbeddedPolicyEngine:
         digest = text_digest(input_json)
         try:
             raw = spec.evaluator()(input_json)
-            result: Any = None if raw == _UNDEFINED else json.loads(raw)
+            result: object = None if raw == _UNDEFINED else json.loads(raw)
         except (RuntimeError, ValueError) as exc:
             log.error("policy.eval_failed", extra={"error": rego_error_text(exc)[:500]})
             return Decision.deny(

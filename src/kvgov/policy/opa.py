@@ -20,7 +20,7 @@ import asyncio
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from kvgov.errors import PolicyError
@@ -41,6 +41,14 @@ from kvgov.policy.interfaces import (
 )
 
 log = get_logger(__name__)
+
+
+class _OpaClient(Protocol):
+    """What kvgov calls on ``opa_client.AsyncOpaClient`` (an untyped library)."""
+
+    async def query_rule(
+        self, input_data: dict[str, Any], package_path: str, rule_name: str
+    ) -> object: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +90,7 @@ class OpaRestPolicyEngine:
         self._bundle = bundle
         self._loader = loader
         self._stack: AsyncExitStack | None = None
-        self._client: Any = None
+        self._client: _OpaClient | None = None
         self._opening = asyncio.Lock()
 
     @property
@@ -92,7 +100,7 @@ class OpaRestPolicyEngine:
     def decide_cached(self, inp: PolicyInput) -> Decision | None:
         return None
 
-    async def _opened(self) -> Any:
+    async def _opened(self) -> _OpaClient:
         if self._client is not None:
             return self._client
         async with self._opening:
@@ -110,6 +118,7 @@ class OpaRestPolicyEngine:
                 )
                 self._client = await stack.enter_async_context(client)
                 self._stack = stack
+        assert self._client is not None
         return self._client
 
     async def decide(self, inp: PolicyInput) -> Decision:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from kvgov.policy.bundle import PolicyBundle, rego_error_text
 
@@ -92,7 +92,7 @@ def regorus_evaluator(bundle: PolicyBundle) -> RuleEvaluator:
     engine.set_input({})
 
     def evaluate(rule: str) -> object:
-        value: Any = engine.eval_rule(rule)
+        value: object = engine.eval_rule(rule)
         return UNDEFINED if value is None else value
 
     return evaluate

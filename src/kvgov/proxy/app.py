@@ -28,9 +28,10 @@ from kvgov.connectors.tiers.factory import build_tiers
 from kvgov.errors import KvgovError
 from kvgov.keys.keyring import Keyring
 from kvgov.keys.store import WrappedKeyStore
+from kvgov.ledger.db import utcnow
 from kvgov.ledger.events import Event, EventSink
 from kvgov.ledger.pseudonym import Pseudonymizer, generate_pseudonym_key_file
-from kvgov.policy.interfaces import DecisionRecorder, PolicyEngine
+from kvgov.policy.interfaces import PolicyEngine
 from kvgov.proxy.dataplane.buffers import BufferPool
 from kvgov.proxy.dataplane.index import EntryIndex
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
@@ -132,12 +133,46 @@ class Sidecar:
             )
         )
 
+    async def sweep(self) -> None:
+        """One pass of the TTL and retention sweeper: with a ledger, through the purge's
+        deletion path (deleted from every tier, verified gone, recorded as ``kv:expired``);
+        without one (benchmarks), dropped unrecorded."""
+        if self.writer is None or self.engine is None:
+            await self.pipeline.sweep()
+            return
+        from kvgov.ledger.db import make_sessionmaker
+        from kvgov.proxy.purge.ports import TierSet
+        from kvgov.proxy.purge.retention import apply_retention
+        from kvgov.proxy.purge.scope import ScopedEntry
+        from kvgov.proxy.purge.sidecar import SidecarEngines
+        from kvgov.types import EntryState
+
+        here = [
+            (ScopedEntry(digest, EntryState.LIVE, (), None), tenant)
+            for digest, tenant in await self.pipeline.expired()
+        ]
+        report = await apply_retention(
+            make_sessionmaker(self.engine),
+            TierSet(self.tiers.tiers),
+            self.writer,
+            now=utcnow(),
+            principal=f"sidecar:{self.sidecar_id}",
+            chain_id=self.settings.chain_id,
+            expired_here=here,
+            local_index=SidecarEngines(self.pipeline.index, self.server),
+        )
+        if report.ttl_expired or report.retention_expired:
+            log.info(
+                "sidecar.swept",
+                extra={"ttl": report.ttl_expired, "retention": report.retention_expired},
+            )
+
     async def _sweeper(self) -> None:
         interval = self.settings.tiers.sweep_interval_s
         while True:
             await asyncio.sleep(interval)
             try:
-                await self.pipeline.sweep()
+                await self.sweep()
             except Exception:
                 log.exception("sidecar.sweep.failed")
 
@@ -248,7 +283,6 @@ async def build_sidecar(
     settings: Settings,
     *,
     policy: PolicyEngine | None = None,
-    recorder: DecisionRecorder | None = None,
     sink: EventSink | None = None,
 ) -> Sidecar:
     """Build (not start) a sidecar. ``policy``/``sink`` override the configured ones (tests)."""
@@ -344,7 +378,6 @@ async def build_sidecar(
         index=index,
         governance=governance,
         policy=policy,
-        recorder=recorder,
         keyring=keyring,
         sink=sink,
         segment_size=settings.keys.segment_size,

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvgov.wire._conn import Buffer, Connection, as_bytes_view
 from kvgov.wire.codec import (
@@ -29,9 +29,9 @@ from kvgov.wire.codec import (
     WireConnectionError,
     WireError,
 )
+from kvgov.wire.control import ControlChannel, EvictCallback
 from kvgov.wire.messages import (
     EMPTY_CONTEXT,
-    EvictRequest,
     GetResult,
     PutAck,
     PutItem,
@@ -39,15 +39,10 @@ from kvgov.wire.messages import (
     ServerInfo,
 )
 
-if TYPE_CHECKING:
-    from kvgov.wire.control import ControlChannel
-
 log = logging.getLogger("kvgov.wire.client")
 
 #: ``alloc(result) -> writable buffer of at least result.length bytes`` (or None to skip it)
 Allocator = Callable[[GetResult], Any]
-#: ``on_evict(request) -> the digests of the entries actually removed`` (``docs/protocol.md``)
-EvictCallback = Callable[[EvictRequest], Iterable[str]]
 
 
 class WireClient:
@@ -343,8 +338,6 @@ class WireClient:
 
     def control(self, on_evict: EvictCallback, *, reconnect_delay: float = 1.0) -> ControlChannel:
         """Open the control connection that receives EVICT messages (a :class:`ControlChannel`)."""
-        from kvgov.wire.control import ControlChannel
-
         channel = ControlChannel(self, on_evict, reconnect_delay=reconnect_delay)
         channel.start()
         return channel
@@ -361,7 +354,7 @@ def _read_put_ack(conn: Connection, stream_id: int, key: str) -> PutAck:
     return _ack(key, results[0])
 
 
-def _ack(key: str, result: Any) -> PutAck:
+def _ack(key: str, result: object) -> PutAck:
     if not isinstance(result, dict):
         return PutAck(key, ErrorCode.INTERNAL, "malformed ack")
     try:

@@ -12,14 +12,23 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from kvgov.wire._conn import Connection
 from kvgov.wire.codec import Flag, FrameType, WireError
 from kvgov.wire.messages import EvictRequest, parse_evict
 
-if TYPE_CHECKING:
-    from kvgov.wire.client import EvictCallback, WireClient
+#: what an engine does with an EVICT: remove the named entries, return the digests removed
+EvictCallback = Callable[[EvictRequest], Iterable[str]]
+
+
+class Connector(Protocol):
+    """What the channel needs of :class:`kvgov.wire.client.WireClient`: a HELLO-authenticated
+    connection in the given role."""
+
+    def _connect(self, *, role: str = ...) -> Connection: ...
+
 
 log = logging.getLogger("kvgov.wire.client")
 
@@ -32,7 +41,7 @@ class ControlChannel:
     """
 
     def __init__(
-        self, client: WireClient, on_evict: EvictCallback, *, reconnect_delay: float = 1.0
+        self, client: Connector, on_evict: EvictCallback, *, reconnect_delay: float = 1.0
     ) -> None:
         self._client = client
         self._on_evict = on_evict

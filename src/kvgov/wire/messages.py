@@ -47,7 +47,7 @@ class RequestContext:
         return out
 
     @classmethod
-    def from_meta(cls, meta: Any) -> RequestContext:
+    def from_meta(cls, meta: object) -> RequestContext:
         if meta is None:
             return EMPTY_CONTEXT
         if not isinstance(meta, Mapping):

@@ -30,7 +30,6 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from kvgov.connectors.tiers.base import (
     BytesLike,
@@ -125,7 +124,7 @@ class Borrowed:
     def __enter__(self) -> Borrowed:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 

@@ -19,7 +19,7 @@ from urllib.parse import urlencode
 from fastapi import Query, Request
 from pydantic import BaseModel, Field
 
-from kvgov.proxy.api.problems import InvalidInputError
+from kvgov.errors import InvalidInputError
 
 T = TypeVar("T")
 

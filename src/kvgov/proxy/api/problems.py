@@ -19,6 +19,7 @@ from kvgov.errors import (
     AuthError,
     ForbiddenError,
     IntegrityError,
+    InvalidInputError,
     KvgovError,
     LedgerBackpressureError,
     LedgerError,
@@ -64,13 +65,6 @@ class Problem(BaseModel):
     instance: str | None = Field(default=None, description="the request path")
     code: str
     errors: list[FieldError] | None = None
-
-
-class InvalidInputError(KvgovError):
-    """A request parameter is well-formed for the schema but invalid (a bad cursor, a missing
-    companion parameter); answered as 422 like schema validation errors."""
-
-    code = "invalid_input"
 
 
 class UnavailableError(KvgovError):

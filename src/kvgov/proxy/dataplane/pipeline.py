@@ -34,7 +34,7 @@ from kvgov.keys.keyring import Keyring
 from kvgov.keys.sealed import SealedHeader, SealWriter, sealed_size, segment_count
 from kvgov.ledger.events import Event, EventSink, LazyEventSink, QueuedEventSink
 from kvgov.ledger.pseudonym import Pseudonymizer
-from kvgov.policy.interfaces import Decision, DecisionRecorder, PolicyEngine
+from kvgov.policy.interfaces import Decision, PolicyEngine
 from kvgov.proxy.dataplane.buffers import BufferPool, Lease, size_class
 from kvgov.proxy.dataplane.identity import Denied, Identity, Who, build_input, resolve
 from kvgov.proxy.dataplane.index import EntryIndex, EntryMeta, envelope_head, parse_envelope
@@ -73,7 +73,6 @@ class Pipeline:
         index: EntryIndex | None = None,
         governance: bool = True,
         policy: PolicyEngine | None = None,
-        recorder: DecisionRecorder | None = None,
         keyring: Keyring | None = None,
         sink: EventSink | None = None,
         segment_size: int = 1 << 20,
@@ -93,7 +92,6 @@ class Pipeline:
         self.index = index if index is not None else EntryIndex()
         self.governance = governance
         self.policy = policy
-        self.recorder = recorder
         self.keyring = keyring
         self.sink = sink
         self.segment_size = segment_size
@@ -125,10 +123,8 @@ class Pipeline:
             return None
         inp = build_input(who, op, entry)
         decision = self.policy.decide_cached(inp)
-        if decision is None:
+        if decision is None:  # the policy engine records what it decides (CachingPolicyEngine)
             decision = await self.policy.decide(inp)
-            if self.recorder is not None:
-                await self.recorder.record(inp, decision)
         return decision
 
     def _event(self, kind: EventKind, who: Who, **fields: Any) -> Event:
@@ -464,8 +460,7 @@ class Pipeline:
         if entry is None:
             return None, asked
         if entry.expired(self.clock()):
-            await self.expire(who.digest)
-            return None, asked
+            return None, asked  # a miss; the sweeper deletes it and records that
         if entry.tenant != who.tenant:
             await self.deny(who, Denied("tenant_mismatch", who.identity, who.ctx), op)
             return None, None
@@ -639,24 +634,23 @@ class Pipeline:
             )
         return bool(removed)
 
-    async def expire(self, digest: str) -> None:
-        """Drop an expired entry from every tier and record it."""
-        entry = self.index.pop(digest)
-        await self.tiers.delete(digest)
-        if self.governance and entry is not None:
-            event = Event(
-                kind=EventKind.KV_EXPIRED,
-                tenant=entry.tenant,
-                key_digest=digest,
-                outcome=Outcome.OK,
-            )
-            await self._record(entry_gone(event, EntryState.EXPIRED), durable=False)
-
-    async def sweep(self) -> int:
-        """Expire what the index and the tiers say is past its TTL; returns how many."""
+    async def expired(self) -> list[tuple[str, str | None]]:
+        """The entries past their TTL that this process knows of (its index, and what its tiers
+        just dropped themselves), with their tenants: the retention sweeper deletes, verifies
+        and records them through the one deletion path."""
         now = self.clock()
         digests = set(self.index.expired(now))
         digests.update(await self.tiers.sweep(now))
-        for digest in digests:
-            await self.expire(digest)
-        return len(digests)
+        out = []
+        for digest in sorted(digests):
+            entry = self.index.get(digest)
+            out.append((digest, entry.tenant if entry is not None else None))
+        return out
+
+    async def sweep(self) -> int:
+        """Without a ledger (benchmarks): drop what is past its TTL, unrecorded."""
+        due = await self.expired()
+        for digest, _ in due:
+            self.index.pop(digest)
+            await self.tiers.delete(digest)
+        return len(due)

@@ -64,7 +64,7 @@ class ReceiptCheck:
     purge_id: str | None = None
 
 
-def verify_receipt(doc: Any, trusted: Iterable[bytes]) -> ReceiptCheck:
+def verify_receipt(doc: object, trusted: Iterable[bytes]) -> ReceiptCheck:
     """Check a signed receipt against raw Ed25519 public keys the caller trusts.
 
     Fails (``ok=False`` with a reason) on a malformed document, an unknown format, a key that is

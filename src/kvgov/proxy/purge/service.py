@@ -18,6 +18,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
 from kvgov.errors import KvgovError, PurgeError
@@ -69,7 +70,7 @@ class PurgeService:
         """What a purge would delete, changing nothing (``--dry-run``)."""
         subject = self.subject_of(req)
 
-        def read(s: Any) -> dict[str, Any]:
+        def read(s: Session) -> dict[str, Any]:
             entries = scope.scoped_entries(s, req.tenant, subject)
             return {
                 "entries": entries,
@@ -107,7 +108,7 @@ class PurgeService:
         subject = self.subject_of(req)
         job_id = str(uuid.uuid4())
 
-        def insert(s: Any) -> JobView:
+        def insert(s: Session) -> JobView:
             now = utcnow()
             sidecars = jobs.live_sidecars(s, now=now, max_age_s=self.settings.purge.sidecar_live_s)
             jobs.insert_job(s, job_id, req, subject, plan_steps(sidecars), now=now)
@@ -142,7 +143,7 @@ class PurgeService:
         """Claim and run one step this process may run; None when there is none right now."""
         settings = self.settings
 
-        def claim(s: Any) -> tuple[JobView, StepView] | None:
+        def claim(s: Session) -> tuple[JobView, StepView] | None:
             return jobs.claim_step(
                 s,
                 sidecar_id=self.ctx.sidecar_id,
@@ -216,7 +217,7 @@ class PurgeService:
                     "signature": info.signature,
                 }
 
-        def write(s: Any) -> None:
+        def write(s: Session) -> None:
             now = utcnow()
             if outcome is not None:
                 state, detail = outcome

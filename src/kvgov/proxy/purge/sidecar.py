@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 class _Index(Protocol):
-    def pop(self, digest: str) -> Any: ...
+    def pop(self, digest: str) -> object: ...
 
 
 class _Server(Protocol):

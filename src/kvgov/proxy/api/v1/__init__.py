@@ -38,12 +38,13 @@ OPENAPI_TAGS = [
     {"name": "purges", "description": "Right to be forgotten: purge jobs and signed receipts."},
     {"name": "keys", "description": "Data keys: list (auditors), rotate (admins)."},
     {"name": "tokens", "description": "Control-plane tokens (global admins only)."},
+    {"name": "tenants", "description": "Tenants' retention periods (admins set them)."},
     {"name": "dashboard", "description": "The read-only compliance dashboard page."},
 ]
 
 
 def v1_router() -> APIRouter:
-    from kvgov.proxy.api.v1 import audit, entries, keys, purge_reads, tokens
+    from kvgov.proxy.api.v1 import audit, entries, keys, purge_reads, tenants, tokens
 
     router = APIRouter(prefix="/v1")
     router.include_router(entries.router)
@@ -51,6 +52,7 @@ def v1_router() -> APIRouter:
     router.include_router(purge_reads.router)
     router.include_router(keys.router)
     router.include_router(tokens.router)
+    router.include_router(tenants.router)
     return router
 
 

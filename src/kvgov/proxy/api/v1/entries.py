@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from kvgov.errors import NotFoundError
+from kvgov.errors import InvalidInputError, NotFoundError
 from kvgov.ledger import queries_api as q
 from kvgov.ledger.models import CacheEntry
 from kvgov.proxy.api.auth import Context, DbSession, Reader
@@ -19,7 +19,7 @@ from kvgov.proxy.api.pagination import (
     next_link,
     time_key,
 )
-from kvgov.proxy.api.problems import InvalidInputError, problem_responses
+from kvgov.proxy.api.problems import problem_responses
 from kvgov.proxy.api.v1.params import (
     RequestIdPath,
     RequiredTenantQuery,

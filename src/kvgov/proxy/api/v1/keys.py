@@ -18,7 +18,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvgov.errors import KeyManagementError, StartupError
+from kvgov.errors import InvalidInputError, KeyManagementError, StartupError
 from kvgov.keys.ids import KeyInfo
 from kvgov.ledger import queries_admin as qa
 from kvgov.ledger.models import DataKey
@@ -32,7 +32,7 @@ from kvgov.proxy.api.pagination import (
     decode_cursor,
     next_link,
 )
-from kvgov.proxy.api.problems import InvalidInputError, UnavailableError, problem_responses
+from kvgov.proxy.api.problems import UnavailableError, problem_responses
 from kvgov.proxy.api.v1.params import SAFE_TEXT, TenantQuery, UserQuery
 from kvgov.types import KeyState
 

@@ -11,7 +11,7 @@ from typing import Annotated
 
 from fastapi import Path, Query
 
-from kvgov.proxy.api.problems import InvalidInputError
+from kvgov.errors import InvalidInputError
 
 SAFE_TEXT = r"^[^\x00-\x1f\x7f]+$"
 

@@ -170,7 +170,7 @@ class SignedReceipt(BaseModel):
     signature: SignatureOut
 
 
-def _int(value: Any) -> int | None:
+def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
