@@ -491,7 +491,7 @@ async def build_sidecar(
             sidecar_id=sidecar_id,
             version=__version__,
             max_frame_bytes=dp.max_frame_bytes,
-            engine_tokens=dp.engine_tokens,
+            engine_tokens=settings.engine_tokens,
             allow_anonymous=settings.environment is Environment.DEVELOPMENT,
             digester=pseudonymizer.key_digester,
             max_frame_items=dp.max_frame_items,
