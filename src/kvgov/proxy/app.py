@@ -43,6 +43,7 @@ from kvgov.proxy.dataplane.server import ServerConfig, WireServer
 from kvgov.types import Environment, EventKind, Outcome
 
 if TYPE_CHECKING:
+    import uvicorn
     from sqlalchemy import Engine
 
     from kvgov.ledger.writer import LedgerWriter
@@ -235,9 +236,12 @@ class Sidecar:
         dead) nor on it being attached at all."""
         interval = heartbeat_interval_s(self.settings)
         loop = asyncio.get_running_loop()
+        engine = self.engine
+        if engine is None:
+            return
         while True:
             beat = loop.run_in_executor(
-                None, touch_sidecar, self.engine, self.sidecar_id, self.settings.chain_id
+                None, touch_sidecar, engine, self.sidecar_id, self.settings.chain_id
             )
             try:
                 await asyncio.shield(beat)
@@ -347,7 +351,7 @@ def heartbeat_interval_s(settings: Settings) -> float:
     return min(10.0, settings.purge.sidecar_live_s / 4)
 
 
-def touch_sidecar(engine: Any, sidecar_id: str, chain_id: str) -> None:
+def touch_sidecar(engine: Engine, sidecar_id: str, chain_id: str) -> None:
     """One heartbeat (blocking: run it in a thread); this function owns the transaction."""
     from sqlalchemy.orm import Session
 
@@ -550,7 +554,7 @@ def _descriptor_headroom(settings: Settings) -> None:
         )
 
 
-def _control_server_class() -> Any:
+def _control_server_class() -> type[uvicorn.Server]:
     import uvicorn
 
     class ControlServer(uvicorn.Server):
