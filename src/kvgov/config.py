@@ -128,8 +128,8 @@ class LedgerSettings(_Section):
     #: a journal segment is closed at this size; segments the chain holds are deleted
     journal_segment_mib: int = Field(default=64, ge=1, le=4096)
     #: journal the events nothing waits on too (gets, misses, exists, evictions, expiries), so
-    #: a crash loses none of them; off, they are durable within ``lazy_max_delay_ms`` (gets
-    #: measured ~4% faster on a 2-vCPU VM)
+    #: a crash loses none of them; off, they are durable within ``lazy_max_delay_ms``
+    #: (what it costs: ``docs/ledger.md``, "Throughput")
     journal_lazy_events: bool = True
     #: Ed25519 public keys ``audit verify`` trusts besides this node's own (the key of
     #: ``signing_key_path``): the keys of the fleet's other sidecars and CLI hosts, each as

@@ -460,12 +460,12 @@ class Journal:
 # :class:`EntryRecord`): the fields in the order the record type declares them, enums as their
 # values, times as integer microseconds since the epoch (UTC). Code reads and writes the fields
 # by name, through the record types; their declaration order is the on-disk layout. ``marshal``
-# of str, int, float, bool, None, list, dict and tuple is what the journal needs at ~1/5 of
-# JSON's cost per event (the encoding runs on the event loop for every journaled event: ~5 us
-# vs ~25 us on the 2-vCPU VM here). Its format is CPython's own, stable for these types since
-# Python 3.4; a journal is read back by the process that wrote it or its restart, and each
-# record is checksummed. :meth:`EventRecord.to_event` checks every field's type: a record that
-# is not an event is refused.
+# of str, int, float, bool, None, list, dict and tuple is what the journal needs at a fraction
+# of JSON's cost per event (the encoding runs on the event loop for every journaled event;
+# measured in ``docs/ledger.md``, "Throughput"). Its format is CPython's own, stable for
+# these types since Python 3.4; a journal is read back by the process that wrote it or its
+# restart, and each record is checksummed. :meth:`EventRecord.to_event` checks every field's
+# type: a record that is not an event is refused.
 #
 # Versions: the first field is the layout's version. Version 1 is the only one so far. A new
 # layout gets a new record type and version number, and :func:`decode_event` keeps reading

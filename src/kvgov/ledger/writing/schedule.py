@@ -38,9 +38,8 @@ Item = tuple["Event | Prepared", "asyncio.Future[Appended]", int]
 #: batches taken from the queue and not yet committed. One: a batch is whatever queued while
 #: the previous one was being committed, so batches are as large as the load makes them. With
 #: two (one chained ahead), a put-heavy data plane split its events into alternating tiny
-#: batches, each paying a commit's fixed cost (in the writer and in Postgres): an interleaved
-#: A/B of bench/dataplane.py governed puts gave +7-9% at 1 and 4 MiB for one, and large
-#: backlogs still commit at ~29k events/s (bench/ledger.py)
+#: batches, each paying a commit's fixed cost (in the writer and in Postgres); measured in
+#: ``docs/ledger.md``, "Throughput"
 PIPELINE_DEPTH = 1
 
 C = TypeVar("C")

@@ -25,8 +25,8 @@ Result = Appended | LedgerError
 
 #: the sequencer yields the GIL (``time.sleep(0)``) after this many events. Without it, each
 #: time the committer's database call returns it waits for the CPU-bound sequencer to be
-#: preempted (``sys.getswitchinterval()``, 5 ms): a GIL convoy that cost a batch of 2,000
-#: events tens of milliseconds, a third of the writer's throughput
+#: preempted (``sys.getswitchinterval()``): a GIL convoy (its cost: ``docs/ledger.md``,
+#: "Throughput")
 YIELD_EVERY = 128
 
 
