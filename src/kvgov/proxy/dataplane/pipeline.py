@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from kvgov.connectors.tiers.base import copy_into
 from kvgov.connectors.tiers.chain import TierChain
@@ -75,15 +74,20 @@ from kvgov.types import EntryState, EventKind, Operation, Outcome, Scope
 from kvgov.wire.itemmeta import check_item_meta
 from kvgov.wire.messages import RequestContext
 
-__all__ = ["Found", "GetPlan", "Kept", "Pipeline", "PutPlan", "StoredPut"]
+if TYPE_CHECKING:
+    from kvgov.proxy.dataplane.door import Door
+
+__all__ = ["Allowed", "Denied", "Found", "GetPlan", "Kept", "Pipeline", "PutPlan", "StoredPut"]
 
 log = logging.getLogger("kvgov.dataplane")
 
-#: the denial budget of the connection whose handler (or PUT storer) runs in this context: set
-#: once per connection task, so every denial it causes counts against it
-DENIAL_BUDGET: contextvars.ContextVar[DenialBudget | None] = contextvars.ContextVar(
-    "kvgov_denial_budget", default=None
-)
+
+@dataclass(frozen=True, slots=True)
+class Allowed:
+    """An operation identity and policy admitted (:meth:`Pipeline.admit`)."""
+
+    who: Who
+    decision: Decision | None
 
 
 class Pipeline:
@@ -129,6 +133,9 @@ class Pipeline:
         #: caps on denials recorded one event each (None: every denial is recorded)
         self.denial_gate = denial_gate
         self._background: set[asyncio.Task[None]] = set()
+        #: counter children looked up once (``labels()`` costs microseconds per call)
+        self._put_bytes = metrics.op_bytes.labels("put")
+        self._get_bytes = metrics.op_bytes.labels("get")
         #: digests of puts planned and not yet stored or dropped (a second put of one is kept)
         self._storing: set[str] = set()
 
@@ -144,6 +151,12 @@ class Pipeline:
         # Protocol walks its attributes: once here, not per event)
         self._lazy_sink = sink if isinstance(sink, LazyEventSink) else None
         self._queued_sink = sink if isinstance(sink, QueuedEventSink) else None
+
+    def door(self, listener: str, principal: str | None = None) -> Door:
+        """A connection's way in (:class:`~kvgov.proxy.dataplane.door.Door`)."""
+        from kvgov.proxy.dataplane.door import Door
+
+        return Door(self, listener, principal)
 
     # -- policy & ledger -----------------------------------------------------------------------
 
@@ -186,14 +199,17 @@ class Pipeline:
         elif self.sink is not None:
             self.sink.submit(event)
 
-    async def deny(self, who: Who | None, denied: Denied, op: Operation) -> None:
+    async def deny(
+        self, who: Who | None, denied: Denied, op: Operation, budget: DenialBudget | None
+    ) -> None:
+        """Count the denial and record it (one event, or held for ``budget``'s summary)."""
         reason = denied.metric_reason
         self.metrics.denials.labels(op.value, reason).inc()
         gate = self.denial_gate
         if gate is not None and self.governance:
             if gate.flush_needed:
                 self.record_suppressed(gate.due())
-            if not gate.admit(DENIAL_BUDGET.get(), op.value, reason):
+            if not gate.admit(budget, op.value, reason):
                 self.metrics.denials_suppressed.labels(op.value).inc()
                 return
         if who is None:
@@ -243,10 +259,25 @@ class Pipeline:
                 )
             )
 
-    def identify(
-        self, identity: Identity, raw_key: str, ctx: RequestContext
-    ) -> tuple[Who | None, Denied | None]:
-        return resolve(identity, raw_key, ctx, self.pseudonymizer, self.default_tenant)
+    async def admit(
+        self,
+        identity: Identity,
+        raw_key: str,
+        ctx: RequestContext,
+        op: Operation,
+        budget: DenialBudget | None = None,
+    ) -> Allowed | Denied:
+        """Who the operation is for (:func:`~kvgov.proxy.dataplane.identity.resolve`), then
+        the policy's decision on the request. A denial is counted and recorded here, once."""
+        who, denied = resolve(identity, raw_key, ctx, self.pseudonymizer, self.default_tenant)
+        if denied is None and who is not None:
+            decision = await self._decide(who, op, None)
+            if decision is None or decision.allowed:
+                return Allowed(who, decision)
+            denied = Denied(decision.reason or "denied", identity, ctx, decision)
+        assert denied is not None  # resolve gives one or the other
+        await self.deny(who, denied, op, budget)
+        return denied
 
     # -- put -----------------------------------------------------------------------------------
 
@@ -260,32 +291,51 @@ class Pipeline:
             return 1 << 62
         return size_class(body + sealformat.MAX_HEAD_SIZE)
 
-    async def plan_put(
-        self, who: Who, length: int, item_meta: Mapping[str, Any], lease: Lease | None = None
+    async def put(
+        self,
+        identity: Identity,
+        raw_key: str,
+        ctx: RequestContext,
+        *,
+        length: int,
+        item_meta: Mapping[str, Any],
+        lease: Lease | None = None,
+        budget: DenialBudget | None = None,
     ) -> PutPlan | Denied | Kept:
-        """Decide, then lay out where the put's bytes go. ``lease``: a buffer taken for it in
-        advance (at least :meth:`lease_bound`; the plan owns it from here, denied or not)."""
+        """A put's first step: admit it, then lay out where its bytes go. ``lease``: a buffer
+        taken for it in advance (at least :meth:`lease_bound`; the plan owns it from here,
+        denied or not). A denial is counted and recorded here."""
         try:
-            return await self._plan_put(who, length, item_meta, lease)
+            admitted = await self.admit(identity, raw_key, ctx, Operation.PUT, budget)
+            if isinstance(admitted, Denied):
+                if lease is not None:
+                    lease.release()
+                return admitted
+            planned = await self._plan_put(
+                admitted.who, admitted.decision, length, item_meta, lease
+            )
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
+        if isinstance(planned, Denied):
+            await self.deny(admitted.who, planned, Operation.PUT, budget)
+        return planned
 
     async def _plan_put(
-        self, who: Who, length: int, raw_meta: Mapping[str, Any], given: Lease | None
+        self,
+        who: Who,
+        decision: Decision | None,
+        length: int,
+        raw_meta: Mapping[str, Any],
+        given: Lease | None,
     ) -> PutPlan | Denied | Kept:
         try:  # what every later get hands the engine: only a form it can read is stored
             item_meta = check_item_meta(raw_meta)
         except ItemMetaError as exc:
             if given is not None:
                 given.release()
-            return Denied(f"bad_item_meta: {exc.message}", who.identity, who.ctx)
-        decision = await self._decide(who, Operation.PUT, None)
-        if decision is not None and not decision.allowed:
-            if given is not None:
-                given.release()
-            return Denied(decision.reason or "denied", who.identity, who.ctx, decision)
+            return Denied(f"bad_item_meta: {exc.message}", who.identity, who.ctx, decision)
         kept = self._kept(who, decision)
         if kept is not None:
             if given is not None:
@@ -441,23 +491,10 @@ class Pipeline:
                     put_event(self._event, who, decision, entry, written)
                 )
             except BaseException:
-                await self._unstore(stored)
+                await self.unstore(stored)
                 raise
-        self.metrics.op_bytes.labels("put").inc(plan.length)
+        self._put_bytes.inc(plan.length)
         return stored
-
-    async def settle_put(self, stored: StoredPut) -> None:
-        """Wait until the put's ledger event is durable. If it cannot be recorded, the value is
-        removed from every tier (no stored-but-unrecorded data) and the error is raised."""
-        if stored.recorded is None:
-            return
-        try:
-            await asyncio.shield(stored.recorded)
-        except asyncio.CancelledError:
-            raise  # the event may still commit: leave the entry to its record
-        except BaseException:
-            await self._unstore(stored)
-            raise
 
     async def _queue(self, event: Event) -> Awaitable[Any]:
         """Queue ``event``; returns what resolves once it is durable. A full queue is
@@ -473,7 +510,7 @@ class Pipeline:
             done.set_result(await self.sink.append(event))
             return done
 
-    async def _unstore(self, stored: StoredPut) -> None:
+    async def unstore(self, stored: StoredPut) -> None:
         """Take an unrecorded put out of the index and every tier (unless it was replaced)."""
         log.warning("dataplane.put.unrecorded", extra={"key_digest": stored.digest})
         if self.index.get(stored.digest) is stored.entry:
@@ -509,38 +546,48 @@ class Pipeline:
 
     # -- get / exists / remove -----------------------------------------------------------------
 
-    async def _readable(self, who: Who, op: Operation) -> tuple[EntryMeta | None, Decision | None]:
+    async def _readable(
+        self, who: Who, asked: Decision | None, op: Operation, budget: DenialBudget | None
+    ) -> tuple[EntryMeta | None, Decision | None]:
         """The entry if it is live, unexpired and readable by ``who``; records denials.
 
-        The policy decides on the request before anything looks at whether the key is
-        stored: a probe it denies (another tenant's key, an engine the tenant does not name)
-        is answered, recorded and counted the same whether the key is there or not. An entry
-        that is there is then judged again by what was recorded at put (its sensitivity and
-        scope user), which only a requester the first decision admitted can reach."""
-        asked = await self._decide(who, op, None)
-        if asked is not None and not asked.allowed:
-            await self.deny(who, Denied(asked.reason or "denied", who.identity, who.ctx, asked), op)
-            return None, None
+        The policy decided on the request (:meth:`admit`) before anything looks at whether
+        the key is stored: a probe it denies (another tenant's key, an engine the tenant does
+        not name) is answered, recorded and counted the same whether the key is there or not.
+        An entry that is there is then judged again by what was recorded at put (its
+        sensitivity and scope user), which only a requester the first decision admitted can
+        reach."""
         entry = self.index.get(who.digest)
         if entry is None:
             return None, asked
         if entry.expired(self.clock()):
             return None, asked  # a miss; the sweeper deletes it and records that
         if entry.tenant != who.tenant:
-            await self.deny(who, Denied("tenant_mismatch", who.identity, who.ctx), op)
+            await self.deny(who, Denied("tenant_mismatch", who.identity, who.ctx), op, budget)
             return None, None
         if entry.scope is Scope.USER and entry.scope_user != who.actor:
-            await self.deny(who, Denied("not_scope_user", who.identity, who.ctx), op)
+            await self.deny(who, Denied("not_scope_user", who.identity, who.ctx), op, budget)
             return None, None
         decision = await self._decide(who, op, entry)
         if decision is not None and not decision.allowed:
             denied = Denied(decision.reason or "denied", who.identity, who.ctx, decision)
-            await self.deny(who, denied, op)
+            await self.deny(who, denied, op, budget)
             return None, None
         return entry, decision
 
-    async def exists(self, who: Who) -> bool:
-        entry, decision = await self._readable(who, Operation.EXISTS)
+    async def exists(
+        self,
+        identity: Identity,
+        raw_key: str,
+        ctx: RequestContext,
+        budget: DenialBudget | None = None,
+    ) -> bool:
+        """Whether the key is stored and readable by the requester (a denial is a miss)."""
+        admitted = await self.admit(identity, raw_key, ctx, Operation.EXISTS, budget)
+        if isinstance(admitted, Denied):
+            return False
+        who = admitted.who
+        entry, decision = await self._readable(who, admitted.decision, Operation.EXISTS, budget)
         found = entry is not None and await self.tiers.contains(who.digest)
         if self.governance:
             await self._record(
@@ -555,22 +602,35 @@ class Pipeline:
             )
         return found
 
-    async def get(self, who: Who, *, max_lease: int | None = None) -> GetPlan | None:
-        """A hit ready to stream, or None. A value whose buffer would exceed ``max_lease``
-        bytes (what the caller's frame may still hold of the pool) is a miss."""
-        found = await self.find(who)
+    async def get(
+        self,
+        identity: Identity,
+        raw_key: str,
+        ctx: RequestContext,
+        budget: DenialBudget | None = None,
+    ) -> GetPlan | None:
+        """A hit ready to stream (:meth:`find`, a buffer, :meth:`load`), or None: a miss."""
+        found = await self.find(identity, raw_key, ctx, budget)
         if found is None:
             return None
-        room = self.pool.owner_max_bytes
-        limit = room if max_lease is None else min(max_lease, room)
-        if size_class(found.size) > limit:
+        if size_class(found.size) > self.pool.owner_max_bytes:
             return await self.load(found, None)  # waiting for that much could wait for ever
-        return await self.load(found, await self.pool.acquire(found.size, who.identity.engine))
+        return await self.load(found, await self.pool.acquire(found.size, identity.engine))
 
-    async def find(self, who: Who) -> Found | None:
-        """A get's first step: the readable entry and its stored size, or None (a miss, now
-        recorded). :meth:`load` with a buffer of ``size`` bytes finishes it."""
-        entry, decision = await self._readable(who, Operation.GET)
+    async def find(
+        self,
+        identity: Identity,
+        raw_key: str,
+        ctx: RequestContext,
+        budget: DenialBudget | None = None,
+    ) -> Found | None:
+        """A get's first step: admitted, the readable entry and its stored size, or None (a
+        denial or a miss, now recorded). :meth:`load` with a buffer of ``size`` bytes goes on."""
+        admitted = await self.admit(identity, raw_key, ctx, Operation.GET, budget)
+        if isinstance(admitted, Denied):
+            return None
+        who = admitted.who
+        entry, decision = await self._readable(who, admitted.decision, Operation.GET, budget)
         size = await self.tiers.size_of(who.digest) if entry is not None else None
         if entry is None or size is None:
             await self._record_get(who, None, decision)
@@ -579,14 +639,27 @@ class Pipeline:
 
     async def load(self, found: Found, lease: Lease | None) -> GetPlan | None:
         """A get's second step: read the value into ``lease`` (which the plan then owns; None:
-        a miss) and record the hit or miss."""
+        a miss) and authenticate every segment. A miss is recorded here; a hit once it was
+        handed to the socket (:meth:`served`)."""
         plan, reason = (
-            await self._load(found.who, found.entry, lease) if lease is not None else (None, None)
+            await self._load(found.who, found.entry, found.decision, lease)
+            if lease is not None
+            else (None, None)
         )
-        await self._record_get(found.who, plan, found.decision, reason)
-        if plan is not None:
-            self.metrics.op_bytes.labels("get").inc(plan.length)
+        if plan is None:
+            await self._record_get(found.who, None, found.decision, reason)
         return plan
+
+    async def served(self, plan: GetPlan) -> None:
+        """A get's last step: its bytes were authenticated and handed to the socket; record
+        the ``kv:get`` that served them."""
+        self._get_bytes.inc(plan.length)
+        await self._record_get(plan.who, plan, plan.decision)
+
+    async def unserved(self, plan: GetPlan, error: KvgovError) -> None:
+        """A hit failed while being sent (its key shredded meanwhile, corrupt at rest): the
+        promised bytes cannot come; drop the value (:meth:`drop_unreadable`)."""
+        await self.drop_unreadable(plan.who, error)
 
     async def _record_get(
         self,
@@ -622,7 +695,7 @@ class Pipeline:
         task.add_done_callback(self._background.discard)
 
     async def _load(
-        self, who: Who, entry: EntryMeta, lease: Lease
+        self, who: Who, entry: EntryMeta, decision: Decision | None, lease: Lease
     ) -> tuple[GetPlan | None, str | None]:
         """The plan, its bytes opened and checked, or None and why the stored value could
         not be served (None: not there). A value that fails its checks is dropped here."""
@@ -661,7 +734,10 @@ class Pipeline:
                 await self._open_all(reader, windows, header.plain_len)
             if src is not None:
                 src.release()
-            return GetPlan(who, lease, envelope.plain_len, envelope.meta, None, windows), None
+            plan = GetPlan(
+                who, lease, envelope.plain_len, envelope.meta, None, windows, None, decision
+            )
+            return plan, None
         except CorruptValueError as exc:
             if src is not None:
                 src.release()
@@ -742,8 +818,19 @@ class Pipeline:
             except KvgovError as exc:
                 log.error("dataplane.event.unrecorded", extra={"error": exc.code})
 
-    async def remove(self, who: Who) -> bool:
-        entry, _ = await self._readable(who, Operation.REMOVE)
+    async def remove(
+        self,
+        identity: Identity,
+        raw_key: str,
+        ctx: RequestContext,
+        budget: DenialBudget | None = None,
+    ) -> bool:
+        """Remove the key if the requester may (a denial removes nothing)."""
+        admitted = await self.admit(identity, raw_key, ctx, Operation.REMOVE, budget)
+        if isinstance(admitted, Denied):
+            return False
+        who = admitted.who
+        entry, _ = await self._readable(who, admitted.decision, Operation.REMOVE, budget)
         if entry is None:
             return False
         removed = await self.tiers.delete(who.digest)

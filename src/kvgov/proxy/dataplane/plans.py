@@ -224,6 +224,8 @@ class GetPlan:
     reader: SealReader | None
     windows: list[memoryview]
     source: BorrowedValue | None = None
+    #: the decision that admitted the read (recorded with the ``kv:get`` once it was sent)
+    decision: Decision | None = None
 
     def release(self) -> None:
         if self.source is not None:
