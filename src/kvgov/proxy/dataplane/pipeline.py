@@ -24,8 +24,9 @@ and counted (``kvgov_dataplane_unreadable_total``). A tier's capacity eviction i
 ``kv:evict`` event (:meth:`Pipeline.tier_evicted`). Denials are recorded one event each up to the
 :class:`~kvgov.proxy.dataplane.limits.DenialGate`'s caps (per connection, the one whose handler
 runs: :data:`DENIAL_BUDGET`, and per second); beyond them one summary event per connection and
-second says how many were suppressed. With ``governance=False`` policy, encryption and the
-ledger are skipped (benchmarks only).
+second says how many were suppressed. The policy, the sealer (the keyring) and the event sink
+are always there; a benchmark measuring "governance off" passes the named null ones
+(:mod:`kvgov.proxy.dataplane.unsafe`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from kvgov.proxy.dataplane.plans import (
     segments_per_job,
 )
 from kvgov.proxy.dataplane.records import entry_gone, evict_event, put_event
+from kvgov.proxy.dataplane.unsafe import NullEventSink, PlaintextSealer
 from kvgov.types import EntryState, EventKind, Operation, Outcome, Scope
 from kvgov.wire.itemmeta import check_item_meta
 from kvgov.wire.messages import RequestContext
@@ -87,7 +89,7 @@ class Allowed:
     """An operation identity and policy admitted (:meth:`Pipeline.admit`)."""
 
     who: Who
-    decision: Decision | None
+    decision: Decision
 
 
 class Pipeline:
@@ -101,18 +103,15 @@ class Pipeline:
         metrics: DataPlaneMetrics,
         sender: Executor | None = None,
         index: EntryIndex | None = None,
-        governance: bool = True,
-        policy: PolicyEngine | None = None,
-        keyring: Keyring | None = None,
-        sink: EventSink | None = None,
+        policy: PolicyEngine,
+        keyring: Keyring | PlaintextSealer,
+        sink: EventSink,
         segment_size: int = 1 << 20,
         inline_crypto_bytes: int = INLINE_CRYPTO_BYTES,
         default_tenant: str | None = None,
         clock: Callable[[], float] = time.time,
         denial_gate: DenialGate | None = None,
     ) -> None:
-        if governance and (policy is None or keyring is None or sink is None):
-            raise KvgovError("a governed pipeline needs policy, keyring and ledger sink")
         self.tiers = tiers
         self.pseudonymizer = pseudonymizer
         self.pool = pool
@@ -121,9 +120,9 @@ class Pipeline:
         self.sender = sender if sender is not None else executor
         self.metrics = metrics
         self.index = index if index is not None else EntryIndex()
-        self.governance = governance
         self.policy = policy
-        self.keyring = keyring
+        #: the keys values are sealed with (None only with the benchmarks' PlaintextSealer)
+        self._keys: Keyring | None = keyring if isinstance(keyring, Keyring) else None
         self.sink = sink
         self.segment_size = segment_size
         #: chunks up to this size are sealed and opened on the event loop
@@ -140,12 +139,17 @@ class Pipeline:
         self._storing: set[str] = set()
 
     @property
-    def sink(self) -> EventSink | None:
-        """Where events go (None: nowhere, ungoverned)."""
+    def keyring(self) -> Keyring | None:
+        """The keyring, for the sidecar's key upkeep (None: values are not sealed)."""
+        return self._keys
+
+    @property
+    def sink(self) -> EventSink:
+        """Where events go."""
         return self._sink
 
     @sink.setter
-    def sink(self, sink: EventSink | None) -> None:
+    def sink(self, sink: EventSink) -> None:
         self._sink = sink
         # the sink when it can hold events back (an isinstance check against a runtime
         # Protocol walks its attributes: once here, not per event)
@@ -160,9 +164,16 @@ class Pipeline:
 
     # -- policy & ledger -----------------------------------------------------------------------
 
-    async def _decide(self, who: Who, op: Operation, entry: EntryMeta | None) -> Decision | None:
-        if not self.governance or self.policy is None:
-            return None
+    @property
+    def governed(self) -> bool:
+        """No null collaborator stands in (policy, sealer, event sink)."""
+        return (
+            self._keys is not None
+            and not isinstance(self._sink, NullEventSink)
+            and self.policy.revision.policy != "unsafe-allow-all"
+        )
+
+    async def _decide(self, who: Who, op: Operation, entry: EntryMeta | None) -> Decision:
         inp = build_input(who, op, entry)
         decision = self.policy.decide_cached(inp)
         if decision is None:  # the policy engine records what it decides (CachingPolicyEngine)
@@ -181,8 +192,6 @@ class Pipeline:
         )
 
     async def _record(self, event: Event, *, durable: bool) -> None:
-        if not self.governance or self.sink is None:
-            return
         if durable:
             await self.sink.append(event)
             return
@@ -196,7 +205,7 @@ class Pipeline:
         it with others; see ``ledger.lazy_max_delay_ms``)."""
         if self._lazy_sink is not None:
             self._lazy_sink.submit_lazy(event)
-        elif self.sink is not None:
+        else:
             self.sink.submit(event)
 
     async def deny(
@@ -206,7 +215,7 @@ class Pipeline:
         reason = denied.metric_reason
         self.metrics.denials.labels(op.value, reason).inc()
         gate = self.denial_gate
-        if gate is not None and self.governance:
+        if gate is not None:
             if gate.flush_needed:
                 self.record_suppressed(gate.due())
             if not gate.admit(budget, op.value, reason):
@@ -239,7 +248,7 @@ class Pipeline:
 
     def end_denials(self, budget: DenialBudget) -> None:
         """A connection closed: record the summary of what its budget still holds."""
-        if self.denial_gate is not None and self.governance:
+        if self.denial_gate is not None:
             self.record_suppressed(self.denial_gate.due(final=(budget,)))
 
     def record_suppressed(self, summaries: list[Suppressed]) -> None:
@@ -272,7 +281,7 @@ class Pipeline:
         who, denied = resolve(identity, raw_key, ctx, self.pseudonymizer, self.default_tenant)
         if denied is None and who is not None:
             decision = await self._decide(who, op, None)
-            if decision is None or decision.allowed:
+            if decision.allowed:
                 return Allowed(who, decision)
             denied = Denied(decision.reason or "denied", identity, ctx, decision)
         assert denied is not None  # resolve gives one or the other
@@ -286,7 +295,7 @@ class Pipeline:
         head at its longest: item metadata is refused beyond that)."""
         del item_meta  # bounded by sealformat.MAX_HEAD_SIZE whatever it holds
         try:
-            body = sealed_size(length, self.segment_size) if self.governance else length
+            body = sealed_size(length, self.segment_size) if self._keys is not None else length
         except ValueError:  # beyond what one sealed chunk can hold
             return 1 << 62
         return size_class(body + sealformat.MAX_HEAD_SIZE)
@@ -325,7 +334,7 @@ class Pipeline:
     async def _plan_put(
         self,
         who: Who,
-        decision: Decision | None,
+        decision: Decision,
         length: int,
         raw_meta: Mapping[str, Any],
         given: Lease | None,
@@ -341,15 +350,15 @@ class Pipeline:
             if given is not None:
                 given.release()
             return kept
-        allowed = decision.tiers if decision is not None else self.tiers.names
+        allowed = decision.tiers
         if not any(name in self.tiers.names for name in allowed):
             if given is not None:
                 given.release()
             return Denied("no_allowed_tier", who.identity, who.ctx, decision)
-        scope_user = who.key_user if decision is not None and decision.scope is Scope.USER else None
-        governed = decision is not None and self.keyring is not None
-        head = sealformat.encode_head(item_meta, length, sealed=governed)
-        body_len = sealed_size(length, self.segment_size) if governed else length
+        scope_user = who.key_user if decision.scope is Scope.USER else None
+        keys = self._keys
+        head = sealformat.encode_head(item_meta, length, sealed=keys is not None)
+        body_len = sealed_size(length, self.segment_size) if keys is not None else length
         if given is None:
             lease = await self.pool.acquire(len(head) + body_len, who.identity.engine)
         else:
@@ -366,8 +375,8 @@ class Pipeline:
                 dst = reserved.view[len(head) :]
             make: Callable[[], SealWriter] | None = None
             windows: list[memoryview] = []
-            if governed and self.keyring is not None:
-                keyring = self.keyring
+            if keys is not None:
+                keyring = keys
 
                 def make_writer() -> SealWriter:
                     return keyring.sealer(
@@ -423,21 +432,20 @@ class Pipeline:
         if entry is None and who.digest not in self._storing:
             return None
         reason = "live" if entry is not None else "being_stored"
-        if self.governance:
-            event = self._event(
-                EventKind.KV_PUT_KEPT,
-                who,
-                outcome=Outcome.OK,
-                reason=reason,
-                decision_id=decision.decision_id if decision else None,
-                policy_revision=decision.policy_revision if decision else None,
-            )
-            try:
-                self._submit_lazy(event)
-            except LedgerBackpressureError:
-                self._record_soon(event)
-            except KvgovError as exc:
-                log.error("dataplane.event.unrecorded", extra={"error": exc.code})
+        event = self._event(
+            EventKind.KV_PUT_KEPT,
+            who,
+            outcome=Outcome.OK,
+            reason=reason,
+            decision_id=decision.decision_id if decision else None,
+            policy_revision=decision.policy_revision if decision else None,
+        )
+        try:
+            self._submit_lazy(event)
+        except LedgerBackpressureError:
+            self._record_soon(event)
+        except KvgovError as exc:
+            log.error("dataplane.event.unrecorded", extra={"error": exc.code})
         return Kept(who, reason)
 
     async def store_put(self, plan: PutPlan) -> StoredPut:
@@ -447,9 +455,9 @@ class Pipeline:
         try:
             await plan.sealed()
             now = self.clock()
-            ttl = decision.ttl_s if decision is not None else None
+            ttl = decision.ttl_s
             expires_at = now + ttl if ttl else None
-            allowed = decision.tiers if decision is not None else self.tiers.names
+            allowed = decision.tiers
             total = plan.body_offset + (
                 plan.writer.sealed_len if plan.writer is not None else plan.length
             )
@@ -467,9 +475,9 @@ class Pipeline:
                 )
         finally:
             plan.abort()
-        scope = decision.scope if decision is not None else None
+        scope = decision.scope
         key = plan.writer.key if plan.writer is not None else None
-        sensitivity = (decision.sensitivity if decision else None) or who.ctx.sensitivity
+        sensitivity = decision.sensitivity or who.ctx.sensitivity
         entry = EntryMeta(
             tenant=who.tenant,
             owner=who.actor,
@@ -485,22 +493,19 @@ class Pipeline:
         )
         self.index.set(who.digest, entry)
         stored = StoredPut(who.digest, entry)
-        if self.governance and decision is not None:
-            try:
-                stored.recorded = await self._queue(
-                    put_event(self._event, who, decision, entry, written)
-                )
-            except BaseException:
-                await self.unstore(stored)
-                raise
+        try:
+            stored.recorded = await self._queue(
+                put_event(self._event, who, decision, entry, written)
+            )
+        except BaseException:
+            await self.unstore(stored)
+            raise
         self._put_bytes.inc(plan.length)
         return stored
 
     async def _queue(self, event: Event) -> Awaitable[Any]:
         """Queue ``event``; returns what resolves once it is durable. A full queue is
         backpressure: wait here (in order) until the event is written."""
-        if self.sink is None:
-            raise KvgovError("no ledger sink")
         try:
             if self._queued_sink is not None:  # acknowledged once journaled
                 return self._queued_sink.submit_queued(event)
@@ -528,8 +533,6 @@ class Pipeline:
             self.index.set(digest, replace(entry, tiers=remaining))
         else:
             self.index.pop(digest)
-        if not self.governance or self.sink is None:
-            return
         event = evict_event(digest, entry, tier, remaining)
         try:
             self._submit_lazy(event)
@@ -589,17 +592,16 @@ class Pipeline:
         who = admitted.who
         entry, decision = await self._readable(who, admitted.decision, Operation.EXISTS, budget)
         found = entry is not None and await self.tiers.contains(who.digest)
-        if self.governance:
-            await self._record(
-                self._event(
-                    EventKind.KV_EXISTS,
-                    who,
-                    outcome=Outcome.HIT if found else Outcome.MISS,
-                    decision_id=decision.decision_id if decision else None,
-                    policy_revision=decision.policy_revision if decision else None,
-                ),
-                durable=False,
-            )
+        await self._record(
+            self._event(
+                EventKind.KV_EXISTS,
+                who,
+                outcome=Outcome.HIT if found else Outcome.MISS,
+                decision_id=decision.decision_id if decision else None,
+                policy_revision=decision.policy_revision if decision else None,
+            ),
+            durable=False,
+        )
         return found
 
     async def get(
@@ -668,8 +670,6 @@ class Pipeline:
         decision: Decision | None,
         reason: str | None = None,
     ) -> None:
-        if not self.governance:
-            return
         await self._record(
             self._event(
                 EventKind.KV_GET if plan is not None else EventKind.KV_MISS,
@@ -712,13 +712,13 @@ class Pipeline:
                 tier = hit.tier
                 value = lease.view[: hit.nbytes]
             envelope = sealformat.parse(value)
-            if not envelope.sealed and not self.governance:
+            if not envelope.sealed and self._keys is None:
                 windows = [envelope.plain_body()]
             else:
-                if self.keyring is None:
+                if self._keys is None:
                     raise ProtocolError("a sealed value needs the keyring to open")
                 reader = envelope.reader(
-                    self.keyring, tenant=who.tenant, cache_key=who.digest.encode()
+                    self._keys, tenant=who.tenant, cache_key=who.digest.encode()
                 )
                 header = reader.header
                 windows = []
@@ -805,18 +805,17 @@ class Pipeline:
         if entry is None and not held:
             return
         self.metrics.unreadable.labels(error.code).inc()
-        if self.governance:
-            event = self._event(
-                EventKind.KV_DELETE,
-                who,
-                outcome=Outcome.ERROR,
-                reason=f"unreadable:{error.code}",
-                tier=tier,
-            )
-            try:
-                await self._record(entry_gone(event, EntryState.DELETED), durable=True)
-            except KvgovError as exc:
-                log.error("dataplane.event.unrecorded", extra={"error": exc.code})
+        event = self._event(
+            EventKind.KV_DELETE,
+            who,
+            outcome=Outcome.ERROR,
+            reason=f"unreadable:{error.code}",
+            tier=tier,
+        )
+        try:
+            await self._record(entry_gone(event, EntryState.DELETED), durable=True)
+        except KvgovError as exc:
+            log.error("dataplane.event.unrecorded", extra={"error": exc.code})
 
     async def remove(
         self,
@@ -835,13 +834,12 @@ class Pipeline:
             return False
         removed = await self.tiers.delete(who.digest)
         self.index.pop(who.digest)
-        if self.governance:
-            await self._record(
-                entry_gone(
-                    self._event(EventKind.KV_DELETE, who, outcome=Outcome.OK), EntryState.DELETED
-                ),
-                durable=True,
-            )
+        await self._record(
+            entry_gone(
+                self._event(EventKind.KV_DELETE, who, outcome=Outcome.OK), EntryState.DELETED
+            ),
+            durable=True,
+        )
         return bool(removed)
 
     async def expired(self) -> list[tuple[str, str | None]]:

@@ -78,7 +78,7 @@ class PutPlan:
     lease: Lease
     length: int
     item_meta: Mapping[str, Any]
-    decision: Decision | None
+    decision: Decision
     #: makes the writer (None: not sealed); run by the first job, which resolves ``writer_job``
     make_writer: Callable[[], SealWriter] | None
     body_offset: int
