@@ -1,19 +1,22 @@
 """The governed pipeline every KV operation goes through, whatever listener it came from.
 
 decode (done by the listener) -> identity (key tags, request context, engine; users
-pseudonymised) -> policy (cached fast path first) -> seal/open (segment by segment, in a small
-thread pool, into pooled buffers) -> tier store (the policy's tiers and TTL) -> ledger event.
+pseudonymised) -> policy (cached fast path first) -> seal/open (segment by segment, into pooled
+buffers) -> tier store (the policy's tiers and TTL) -> ledger event. Listeners reach it only
+through a per-connection :class:`~kvgov.proxy.dataplane.door.Door`.
 
-A put is planned before its bytes arrive (:meth:`Pipeline.plan_put`; a put of a key that is live
-or being stored is :class:`Kept`: acknowledged, its bytes discarded): the listener receives
-each segment straight into the plan's buffer and calls :meth:`PutPlan.segment_done`, which seals
-it in place while the next segment is on the wire. :meth:`Pipeline.store_put` then writes the
-tiers, makes the entry visible and queues its ``kv:put`` event; :meth:`Pipeline.settle_put`
-waits for that event's group commit (a listener acks only then, and keeps reading meanwhile).
-A put whose event cannot be recorded is removed from every tier again: nothing stays stored
-unrecorded. A denied put stores nothing; a denied get is a miss; every denial is a
-``kv:entry:denied`` event. A put item whose metadata is not one kvgov stores
-(:func:`~kvgov.wire.itemmeta.check_item_meta`) is refused the same way (``bad_item_meta``).
+:meth:`Pipeline.admit` is identity and policy: ``Allowed | Denied``, a denial counted and
+recorded here, once. A put (:meth:`Pipeline.put`) is admitted and planned before its bytes
+arrive (a put of a key that is live or being stored is :class:`Kept`: acknowledged, its bytes
+discarded): the listener receives each segment straight into the plan's buffer, which seals it
+in place while the next segment is on the wire. :meth:`Pipeline.store_put` then writes the
+tiers, makes the entry visible and queues its ``kv:put`` event; the door acks once that event
+is durable. A put whose event cannot be recorded is removed from every tier again
+(:meth:`Pipeline.unstore`): nothing stays stored unrecorded. A denied put stores nothing; a
+denied get is a miss; every denial is a ``kv:entry:denied`` event. A put item whose metadata is
+not one kvgov stores (:func:`~kvgov.wire.itemmeta.check_item_meta`) is refused the same way
+(``bad_item_meta``). A get is :meth:`Pipeline.find` (a miss is recorded), :meth:`Pipeline.load`
+and, once its bytes were handed to the socket, :meth:`Pipeline.served` (the ``kv:get``).
 
 What a tier returns is checked before a hit is announced (:meth:`Pipeline.load`): the value's
 envelope (:mod:`kvgov.keys.sealformat`: length and item metadata, bound into the sealed chunk's
@@ -22,10 +25,10 @@ edited, truncated, extended, flipped or moved at rest is a miss, never bytes on 
 dropped from the index and every tier, recorded (``kv:delete``, reason ``unreadable:<code>``)
 and counted (``kvgov_dataplane_unreadable_total``). A tier's capacity eviction is a
 ``kv:evict`` event (:meth:`Pipeline.tier_evicted`). Denials are recorded one event each up to the
-:class:`~kvgov.proxy.dataplane.limits.DenialGate`'s caps (per connection, the one whose handler
-runs: :data:`DENIAL_BUDGET`, and per second); beyond them one summary event per connection and
-second says how many were suppressed. The policy, the sealer (the keyring) and the event sink
-are always there; a benchmark measuring "governance off" passes the named null ones
+:class:`~kvgov.proxy.dataplane.limits.DenialGate`'s caps (per connection: the door's budget;
+and per second); beyond them one summary event per connection and second says how many
+were suppressed. The policy, the sealer (the keyring) and the event sink are always there; a
+benchmark measuring "governance off" passes the named null ones
 (:mod:`kvgov.proxy.dataplane.unsafe`).
 """
 
