@@ -347,7 +347,9 @@ class WireConnection(StreamProtocol):
         try:
             while self._pending:
                 job = self._pending[0]
-                replies = [_put_reply(ack) for ack in await asyncio.gather(*job.acks)]
+                replies = [
+                    _put_reply(ack.result() if ack.done() else await ack) for ack in job.acks
+                ]
                 self.send(FrameType.PUT, job.sid, {"results": replies})
                 self._observe(FrameType.PUT, job.started)
                 self._pending.popleft()
@@ -461,10 +463,14 @@ class WireConnection(StreamProtocol):
             self._acks.pop(sid, None)
 
 
+#: the reply of every stored item (shared: only ever encoded)
+_STORED: dict[str, Any] = {"code": 0}
+
+
 def _put_reply(ack: Ack) -> dict[str, Any]:
     """A PUT item's result on the wire (``docs/protocol.md``)."""
     if ack.stored:
-        return {"code": 0}
+        return _STORED
     if ack.outcome == "error":
         return {"code": int(ErrorCode.INTERNAL), "reason": ack.reason or "store_failed"}
     reason = ack.reason or "denied"
