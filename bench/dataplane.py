@@ -1,18 +1,21 @@
 """Data-plane throughput on loopback, side by side in one run (quote the ratios, not absolutes).
 
 1. kvgov wire: governed (Rego policy + AES-GCM sealing + Postgres ledger) vs the same sidecar
-   with governance off; same client (``kvgov.wire.WireClient``), same workload: N puts then N
-   gets of 1, 4 and 32 MiB chunks, ``--inflight`` chunks (default 4) and at least
-   ``--inflight-mib`` (default 32) in flight on one connection both ways (puts:
-   ``put_stream`` with that many PUT frames outstanding, as LMCache's connector keeps several
-   chunks of a batched put in flight; gets: GET frames of that many keys, as ``batched_get``
-   asks), into preallocated client buffers.
+   with governance off (the named null collaborators: ``unsafe-allow-all`` policy,
+   ``unsafe-plaintext`` sealer, ``unsafe-null`` event sink; development only); same client
+   (``kvgov.wire.WireClient``), same workload: N puts then N gets of 1, 4 and 32 MiB chunks,
+   ``--inflight`` chunks (default 4) and at least ``--inflight-mib`` (default 32) in flight
+   on one connection both ways (puts: ``put_stream`` with that many PUT frames outstanding,
+   as LMCache's connector keeps several chunks of a batched put in flight; gets: GET frames
+   of that many keys, as ``batched_get`` asks), into preallocated client buffers.
 2. ``lm://``: kvgov's governed ``lm://`` listener vs LMCache's own ``lmcache_server``, both
    driven by one blocking client that speaks LMCache's protocol with LMCache's own
    ``ClientMetaMessage``/``ServerMetaMessage`` classes (what its ``lm://`` connector sends).
 
 3. The floor (``bench/floor.py``): the same transport with no kvgov code, plain vs with AES-GCM
    beside the copies: the least any governed path can add here, to read the ratios of 1. against.
+   Measured first, in the same run; the ``/floor`` columns of 1. and 2. are governed GB/s as a
+   fraction of the floor's sealed (put) and opened (get) GB/s at that size.
 
 Every server runs in its own process (like ``lmcache_server``), so no side shares the client's
 GIL. Tier chain on both kvgov sidecars: ``memory`` only (2 GiB: every size's chunks fit);
@@ -52,22 +55,27 @@ from floor import print_floor  # noqa: E402 - after the path set-up above
 
 MIB = 1 << 20
 SIZES = (1 * MIB, 4 * MIB, 32 * MIB)
+#: "governance off": values unsealed, no events (with policy.engine = unsafe-allow-all)
+UNSAFE_NULL_COLLABORATORS: dict[str, Any] = {"sealer": "unsafe-plaintext", "events": "unsafe-null"}
 
 
 def settings_for(tmp: Path, db_url: str, *, governance: bool) -> Any:
+    """A development sidecar; ``governance=False``: with the named null collaborators."""
     from kvgov.config import Settings
 
+    off: dict[str, Any] = {} if governance else UNSAFE_NULL_COLLABORATORS
     return Settings(
         data_dir=tmp,
         database={"url": db_url},
+        policy={"engine": "unsafe-allow-all"} if not governance else {},
         dataplane={
             "port": 0,
             # the shipped example policy names lm-demo for demo ("*" does not admit lm://)
             "lm_port": 0,
             "lm_engine_id": "lm-demo",
             "lm_tenants": ["demo"],
-            "governance": governance,
             "buffer_pool_bytes": 512 * MIB,
+            **off,
         },
         tiers={"chain": ["memory"], "memory_max_bytes": 2048 * MIB},
     )
@@ -332,6 +340,8 @@ def main() -> None:
     if args.only == "floor":
         print_floor(sizes, args.mib, args.repeat)
         return
+    # the floor first, in the same run: the governed columns are read against it
+    floors = print_floor(sizes, args.mib, args.repeat) if args.only != "lm" else {}
     import psycopg
     from tests.lmcache_harness import free_port, lmcache_server
 
@@ -358,8 +368,8 @@ def main() -> None:
                 if args.only != "lm":
                     print("\nkvgov wire, same client: governed vs governance off (GB/s)")
                     print(
-                        f"{'chunk':>7} {'put gov':>8} {'put off':>8} {'ratio':>6}"
-                        f" {'get gov':>8} {'get off':>8} {'ratio':>6}"
+                        f"{'chunk':>7} {'put gov':>8} {'put off':>8} {'ratio':>6} {'/floor':>6}"
+                        f" {'get gov':>8} {'get off':>8} {'ratio':>6} {'/floor':>6}"
                     )
                     cpu_rows = []
                     for size in sizes:
@@ -374,7 +384,9 @@ def main() -> None:
                         o = median_pair([(r.put, r.get) for r in os_])
                         print(
                             f"{size // MIB:>5}MiB {g[0]:8.2f} {o[0]:8.2f} {o[0] / g[0]:5.2f}x"
-                            f" {g[1]:8.2f} {o[1]:8.2f} {o[1] / g[1]:5.2f}x",
+                            f" {of_floor(floors, size, 'put-sealed', g[0])}"
+                            f" {g[1]:8.2f} {o[1]:8.2f} {o[1] / g[1]:5.2f}x"
+                            f" {of_floor(floors, size, 'get-sealed', g[1])}",
                             flush=True,
                         )
                         cpu_rows.append(
@@ -401,7 +413,8 @@ def main() -> None:
                     print("\nlm:// protocol: kvgov governed listener vs lmcache_server (GB/s)")
                     print(
                         f"{'chunk':>7} {'put kvgov':>9} {'put lmc':>8} {'speedup':>7}"
-                        f" {'get kvgov':>9} {'get lmc':>8} {'speedup':>7}"
+                        f" {'/floor':>6} {'get kvgov':>9} {'get lmc':>8} {'speedup':>7}"
+                        f" {'/floor':>6}"
                     )
                     for size in sizes:
                         n = rounds_for(size, args.mib)
@@ -412,14 +425,20 @@ def main() -> None:
                         k, m = median_pair(ks), median_pair(ms)
                         print(
                             f"{size // MIB:>5}MiB {k[0]:9.2f} {m[0]:8.2f} {k[0] / m[0]:6.2f}x"
-                            f" {k[1]:9.2f} {m[1]:8.2f} {k[1] / m[1]:6.2f}x",
+                            f" {of_floor(floors, size, 'put-sealed', k[0])}"
+                            f" {k[1]:9.2f} {m[1]:8.2f} {k[1] / m[1]:6.2f}x"
+                            f" {of_floor(floors, size, 'get-sealed', k[1])}",
                             flush=True,
                         )
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    if args.only is None:
-        print_floor(sizes, args.mib, args.repeat)
+
+
+def of_floor(floors: dict[int, dict[str, float]], size: int, mode: str, gbps: float) -> str:
+    """Governed GB/s as a fraction of the floor's ``mode`` GB/s at ``size`` (``-``: none)."""
+    f = floors.get(size, {}).get(mode)
+    return f"{gbps / f:6.2f}" if f else f"{'-':>6}"
 
 
 if __name__ == "__main__":

@@ -186,7 +186,9 @@ def floor(size: int, budget_mib: int, repeat: int) -> dict[str, float]:
     return {mode: statistics.median(v) for mode, v in runs.items()}
 
 
-def print_floor(sizes: list[int], budget_mib: int, repeat: int) -> None:
+def print_floor(sizes: list[int], budget_mib: int, repeat: int) -> dict[int, dict[str, float]]:
+    """Measure and print the floor; returns each size's medians (GB/s by mode)."""
+    out: dict[int, dict[str, float]] = {}
     print("\nfloor: raw sockets, no kvgov code; AES-256-GCM in 1 MiB segments beside the copies")
     print("(GB/s; the ratio is the least that encryption alone adds to this transport here)")
     print(
@@ -194,13 +196,14 @@ def print_floor(sizes: list[int], budget_mib: int, repeat: int) -> None:
         f" {'get plain':>9} {'opened':>7} {'ratio':>6}"
     )
     for size in sizes:
-        f = floor(size, budget_mib, repeat)
+        f = out[size] = floor(size, budget_mib, repeat)
         print(
             f"{size // MIB:>5}MiB {f['put-plain']:9.2f} {f['put-sealed']:7.2f}"
             f" {f['put-plain'] / f['put-sealed']:5.2f}x {f['get-plain']:9.2f}"
             f" {f['get-sealed']:7.2f} {f['get-plain'] / f['get-sealed']:5.2f}x",
             flush=True,
         )
+    return out
 
 
 def main() -> None:

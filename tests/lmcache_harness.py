@@ -457,10 +457,13 @@ def sidecar_env(
         "KVGOV_DATAPLANE__HOST": "",
         "KVGOV_DATAPLANE__UNIX_PATH": str(data_dir / "data.sock"),
         "KVGOV_DATAPLANE__LM_PORT": "-1",
-        "KVGOV_DATAPLANE__GOVERNANCE": "true" if governance else "false",
         "KVGOV_POLICY__DATA_FILE": str(data_file),
         "KVGOV_TIERS__FILESYSTEM_FSYNC": "false",
     }
+    if not governance:  # the named null collaborators (development only)
+        env["KVGOV_POLICY__ENGINE"] = "unsafe-allow-all"
+        env["KVGOV_DATAPLANE__SEALER"] = "unsafe-plaintext"
+        env["KVGOV_DATAPLANE__EVENTS"] = "unsafe-null"
     if database_url:
         env["KVGOV_DATABASE__URL"] = database_url
     if tiers:

@@ -250,8 +250,12 @@ class DataPlaneSettings(_Section):
     #: the sidecar may use two CPUs or fewer (affinity and cgroup quota), where handing work to
     #: another thread only adds work; 1 MiB with more (the threads then run beside the loop)
     inline_crypto_bytes: int | None = Field(default=None, ge=0)
-    #: ``False`` switches policy, encryption and the ledger off: for benchmarks only
-    governance: bool = True
+    #: what seals values: ``"unsafe-plaintext"`` stores them as they came (benchmarks only:
+    #: refused in production and outside development)
+    sealer: Literal["aes-256-gcm", "unsafe-plaintext"] = "aes-256-gcm"
+    #: where the data plane's events go: ``"unsafe-null"`` records none (benchmarks only:
+    #: refused in production and outside development)
+    events: Literal["ledger", "unsafe-null"] = "ledger"
 
     @model_validator(mode="after")
     def _one_token_source(self) -> DataPlaneSettings:
@@ -380,8 +384,10 @@ class Settings(BaseSettings):
         problems: list[str] = []
         if self.policy.engine == "unsafe-allow-all":
             problems.append("policy.engine=unsafe-allow-all allows every operation")
-        if not self.dataplane.governance:
-            problems.append("dataplane.governance=false stores plaintext without policy")
+        if self.dataplane.sealer == "unsafe-plaintext":
+            problems.append("dataplane.sealer=unsafe-plaintext stores values unencrypted")
+        if self.dataplane.events == "unsafe-null":
+            problems.append("dataplane.events=unsafe-null records nothing in the ledger")
         if not self.api.auth:
             problems.append("api.auth=false leaves the compliance API open")
         dp = self.dataplane

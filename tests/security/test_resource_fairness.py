@@ -31,7 +31,7 @@ ITEMS = 4096
 
 @contextmanager
 def turns_seen(sc: Any) -> Iterator[set[int]]:
-    """The loop turns during which the pipeline identified a key."""
+    """The loop turns during which the pipeline admitted (identified) a key."""
     seen: set[int] = set()
     turn = 0
 
@@ -41,19 +41,19 @@ def turns_seen(sc: Any) -> Iterator[set[int]]:
             turn += 1
             await asyncio.sleep(0)
 
-    identify = sc.pipeline.identify
+    admit = sc.pipeline.admit
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         seen.add(turn)
-        return identify(*args, **kwargs)
+        return admit(*args, **kwargs)
 
-    sc.pipeline.identify = counting
+    sc.pipeline.admit = counting
     task = asyncio.get_running_loop().create_task(ticker())
     try:
         yield seen
     finally:
         task.cancel()
-        sc.pipeline.identify = identify
+        sc.pipeline.admit = admit
 
 
 async def test_a_4096_key_exists_frame_yields_to_other_connections(

@@ -79,6 +79,19 @@ def test_production_refuses_unsafe_combinations() -> None:
     assert "kek_path" in text
 
 
+def test_production_refuses_the_benchmarks_null_collaborators() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(
+            environment="production",
+            dataplane={"sealer": "unsafe-plaintext", "events": "unsafe-null"},
+        )
+    text = err.value.diagnostics()
+    assert "dataplane.sealer=unsafe-plaintext" in text
+    assert "dataplane.events=unsafe-null" in text
+    with pytest.raises(ConfigError, match="sealer"):
+        load_settings(dataplane={"sealer": "none"})  # only the two named choices
+
+
 def test_production_accepts_a_safe_configuration(tmp_path: Path) -> None:
     s = load_settings(
         environment="production",

@@ -26,7 +26,7 @@ from kvgov import __version__
 from kvgov.config import Settings
 from kvgov.connectors.tiers.chain import TierChain
 from kvgov.connectors.tiers.factory import build_tiers
-from kvgov.errors import KvgovError
+from kvgov.errors import ConfigError, KvgovError
 from kvgov.keys.keyring import Keyring
 from kvgov.keys.store import WrappedKeyStore
 from kvgov.ledger.db import utcnow
@@ -40,6 +40,7 @@ from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
 from kvgov.proxy.dataplane.pipeline import Pipeline
 from kvgov.proxy.dataplane.plans import inline_crypto_bytes, usable_cpus
 from kvgov.proxy.dataplane.server import ServerConfig, WireServer
+from kvgov.proxy.dataplane.unsafe import NullEventSink, PlaintextSealer
 from kvgov.types import Environment, EventKind, Outcome
 
 if TYPE_CHECKING:
@@ -178,7 +179,7 @@ class Sidecar:
                 attrs={
                     "version": __version__,
                     "data_revision": revision.data if revision is not None else None,
-                    "governance": self.pipeline.governance,
+                    "governance": self.pipeline.governed,
                     "tiers": list(self.settings.tiers.chain),
                     "listeners": self.addresses,
                     "environment": str(self.settings.environment),
@@ -373,7 +374,19 @@ async def build_sidecar(
 ) -> Sidecar:
     """Build (not start) a sidecar. ``policy``/``sink`` override the configured ones (tests)."""
     dp = settings.dataplane
-    governance = dp.governance
+    recorded = dp.events == "ledger"
+    sealed = dp.sealer == "aes-256-gcm"
+    unsafe = [
+        name
+        for name, on in (
+            ("dataplane.sealer=unsafe-plaintext", not sealed),
+            ("dataplane.events=unsafe-null", not recorded),
+            ("policy.engine=unsafe-allow-all", settings.policy.engine == "unsafe-allow-all"),
+        )
+        if on
+    ]
+    if unsafe and settings.environment is not Environment.DEVELOPMENT:
+        raise ConfigError(f"{', '.join(unsafe)}: benchmarks only; set environment=development")
     metrics = DataPlaneMetrics()
     executor = ThreadPoolExecutor(max_workers=dp.crypto_threads, thread_name_prefix="kvgov-crypto")
     sender = ThreadPoolExecutor(max_workers=dp.send_threads, thread_name_prefix="kvgov-send")
@@ -382,14 +395,9 @@ async def build_sidecar(
     pseudonymizer = Pseudonymizer.from_file(settings.pseudonym_key_path)
     index = EntryIndex()
     engine = writer = key_events = None
-    keyring: Keyring | None = None
-    if governance:
-        from kvgov.keys.kek import FileKekProvider, generate_kek_file
-        from kvgov.ledger.chain import generate_signing_key_file, load_signing_key
+    keyring: Keyring | PlaintextSealer = PlaintextSealer()
+    if recorded or sealed:
         from kvgov.ledger.db import make_engine, migrate
-        from kvgov.ledger.journal import Journal
-        from kvgov.ledger.writer import LedgerWriter
-        from kvgov.proxy.dataplane.restore import load_index
 
         if settings.environment is Environment.DEVELOPMENT:
             migrate(settings)  # a development sidecar keeps its own schema current
@@ -398,32 +406,41 @@ async def build_sidecar(
 
             check_schema(settings)
         engine = make_engine(settings.database_url, pool_size=settings.database.pool_size)
-        if sink is None:
-            generate_signing_key_file(settings.signing_key_path)
-            writer = LedgerWriter(
-                engine,
-                chain_id=settings.chain_id,
-                signing_key=load_signing_key(settings.signing_key_path),
-                batch_max_events=settings.ledger.batch_max_events,
-                queue_max_events=settings.ledger.queue_max_events,
-                lazy_max_delay_ms=settings.ledger.lazy_max_delay_ms,
-                journal=(
-                    Journal(
-                        settings.journal_path,
-                        segment_bytes=settings.ledger.journal_segment_mib << 20,
-                    )
-                    if settings.ledger.journal
-                    else None
-                ),
-                journal_lazy_events=settings.ledger.journal_lazy_events,
-            )
-            await writer.start()
-            sink = writer
-        if settings.environment is Environment.DEVELOPMENT and not settings.kek_path.exists():
-            generate_kek_file(settings.kek_path)
+    if sink is None and not recorded:
+        sink = NullEventSink()
+    if sink is None and engine is not None:
+        from kvgov.ledger.chain import generate_signing_key_file, load_signing_key
+        from kvgov.ledger.journal import Journal
+        from kvgov.ledger.writer import LedgerWriter
+
+        generate_signing_key_file(settings.signing_key_path)
+        writer = LedgerWriter(
+            engine,
+            chain_id=settings.chain_id,
+            signing_key=load_signing_key(settings.signing_key_path),
+            batch_max_events=settings.ledger.batch_max_events,
+            queue_max_events=settings.ledger.queue_max_events,
+            lazy_max_delay_ms=settings.ledger.lazy_max_delay_ms,
+            journal=(
+                Journal(
+                    settings.journal_path,
+                    segment_bytes=settings.ledger.journal_segment_mib << 20,
+                )
+                if settings.ledger.journal
+                else None
+            ),
+            journal_lazy_events=settings.ledger.journal_lazy_events,
+        )
+        await writer.start()
+        sink = writer
+    assert sink is not None  # the configured ledger, the given sink or the null one
+    if sealed and engine is not None:
+        from kvgov.keys.kek import FileKekProvider, generate_kek_file
         from kvgov.ledger.keystore import SqlKeyStore
         from kvgov.proxy.keys_service import KeyEventRecorder
 
+        if settings.environment is Environment.DEVELOPMENT and not settings.kek_path.exists():
+            generate_kek_file(settings.kek_path)
         store: WrappedKeyStore = SqlKeyStore(engine)
         key_events = KeyEventRecorder(sink, asyncio.get_running_loop(), principal=settings.chain_id)
         keyring = Keyring.from_settings(
@@ -432,12 +449,15 @@ async def build_sidecar(
             FileKekProvider(settings.kek_path, environment=settings.environment),
             on_change=key_events,
         )
-        if policy is None:
-            from kvgov.policy.factory import build_policy_engine
-            from kvgov.policy.recording import EventDecisionRecorder
+    if policy is None:
+        from kvgov.policy.factory import build_policy_engine
+        from kvgov.policy.recording import EventDecisionRecorder
 
-            # the caching engine records every deny and the first allow of each decision
-            policy = build_policy_engine(settings, recorder=EventDecisionRecorder(sink))
+        # the caching engine records every deny and the first allow of each decision
+        policy = build_policy_engine(settings, recorder=EventDecisionRecorder(sink))
+    if recorded and engine is not None:
+        from kvgov.proxy.dataplane.restore import load_index
+
         await asyncio.get_running_loop().run_in_executor(
             None, load_index, engine, index, time.time()
         )
@@ -464,7 +484,6 @@ async def build_sidecar(
         sender=sender,
         metrics=metrics,
         index=index,
-        governance=governance,
         policy=policy,
         keyring=keyring,
         sink=sink,

@@ -13,31 +13,29 @@ the PUT as ``bad_item_meta``, recorded), stored with the entry (the dtype by its
 kvgov wire stores it) and returned by GET (the name mapped back to LMCache's int). A stored
 value that fails its checks is a miss (``FAIL``), never a dropped connection.
 
-A PUT is sealed and stored by the connection's storer task while the next request is read
-(PUTs of a connection are stored in request order, a run of ready ones in one pass of the event
-loop, and any other request first waits until they are stored, so it sees them); its ledger
-event is group-committed in the background (at most ``MAX_UNSETTLED_PUTS`` per connection in
-flight), and a put that cannot be recorded is removed again.
+A PUT is sealed and stored by its door's storer task (:mod:`kvgov.proxy.dataplane.door`)
+while the next request is read (PUTs of a connection are stored in request order, a run of
+ready ones in one pass of the event loop, and any other request first waits until they are
+stored, so it sees them); its ledger event is group-committed in the background (at most
+``MAX_UNSETTLED_PUTS`` per connection in flight), and a put that cannot be recorded is removed
+again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import struct
-from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 from kvgov.errors import ConfigError, KvgovError
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse
 from kvgov.proxy.dataplane.identity import Identity
-from kvgov.proxy.dataplane.limits import ConnectionLimits, DenialBudget, Watchdog
-from kvgov.proxy.dataplane.pipeline import DENIAL_BUDGET, Kept, Pipeline, PutPlan, StoredPut
-from kvgov.types import Operation
+from kvgov.proxy.dataplane.limits import ConnectionLimits, Watchdog
+from kvgov.proxy.dataplane.pipeline import Pipeline
 from kvgov.wire.itemmeta import from_lm, to_lm
-from kvgov.wire.messages import EMPTY_CONTEXT
+from kvgov.wire.messages import EMPTY_CONTEXT as EMPTY
 
 REQUEST = struct.Struct("=iiiiiiiii150s")  # 186 bytes
 REPLY = struct.Struct("=iiiiiiiii")  # 36 bytes
@@ -113,18 +111,14 @@ class LmConnection(StreamProtocol):
         super().__init__()
         self.server = server
         self._handling = False
-        self._unsettled: set[asyncio.Task[None]] = set()
-        #: received PUTs waiting to be stored, oldest first, and the task storing them (started
-        #: when one arrives, gone when none is left)
-        self._to_store: deque[PutPlan] = deque()
-        self._storer: asyncio.Task[None] | None = None
-        self.budget = DenialBudget(server.identity.principal)
+        #: this connection's way into the pipeline
+        self.door = server.pipeline.door(self.listener, server.identity.principal)
         self._admitted = False
 
     @property
     def busy(self) -> bool:
-        """In the middle of a request, or stored PUTs still wait for the ledger."""
-        return self._handling or bool(self._to_store) or bool(self._unsettled)
+        """In the middle of a request, or PUTs still wait to be stored or recorded."""
+        return self._handling or self.door.busy
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         name = transport.get_extra_info("peername")
@@ -140,11 +134,11 @@ class LmConnection(StreamProtocol):
             return
         self._admitted = True
         self.server.connections.add(self)
-        self.server.pipeline.metrics.connections.labels(self.listener).inc()
+        self.door.opened()
         super().connection_made(transport)
 
     def timed_out(self, phase: str) -> None:
-        self.server.pipeline.metrics.timeouts.labels(self.listener, phase).inc()
+        self.door.timed_out(phase)
         self.server.limits.summary.note(
             "dataplane.connection.timed_out", listener=self.listener, phase=phase
         )
@@ -153,10 +147,8 @@ class LmConnection(StreamProtocol):
         if self._admitted:
             self._admitted = False
             self.server.limits.release(self)
-            self.server.pipeline.end_denials(self.budget)
-        if self in self.server.connections:
-            self.server.connections.discard(self)
-            self.server.pipeline.metrics.connections.labels(self.listener).dec()
+            self.door.closed()
+        self.server.connections.discard(self)
         super().connection_lost(exc)
 
     def reply(
@@ -173,10 +165,10 @@ class LmConnection(StreamProtocol):
         self.write(REPLY.pack(code, length, fmt, dtype, s[0], s[1], s[2], s[3], location))
 
     async def handle(self) -> None:
-        DENIAL_BUDGET.set(self.budget)  # this task's denials (and its storer's) count here
         head = memoryview(bytearray(REQUEST.size))
-        metrics = self.server.pipeline.metrics
+        door = self.door
         frame_s = self.server.frame_timeout_s
+        loop = asyncio.get_running_loop()
         while True:
             self.arm_on_data(frame_s)  # idle between requests is allowed, not a partial one
             await self.read_into(head)
@@ -189,12 +181,12 @@ class LmConnection(StreamProtocol):
             if "\x00" in key:
                 key = ""  # a malformed key: denied, never recorded verbatim
             if command not in (PUT, GET, EXIST, LIST, HEALTH) or length < 0:
-                metrics.protocol_errors.labels(self.listener, "BAD_FRAME").inc()
+                door.protocol_error("BAD_FRAME")
                 return  # not LMCache's protocol: close this connection only
-            if command != PUT and self._storer is not None and not self._storer.done():
-                await asyncio.wait([self._storer])  # it sees every earlier PUT
+            if command != PUT:
+                await door.stored()  # it sees every earlier PUT
             self._handling = True
-            started = asyncio.get_running_loop().time()
+            started = loop.time()
             op = {PUT: "put", GET: "get", EXIST: "exists"}.get(command, "health")
             try:
                 if command == PUT:
@@ -203,109 +195,41 @@ class LmConnection(StreamProtocol):
                 elif command == GET:
                     await self._get(key)
                 elif command == EXIST:
-                    await self._exist(key)
+                    self.reply(OK if await door.exists(self.server.identity, key, EMPTY) else FAIL)
                 else:
                     self.reply(OK if command == HEALTH else FAIL)
             finally:
                 self._handling = False
-                metrics.latency.labels(op).observe(asyncio.get_running_loop().time() - started)
+                door.observe(op, loop.time() - started)
 
     async def _put(self, key: str, length: int, meta: dict[str, Any]) -> None:
-        pipeline = self.server.pipeline
-        if pipeline.lease_bound(length) > pipeline.pool.owner_max_bytes:
+        door = self.door
+        if door.lease_bound(length) > door.pool_share:
             # no frame limit in this protocol: a length no buffer can hold closes the
             # connection (reading and dropping up to 2 GiB would only feed the sender)
-            pipeline.metrics.protocol_errors.labels(self.listener, "TOO_LARGE").inc()
+            door.protocol_error("TOO_LARGE")
             self.server.limits.summary.note("dataplane.lm.put_too_large", nbytes=length)
             raise ConnectionClosed
-        if length == 0:  # an empty value: nothing to cache, nothing recorded
-            pipeline.metrics.count_op("put", self.listener, "refused")
-            return
-        who, denied = pipeline.identify(self.server.identity, key, EMPTY_CONTEXT)
-        plan = None
-        frame_s = self.server.frame_timeout_s
-        if denied is None and who is not None:
-            got = await pipeline.plan_put(who, length, meta)  # may wait for the pool
-            self.arm(frame_s)  # the value must arrive in time (a stalled one frees its buffer)
-            if isinstance(got, Kept):  # live already: not rewritten
-                pipeline.metrics.count_op("put", self.listener, "kept")
-                await self.discard(length)
-                self.disarm()
-                return
-            if isinstance(got, PutPlan):
-                plan = got
-            else:
-                denied = got
-        if plan is None:
-            if denied is not None:
-                await pipeline.deny(who, denied, Operation.PUT)
-            pipeline.metrics.count_op("put", self.listener, "denied")
-            self.arm(frame_s)
-            await self.discard(length)
-            self.disarm()
-            return
+        # may wait for the pool
+        session = await door.put(self.server.identity, key, EMPTY, length=length, item_meta=meta)
+        self.arm(self.server.frame_timeout_s)  # the value must arrive in time
         try:
-            for i, window in enumerate(plan.windows):
+            for i, window in enumerate(session.windows):
                 await self.read_into(window)
-                plan.segment_done(i, pipeline.executor)
+                session.received(i)
+            if session.skip:
+                await self.discard(session.skip)
             self.disarm()
         except BaseException:
-            await plan.discard()
+            await session.abandon()
             raise
-        self._to_store.append(plan)
-        if self._storer is None or self._storer.done():
-            self._storer = asyncio.get_running_loop().create_task(self._store_puts())
-        if len(self._unsettled) + len(self._to_store) >= MAX_UNSETTLED_PUTS:
-            if self._to_store and self._storer is not None:
-                await asyncio.wait([self._storer])
-            if len(self._unsettled) >= MAX_UNSETTLED_PUTS:
-                await asyncio.wait(list(self._unsettled), return_when=asyncio.FIRST_COMPLETED)
-
-    async def _store_puts(self) -> None:
-        """Seal-wait and store the queued PUTs in order; each then settles in its own task."""
-        pipeline = self.server.pipeline
-        while self._to_store:
-            plan = self._to_store[0]
-            try:
-                with contextlib.suppress(Exception):  # store_put raises it again
-                    await plan.sealed()
-                stored: StoredPut = await pipeline.store_put(plan)
-            except asyncio.CancelledError:
-                for left in self._to_store:
-                    await left.discard()
-                self._to_store.clear()
-                raise
-            except Exception as exc:  # noqa: BLE001 - PUT has no reply: count it and go on
-                log.warning("dataplane.put.failed", extra={"error": type(exc).__name__})
-                pipeline.metrics.count_op("put", self.listener, "error")
-                continue
-            finally:
-                if self._to_store and self._to_store[0] is plan:
-                    self._to_store.popleft()
-                plan.abort()  # idempotent; releases the buffer if the put never got stored
-            task = asyncio.get_running_loop().create_task(self._settle(stored))
-            self._unsettled.add(task)
-            task.add_done_callback(self._unsettled.discard)
-
-    async def _settle(self, stored: StoredPut) -> None:
-        pipeline = self.server.pipeline
-        try:
-            await pipeline.settle_put(stored)
-        except Exception as exc:  # noqa: BLE001 - already removed from the tiers
-            log.warning("dataplane.put.unrecorded", extra={"error": type(exc).__name__})
-            pipeline.metrics.count_op("put", self.listener, "error")
-            return
-        pipeline.metrics.count_op("put", self.listener, "ok")
+        session.commit()  # PUT has no reply: the door stores, records and counts it
+        if door.unsettled >= MAX_UNSETTLED_PUTS:
+            await door.settled_below(MAX_UNSETTLED_PUTS)
 
     async def _get(self, key: str) -> None:
-        pipeline = self.server.pipeline
-        who, denied = pipeline.identify(self.server.identity, key, EMPTY_CONTEXT)
-        plan = None
-        if denied is not None:
-            await pipeline.deny(who, denied, Operation.GET)
-        elif who is not None:
-            plan = await pipeline.get(who)
-        pipeline.metrics.count_op("get", self.listener, "hit" if plan else "miss")
+        door = self.door
+        plan = await door.get(self.server.identity, key, EMPTY)
         if plan is None:
             self.reply(FAIL)
             return
@@ -314,27 +238,11 @@ class LmConnection(StreamProtocol):
             self.reply(OK, length=plan.length, fmt=fmt, dtype=dtype, shape=shape, location=location)
             self.arm(self.server.frame_timeout_s, "reply")  # the hit's buffer is held meanwhile
             try:
-                await self.send_plan(
-                    plan,
-                    pipeline.executor,
-                    pipeline.sender,
-                    inline_bytes=pipeline.inline_crypto_bytes,
-                )
+                await self.send_plan(plan, door.crypto, door.sender, inline_bytes=door.inline_bytes)
             except KvgovError as exc:  # corrupt at rest: the promised bytes cannot come
-                pipeline.metrics.count_op("get", self.listener, "error")
-                await pipeline.drop_unreadable(plan.who, exc)
+                await door.failed(plan, exc)
                 raise ConnectionClosed from exc
             self.disarm()
+            await door.sent(plan)
         finally:
             plan.release()
-
-    async def _exist(self, key: str) -> None:
-        pipeline = self.server.pipeline
-        who, denied = pipeline.identify(self.server.identity, key, EMPTY_CONTEXT)
-        found = False
-        if denied is not None:
-            await pipeline.deny(who, denied, Operation.EXISTS)
-        elif who is not None:
-            found = await pipeline.exists(who)
-        pipeline.metrics.count_op("exists", self.listener, "hit" if found else "miss")
-        self.reply(OK if found else FAIL)

@@ -1,19 +1,22 @@
 """The governed pipeline every KV operation goes through, whatever listener it came from.
 
 decode (done by the listener) -> identity (key tags, request context, engine; users
-pseudonymised) -> policy (cached fast path first) -> seal/open (segment by segment, in a small
-thread pool, into pooled buffers) -> tier store (the policy's tiers and TTL) -> ledger event.
+pseudonymised) -> policy (cached fast path first) -> seal/open (segment by segment, into pooled
+buffers) -> tier store (the policy's tiers and TTL) -> ledger event. Listeners reach it only
+through a per-connection :class:`~kvgov.proxy.dataplane.door.Door`.
 
-A put is planned before its bytes arrive (:meth:`Pipeline.plan_put`; a put of a key that is live
-or being stored is :class:`Kept`: acknowledged, its bytes discarded): the listener receives
-each segment straight into the plan's buffer and calls :meth:`PutPlan.segment_done`, which seals
-it in place while the next segment is on the wire. :meth:`Pipeline.store_put` then writes the
-tiers, makes the entry visible and queues its ``kv:put`` event; :meth:`Pipeline.settle_put`
-waits for that event's group commit (a listener acks only then, and keeps reading meanwhile).
-A put whose event cannot be recorded is removed from every tier again: nothing stays stored
-unrecorded. A denied put stores nothing; a denied get is a miss; every denial is a
-``kv:entry:denied`` event. A put item whose metadata is not one kvgov stores
-(:func:`~kvgov.wire.itemmeta.check_item_meta`) is refused the same way (``bad_item_meta``).
+:meth:`Pipeline.admit` is identity and policy: ``Allowed | Denied``, a denial counted and
+recorded here, once. A put (:meth:`Pipeline.put`) is admitted and planned before its bytes
+arrive (a put of a key that is live or being stored is :class:`Kept`: acknowledged, its bytes
+discarded): the listener receives each segment straight into the plan's buffer, which seals it
+in place while the next segment is on the wire. :meth:`Pipeline.store_put` then writes the
+tiers, makes the entry visible and queues its ``kv:put`` event; the door acks once that event
+is durable. A put whose event cannot be recorded is removed from every tier again
+(:meth:`Pipeline.unstore`): nothing stays stored unrecorded. A denied put stores nothing; a
+denied get is a miss; every denial is a ``kv:entry:denied`` event. A put item whose metadata is
+not one kvgov stores (:func:`~kvgov.wire.itemmeta.check_item_meta`) is refused the same way
+(``bad_item_meta``). A get is :meth:`Pipeline.find` (a miss is recorded), :meth:`Pipeline.load`
+and, once its bytes were handed to the socket, :meth:`Pipeline.served` (the ``kv:get``).
 
 What a tier returns is checked before a hit is announced (:meth:`Pipeline.load`): the value's
 envelope (:mod:`kvgov.keys.sealformat`: length and item metadata, bound into the sealed chunk's
@@ -22,23 +25,23 @@ edited, truncated, extended, flipped or moved at rest is a miss, never bytes on 
 dropped from the index and every tier, recorded (``kv:delete``, reason ``unreadable:<code>``)
 and counted (``kvgov_dataplane_unreadable_total``). A tier's capacity eviction is a
 ``kv:evict`` event (:meth:`Pipeline.tier_evicted`). Denials are recorded one event each up to the
-:class:`~kvgov.proxy.dataplane.limits.DenialGate`'s caps (per connection, the one whose handler
-runs: :data:`DENIAL_BUDGET`, and per second); beyond them one summary event per connection and
-second says how many were suppressed. With ``governance=False`` policy, encryption and the
-ledger are skipped (benchmarks only).
+:class:`~kvgov.proxy.dataplane.limits.DenialGate`'s caps (per connection: the door's budget;
+and per second); beyond them one summary event per connection and second says how many
+were suppressed. The policy, the sealer (the keyring) and the event sink are always there; a
+benchmark measuring "governance off" passes the named null ones
+(:mod:`kvgov.proxy.dataplane.unsafe`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from kvgov.connectors.tiers.base import copy_into
 from kvgov.connectors.tiers.chain import TierChain
@@ -71,19 +74,25 @@ from kvgov.proxy.dataplane.plans import (
     segments_per_job,
 )
 from kvgov.proxy.dataplane.records import entry_gone, evict_event, put_event
+from kvgov.proxy.dataplane.unsafe import NullEventSink, PlaintextSealer
 from kvgov.types import EntryState, EventKind, Operation, Outcome, Scope
 from kvgov.wire.itemmeta import check_item_meta
 from kvgov.wire.messages import RequestContext
 
-__all__ = ["Found", "GetPlan", "Kept", "Pipeline", "PutPlan", "StoredPut"]
+if TYPE_CHECKING:
+    from kvgov.proxy.dataplane.door import Door
+
+__all__ = ["Allowed", "Denied", "Found", "GetPlan", "Kept", "Pipeline", "PutPlan", "StoredPut"]
 
 log = logging.getLogger("kvgov.dataplane")
 
-#: the denial budget of the connection whose handler (or PUT storer) runs in this context: set
-#: once per connection task, so every denial it causes counts against it
-DENIAL_BUDGET: contextvars.ContextVar[DenialBudget | None] = contextvars.ContextVar(
-    "kvgov_denial_budget", default=None
-)
+
+@dataclass(frozen=True, slots=True)
+class Allowed:
+    """An operation identity and policy admitted (:meth:`Pipeline.admit`)."""
+
+    who: Who
+    decision: Decision
 
 
 class Pipeline:
@@ -97,18 +106,15 @@ class Pipeline:
         metrics: DataPlaneMetrics,
         sender: Executor | None = None,
         index: EntryIndex | None = None,
-        governance: bool = True,
-        policy: PolicyEngine | None = None,
-        keyring: Keyring | None = None,
-        sink: EventSink | None = None,
+        policy: PolicyEngine,
+        keyring: Keyring | PlaintextSealer,
+        sink: EventSink,
         segment_size: int = 1 << 20,
         inline_crypto_bytes: int = INLINE_CRYPTO_BYTES,
         default_tenant: str | None = None,
         clock: Callable[[], float] = time.time,
         denial_gate: DenialGate | None = None,
     ) -> None:
-        if governance and (policy is None or keyring is None or sink is None):
-            raise KvgovError("a governed pipeline needs policy, keyring and ledger sink")
         self.tiers = tiers
         self.pseudonymizer = pseudonymizer
         self.pool = pool
@@ -117,9 +123,9 @@ class Pipeline:
         self.sender = sender if sender is not None else executor
         self.metrics = metrics
         self.index = index if index is not None else EntryIndex()
-        self.governance = governance
         self.policy = policy
-        self.keyring = keyring
+        #: the keys values are sealed with (None only with the benchmarks' PlaintextSealer)
+        self._keys: Keyring | None = keyring if isinstance(keyring, Keyring) else None
         self.sink = sink
         self.segment_size = segment_size
         #: chunks up to this size are sealed and opened on the event loop
@@ -129,27 +135,48 @@ class Pipeline:
         #: caps on denials recorded one event each (None: every denial is recorded)
         self.denial_gate = denial_gate
         self._background: set[asyncio.Task[None]] = set()
+        #: counter children looked up once (``labels()`` costs microseconds per call)
+        self._put_bytes = metrics.op_bytes.labels("put")
+        self._get_bytes = metrics.op_bytes.labels("get")
         #: digests of puts planned and not yet stored or dropped (a second put of one is kept)
         self._storing: set[str] = set()
 
     @property
-    def sink(self) -> EventSink | None:
-        """Where events go (None: nowhere, ungoverned)."""
+    def keyring(self) -> Keyring | None:
+        """The keyring, for the sidecar's key upkeep (None: values are not sealed)."""
+        return self._keys
+
+    @property
+    def sink(self) -> EventSink:
+        """Where events go."""
         return self._sink
 
     @sink.setter
-    def sink(self, sink: EventSink | None) -> None:
+    def sink(self, sink: EventSink) -> None:
         self._sink = sink
         # the sink when it can hold events back (an isinstance check against a runtime
         # Protocol walks its attributes: once here, not per event)
         self._lazy_sink = sink if isinstance(sink, LazyEventSink) else None
         self._queued_sink = sink if isinstance(sink, QueuedEventSink) else None
 
+    def door(self, listener: str, principal: str | None = None) -> Door:
+        """A connection's way in (:class:`~kvgov.proxy.dataplane.door.Door`)."""
+        from kvgov.proxy.dataplane.door import Door
+
+        return Door(self, listener, principal)
+
     # -- policy & ledger -----------------------------------------------------------------------
 
-    async def _decide(self, who: Who, op: Operation, entry: EntryMeta | None) -> Decision | None:
-        if not self.governance or self.policy is None:
-            return None
+    @property
+    def governed(self) -> bool:
+        """No null collaborator stands in (policy, sealer, event sink)."""
+        return (
+            self._keys is not None
+            and not isinstance(self._sink, NullEventSink)
+            and self.policy.revision.policy != "unsafe-allow-all"
+        )
+
+    async def _decide(self, who: Who, op: Operation, entry: EntryMeta | None) -> Decision:
         inp = build_input(who, op, entry)
         decision = self.policy.decide_cached(inp)
         if decision is None:  # the policy engine records what it decides (CachingPolicyEngine)
@@ -168,8 +195,6 @@ class Pipeline:
         )
 
     async def _record(self, event: Event, *, durable: bool) -> None:
-        if not self.governance or self.sink is None:
-            return
         if durable:
             await self.sink.append(event)
             return
@@ -183,17 +208,20 @@ class Pipeline:
         it with others; see ``ledger.lazy_max_delay_ms``)."""
         if self._lazy_sink is not None:
             self._lazy_sink.submit_lazy(event)
-        elif self.sink is not None:
+        else:
             self.sink.submit(event)
 
-    async def deny(self, who: Who | None, denied: Denied, op: Operation) -> None:
+    async def deny(
+        self, who: Who | None, denied: Denied, op: Operation, budget: DenialBudget | None
+    ) -> None:
+        """Count the denial and record it (one event, or held for ``budget``'s summary)."""
         reason = denied.metric_reason
         self.metrics.denials.labels(op.value, reason).inc()
         gate = self.denial_gate
-        if gate is not None and self.governance:
+        if gate is not None:
             if gate.flush_needed:
                 self.record_suppressed(gate.due())
-            if not gate.admit(DENIAL_BUDGET.get(), op.value, reason):
+            if not gate.admit(budget, op.value, reason):
                 self.metrics.denials_suppressed.labels(op.value).inc()
                 return
         if who is None:
@@ -223,7 +251,7 @@ class Pipeline:
 
     def end_denials(self, budget: DenialBudget) -> None:
         """A connection closed: record the summary of what its budget still holds."""
-        if self.denial_gate is not None and self.governance:
+        if self.denial_gate is not None:
             self.record_suppressed(self.denial_gate.due(final=(budget,)))
 
     def record_suppressed(self, summaries: list[Suppressed]) -> None:
@@ -243,10 +271,25 @@ class Pipeline:
                 )
             )
 
-    def identify(
-        self, identity: Identity, raw_key: str, ctx: RequestContext
-    ) -> tuple[Who | None, Denied | None]:
-        return resolve(identity, raw_key, ctx, self.pseudonymizer, self.default_tenant)
+    async def admit(
+        self,
+        identity: Identity,
+        raw_key: str,
+        ctx: RequestContext,
+        op: Operation,
+        budget: DenialBudget | None = None,
+    ) -> Allowed | Denied:
+        """Who the operation is for (:func:`~kvgov.proxy.dataplane.identity.resolve`), then
+        the policy's decision on the request. A denial is counted and recorded here, once."""
+        who, denied = resolve(identity, raw_key, ctx, self.pseudonymizer, self.default_tenant)
+        if denied is None and who is not None:
+            decision = await self._decide(who, op, None)
+            if decision.allowed:
+                return Allowed(who, decision)
+            denied = Denied(decision.reason or "denied", identity, ctx, decision)
+        assert denied is not None  # resolve gives one or the other
+        await self.deny(who, denied, op, budget)
+        return denied
 
     # -- put -----------------------------------------------------------------------------------
 
@@ -255,51 +298,70 @@ class Pipeline:
         head at its longest: item metadata is refused beyond that)."""
         del item_meta  # bounded by sealformat.MAX_HEAD_SIZE whatever it holds
         try:
-            body = sealed_size(length, self.segment_size) if self.governance else length
+            body = sealed_size(length, self.segment_size) if self._keys is not None else length
         except ValueError:  # beyond what one sealed chunk can hold
             return 1 << 62
         return size_class(body + sealformat.MAX_HEAD_SIZE)
 
-    async def plan_put(
-        self, who: Who, length: int, item_meta: Mapping[str, Any], lease: Lease | None = None
+    async def put(
+        self,
+        identity: Identity,
+        raw_key: str,
+        ctx: RequestContext,
+        *,
+        length: int,
+        item_meta: Mapping[str, Any],
+        lease: Lease | None = None,
+        budget: DenialBudget | None = None,
     ) -> PutPlan | Denied | Kept:
-        """Decide, then lay out where the put's bytes go. ``lease``: a buffer taken for it in
-        advance (at least :meth:`lease_bound`; the plan owns it from here, denied or not)."""
+        """A put's first step: admit it, then lay out where its bytes go. ``lease``: a buffer
+        taken for it in advance (at least :meth:`lease_bound`; the plan owns it from here,
+        denied or not). A denial is counted and recorded here."""
         try:
-            return await self._plan_put(who, length, item_meta, lease)
+            admitted = await self.admit(identity, raw_key, ctx, Operation.PUT, budget)
+            if isinstance(admitted, Denied):
+                if lease is not None:
+                    lease.release()
+                return admitted
+            planned = await self._plan_put(
+                admitted.who, admitted.decision, length, item_meta, lease
+            )
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
+        if isinstance(planned, Denied):
+            await self.deny(admitted.who, planned, Operation.PUT, budget)
+        return planned
 
     async def _plan_put(
-        self, who: Who, length: int, raw_meta: Mapping[str, Any], given: Lease | None
+        self,
+        who: Who,
+        decision: Decision,
+        length: int,
+        raw_meta: Mapping[str, Any],
+        given: Lease | None,
     ) -> PutPlan | Denied | Kept:
         try:  # what every later get hands the engine: only a form it can read is stored
             item_meta = check_item_meta(raw_meta)
         except ItemMetaError as exc:
             if given is not None:
                 given.release()
-            return Denied(f"bad_item_meta: {exc.message}", who.identity, who.ctx)
-        decision = await self._decide(who, Operation.PUT, None)
-        if decision is not None and not decision.allowed:
-            if given is not None:
-                given.release()
-            return Denied(decision.reason or "denied", who.identity, who.ctx, decision)
+            return Denied(f"bad_item_meta: {exc.message}", who.identity, who.ctx, decision)
         kept = self._kept(who, decision)
         if kept is not None:
             if given is not None:
                 given.release()
             return kept
-        allowed = decision.tiers if decision is not None else self.tiers.names
+        allowed = decision.tiers
         if not any(name in self.tiers.names for name in allowed):
             if given is not None:
                 given.release()
             return Denied("no_allowed_tier", who.identity, who.ctx, decision)
-        scope_user = who.key_user if decision is not None and decision.scope is Scope.USER else None
-        governed = decision is not None and self.keyring is not None
-        head = sealformat.encode_head(item_meta, length, sealed=governed)
-        body_len = sealed_size(length, self.segment_size) if governed else length
+        scope_user = who.key_user if decision.scope is Scope.USER else None
+        keys = self._keys
+        head = sealformat.encode_head(item_meta, length, sealed=keys is not None)
+        body_len = sealed_size(length, self.segment_size) if keys is not None else length
         if given is None:
             lease = await self.pool.acquire(len(head) + body_len, who.identity.engine)
         else:
@@ -316,8 +378,8 @@ class Pipeline:
                 dst = reserved.view[len(head) :]
             make: Callable[[], SealWriter] | None = None
             windows: list[memoryview] = []
-            if governed and self.keyring is not None:
-                keyring = self.keyring
+            if keys is not None:
+                keyring = keys
 
                 def make_writer() -> SealWriter:
                     return keyring.sealer(
@@ -373,21 +435,20 @@ class Pipeline:
         if entry is None and who.digest not in self._storing:
             return None
         reason = "live" if entry is not None else "being_stored"
-        if self.governance:
-            event = self._event(
-                EventKind.KV_PUT_KEPT,
-                who,
-                outcome=Outcome.OK,
-                reason=reason,
-                decision_id=decision.decision_id if decision else None,
-                policy_revision=decision.policy_revision if decision else None,
-            )
-            try:
-                self._submit_lazy(event)
-            except LedgerBackpressureError:
-                self._record_soon(event)
-            except KvgovError as exc:
-                log.error("dataplane.event.unrecorded", extra={"error": exc.code})
+        event = self._event(
+            EventKind.KV_PUT_KEPT,
+            who,
+            outcome=Outcome.OK,
+            reason=reason,
+            decision_id=decision.decision_id if decision else None,
+            policy_revision=decision.policy_revision if decision else None,
+        )
+        try:
+            self._submit_lazy(event)
+        except LedgerBackpressureError:
+            self._record_soon(event)
+        except KvgovError as exc:
+            log.error("dataplane.event.unrecorded", extra={"error": exc.code})
         return Kept(who, reason)
 
     async def store_put(self, plan: PutPlan) -> StoredPut:
@@ -397,9 +458,9 @@ class Pipeline:
         try:
             await plan.sealed()
             now = self.clock()
-            ttl = decision.ttl_s if decision is not None else None
+            ttl = decision.ttl_s
             expires_at = now + ttl if ttl else None
-            allowed = decision.tiers if decision is not None else self.tiers.names
+            allowed = decision.tiers
             total = plan.body_offset + (
                 plan.writer.sealed_len if plan.writer is not None else plan.length
             )
@@ -417,9 +478,9 @@ class Pipeline:
                 )
         finally:
             plan.abort()
-        scope = decision.scope if decision is not None else None
+        scope = decision.scope
         key = plan.writer.key if plan.writer is not None else None
-        sensitivity = (decision.sensitivity if decision else None) or who.ctx.sensitivity
+        sensitivity = decision.sensitivity or who.ctx.sensitivity
         entry = EntryMeta(
             tenant=who.tenant,
             owner=who.actor,
@@ -435,35 +496,19 @@ class Pipeline:
         )
         self.index.set(who.digest, entry)
         stored = StoredPut(who.digest, entry)
-        if self.governance and decision is not None:
-            try:
-                stored.recorded = await self._queue(
-                    put_event(self._event, who, decision, entry, written)
-                )
-            except BaseException:
-                await self._unstore(stored)
-                raise
-        self.metrics.op_bytes.labels("put").inc(plan.length)
-        return stored
-
-    async def settle_put(self, stored: StoredPut) -> None:
-        """Wait until the put's ledger event is durable. If it cannot be recorded, the value is
-        removed from every tier (no stored-but-unrecorded data) and the error is raised."""
-        if stored.recorded is None:
-            return
         try:
-            await asyncio.shield(stored.recorded)
-        except asyncio.CancelledError:
-            raise  # the event may still commit: leave the entry to its record
+            stored.recorded = await self._queue(
+                put_event(self._event, who, decision, entry, written)
+            )
         except BaseException:
-            await self._unstore(stored)
+            await self.unstore(stored)
             raise
+        self._put_bytes.inc(plan.length)
+        return stored
 
     async def _queue(self, event: Event) -> Awaitable[Any]:
         """Queue ``event``; returns what resolves once it is durable. A full queue is
         backpressure: wait here (in order) until the event is written."""
-        if self.sink is None:
-            raise KvgovError("no ledger sink")
         try:
             if self._queued_sink is not None:  # acknowledged once journaled
                 return self._queued_sink.submit_queued(event)
@@ -473,7 +518,7 @@ class Pipeline:
             done.set_result(await self.sink.append(event))
             return done
 
-    async def _unstore(self, stored: StoredPut) -> None:
+    async def unstore(self, stored: StoredPut) -> None:
         """Take an unrecorded put out of the index and every tier (unless it was replaced)."""
         log.warning("dataplane.put.unrecorded", extra={"key_digest": stored.digest})
         if self.index.get(stored.digest) is stored.entry:
@@ -491,8 +536,6 @@ class Pipeline:
             self.index.set(digest, replace(entry, tiers=remaining))
         else:
             self.index.pop(digest)
-        if not self.governance or self.sink is None:
-            return
         event = evict_event(digest, entry, tier, remaining)
         try:
             self._submit_lazy(event)
@@ -509,68 +552,90 @@ class Pipeline:
 
     # -- get / exists / remove -----------------------------------------------------------------
 
-    async def _readable(self, who: Who, op: Operation) -> tuple[EntryMeta | None, Decision | None]:
+    async def _readable(
+        self, who: Who, asked: Decision | None, op: Operation, budget: DenialBudget | None
+    ) -> tuple[EntryMeta | None, Decision | None]:
         """The entry if it is live, unexpired and readable by ``who``; records denials.
 
-        The policy decides on the request before anything looks at whether the key is
-        stored: a probe it denies (another tenant's key, an engine the tenant does not name)
-        is answered, recorded and counted the same whether the key is there or not. An entry
-        that is there is then judged again by what was recorded at put (its sensitivity and
-        scope user), which only a requester the first decision admitted can reach."""
-        asked = await self._decide(who, op, None)
-        if asked is not None and not asked.allowed:
-            await self.deny(who, Denied(asked.reason or "denied", who.identity, who.ctx, asked), op)
-            return None, None
+        The policy decided on the request (:meth:`admit`) before anything looks at whether
+        the key is stored: a probe it denies (another tenant's key, an engine the tenant does
+        not name) is answered, recorded and counted the same whether the key is there or not.
+        An entry that is there is then judged again by what was recorded at put (its
+        sensitivity and scope user), which only a requester the first decision admitted can
+        reach."""
         entry = self.index.get(who.digest)
         if entry is None:
             return None, asked
         if entry.expired(self.clock()):
             return None, asked  # a miss; the sweeper deletes it and records that
         if entry.tenant != who.tenant:
-            await self.deny(who, Denied("tenant_mismatch", who.identity, who.ctx), op)
+            await self.deny(who, Denied("tenant_mismatch", who.identity, who.ctx), op, budget)
             return None, None
         if entry.scope is Scope.USER and entry.scope_user != who.actor:
-            await self.deny(who, Denied("not_scope_user", who.identity, who.ctx), op)
+            await self.deny(who, Denied("not_scope_user", who.identity, who.ctx), op, budget)
             return None, None
         decision = await self._decide(who, op, entry)
         if decision is not None and not decision.allowed:
             denied = Denied(decision.reason or "denied", who.identity, who.ctx, decision)
-            await self.deny(who, denied, op)
+            await self.deny(who, denied, op, budget)
             return None, None
         return entry, decision
 
-    async def exists(self, who: Who) -> bool:
-        entry, decision = await self._readable(who, Operation.EXISTS)
+    async def exists(
+        self,
+        identity: Identity,
+        raw_key: str,
+        ctx: RequestContext,
+        budget: DenialBudget | None = None,
+    ) -> bool:
+        """Whether the key is stored and readable by the requester (a denial is a miss)."""
+        admitted = await self.admit(identity, raw_key, ctx, Operation.EXISTS, budget)
+        if isinstance(admitted, Denied):
+            return False
+        who = admitted.who
+        entry, decision = await self._readable(who, admitted.decision, Operation.EXISTS, budget)
         found = entry is not None and await self.tiers.contains(who.digest)
-        if self.governance:
-            await self._record(
-                self._event(
-                    EventKind.KV_EXISTS,
-                    who,
-                    outcome=Outcome.HIT if found else Outcome.MISS,
-                    decision_id=decision.decision_id if decision else None,
-                    policy_revision=decision.policy_revision if decision else None,
-                ),
-                durable=False,
-            )
+        await self._record(
+            self._event(
+                EventKind.KV_EXISTS,
+                who,
+                outcome=Outcome.HIT if found else Outcome.MISS,
+                decision_id=decision.decision_id if decision else None,
+                policy_revision=decision.policy_revision if decision else None,
+            ),
+            durable=False,
+        )
         return found
 
-    async def get(self, who: Who, *, max_lease: int | None = None) -> GetPlan | None:
-        """A hit ready to stream, or None. A value whose buffer would exceed ``max_lease``
-        bytes (what the caller's frame may still hold of the pool) is a miss."""
-        found = await self.find(who)
+    async def get(
+        self,
+        identity: Identity,
+        raw_key: str,
+        ctx: RequestContext,
+        budget: DenialBudget | None = None,
+    ) -> GetPlan | None:
+        """A hit ready to stream (:meth:`find`, a buffer, :meth:`load`), or None: a miss."""
+        found = await self.find(identity, raw_key, ctx, budget)
         if found is None:
             return None
-        room = self.pool.owner_max_bytes
-        limit = room if max_lease is None else min(max_lease, room)
-        if size_class(found.size) > limit:
+        if size_class(found.size) > self.pool.owner_max_bytes:
             return await self.load(found, None)  # waiting for that much could wait for ever
-        return await self.load(found, await self.pool.acquire(found.size, who.identity.engine))
+        return await self.load(found, await self.pool.acquire(found.size, identity.engine))
 
-    async def find(self, who: Who) -> Found | None:
-        """A get's first step: the readable entry and its stored size, or None (a miss, now
-        recorded). :meth:`load` with a buffer of ``size`` bytes finishes it."""
-        entry, decision = await self._readable(who, Operation.GET)
+    async def find(
+        self,
+        identity: Identity,
+        raw_key: str,
+        ctx: RequestContext,
+        budget: DenialBudget | None = None,
+    ) -> Found | None:
+        """A get's first step: admitted, the readable entry and its stored size, or None (a
+        denial or a miss, now recorded). :meth:`load` with a buffer of ``size`` bytes goes on."""
+        admitted = await self.admit(identity, raw_key, ctx, Operation.GET, budget)
+        if isinstance(admitted, Denied):
+            return None
+        who = admitted.who
+        entry, decision = await self._readable(who, admitted.decision, Operation.GET, budget)
         size = await self.tiers.size_of(who.digest) if entry is not None else None
         if entry is None or size is None:
             await self._record_get(who, None, decision)
@@ -579,14 +644,27 @@ class Pipeline:
 
     async def load(self, found: Found, lease: Lease | None) -> GetPlan | None:
         """A get's second step: read the value into ``lease`` (which the plan then owns; None:
-        a miss) and record the hit or miss."""
+        a miss) and authenticate every segment. A miss is recorded here; a hit once it was
+        handed to the socket (:meth:`served`)."""
         plan, reason = (
-            await self._load(found.who, found.entry, lease) if lease is not None else (None, None)
+            await self._load(found.who, found.entry, found.decision, lease)
+            if lease is not None
+            else (None, None)
         )
-        await self._record_get(found.who, plan, found.decision, reason)
-        if plan is not None:
-            self.metrics.op_bytes.labels("get").inc(plan.length)
+        if plan is None:
+            await self._record_get(found.who, None, found.decision, reason)
         return plan
+
+    async def served(self, plan: GetPlan) -> None:
+        """A get's last step: its bytes were authenticated and handed to the socket; record
+        the ``kv:get`` that served them."""
+        self._get_bytes.inc(plan.length)
+        await self._record_get(plan.who, plan, plan.decision)
+
+    async def unserved(self, plan: GetPlan, error: KvgovError) -> None:
+        """A hit failed while being sent (its key shredded meanwhile, corrupt at rest): the
+        promised bytes cannot come; drop the value (:meth:`drop_unreadable`)."""
+        await self.drop_unreadable(plan.who, error)
 
     async def _record_get(
         self,
@@ -595,8 +673,6 @@ class Pipeline:
         decision: Decision | None,
         reason: str | None = None,
     ) -> None:
-        if not self.governance:
-            return
         await self._record(
             self._event(
                 EventKind.KV_GET if plan is not None else EventKind.KV_MISS,
@@ -622,7 +698,7 @@ class Pipeline:
         task.add_done_callback(self._background.discard)
 
     async def _load(
-        self, who: Who, entry: EntryMeta, lease: Lease
+        self, who: Who, entry: EntryMeta, decision: Decision | None, lease: Lease
     ) -> tuple[GetPlan | None, str | None]:
         """The plan, its bytes opened and checked, or None and why the stored value could
         not be served (None: not there). A value that fails its checks is dropped here."""
@@ -639,13 +715,13 @@ class Pipeline:
                 tier = hit.tier
                 value = lease.view[: hit.nbytes]
             envelope = sealformat.parse(value)
-            if not envelope.sealed and not self.governance:
+            if not envelope.sealed and self._keys is None:
                 windows = [envelope.plain_body()]
             else:
-                if self.keyring is None:
+                if self._keys is None:
                     raise ProtocolError("a sealed value needs the keyring to open")
                 reader = envelope.reader(
-                    self.keyring, tenant=who.tenant, cache_key=who.digest.encode()
+                    self._keys, tenant=who.tenant, cache_key=who.digest.encode()
                 )
                 header = reader.header
                 windows = []
@@ -661,7 +737,10 @@ class Pipeline:
                 await self._open_all(reader, windows, header.plain_len)
             if src is not None:
                 src.release()
-            return GetPlan(who, lease, envelope.plain_len, envelope.meta, None, windows), None
+            plan = GetPlan(
+                who, lease, envelope.plain_len, envelope.meta, None, windows, None, decision
+            )
+            return plan, None
         except CorruptValueError as exc:
             if src is not None:
                 src.release()
@@ -729,32 +808,41 @@ class Pipeline:
         if entry is None and not held:
             return
         self.metrics.unreadable.labels(error.code).inc()
-        if self.governance:
-            event = self._event(
-                EventKind.KV_DELETE,
-                who,
-                outcome=Outcome.ERROR,
-                reason=f"unreadable:{error.code}",
-                tier=tier,
-            )
-            try:
-                await self._record(entry_gone(event, EntryState.DELETED), durable=True)
-            except KvgovError as exc:
-                log.error("dataplane.event.unrecorded", extra={"error": exc.code})
+        event = self._event(
+            EventKind.KV_DELETE,
+            who,
+            outcome=Outcome.ERROR,
+            reason=f"unreadable:{error.code}",
+            tier=tier,
+        )
+        try:
+            await self._record(entry_gone(event, EntryState.DELETED), durable=True)
+        except KvgovError as exc:
+            log.error("dataplane.event.unrecorded", extra={"error": exc.code})
 
-    async def remove(self, who: Who) -> bool:
-        entry, _ = await self._readable(who, Operation.REMOVE)
+    async def remove(
+        self,
+        identity: Identity,
+        raw_key: str,
+        ctx: RequestContext,
+        budget: DenialBudget | None = None,
+    ) -> bool:
+        """Remove the key if the requester may (a denial removes nothing)."""
+        admitted = await self.admit(identity, raw_key, ctx, Operation.REMOVE, budget)
+        if isinstance(admitted, Denied):
+            return False
+        who = admitted.who
+        entry, _ = await self._readable(who, admitted.decision, Operation.REMOVE, budget)
         if entry is None:
             return False
         removed = await self.tiers.delete(who.digest)
         self.index.pop(who.digest)
-        if self.governance:
-            await self._record(
-                entry_gone(
-                    self._event(EventKind.KV_DELETE, who, outcome=Outcome.OK), EntryState.DELETED
-                ),
-                durable=True,
-            )
+        await self._record(
+            entry_gone(
+                self._event(EventKind.KV_DELETE, who, outcome=Outcome.OK), EntryState.DELETED
+            ),
+            durable=True,
+        )
         return bool(removed)
 
     async def expired(self) -> list[tuple[str, str | None]]:

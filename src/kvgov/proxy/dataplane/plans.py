@@ -78,7 +78,7 @@ class PutPlan:
     lease: Lease
     length: int
     item_meta: Mapping[str, Any]
-    decision: Decision | None
+    decision: Decision
     #: makes the writer (None: not sealed); run by the first job, which resolves ``writer_job``
     make_writer: Callable[[], SealWriter] | None
     body_offset: int
@@ -224,6 +224,8 @@ class GetPlan:
     reader: SealReader | None
     windows: list[memoryview]
     source: BorrowedValue | None = None
+    #: the decision that admitted the read (recorded with the ``kv:get`` once it was sent)
+    decision: Decision | None = None
 
     def release(self) -> None:
         if self.source is not None:

@@ -169,8 +169,6 @@ class WireServer:
         """Whether the policy lets ``engine`` act for ``tenant`` at all (a remove of one of
         its keys: tenant and engine rules, no data rules)."""
         policy = self.pipeline.policy
-        if policy is None:  # ungoverned (benchmarks): no tenants to keep apart
-            return True
         inp = PolicyInput(
             operation=Operation.REMOVE,
             tenant=tenant,

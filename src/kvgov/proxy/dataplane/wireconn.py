@@ -17,7 +17,6 @@ acknowledged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import struct
@@ -28,19 +27,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvgov.errors import KvgovError
-from kvgov.proxy.dataplane.buffers import Lease, size_class
+from kvgov.proxy.dataplane.buffers import Lease
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse, start_opening
+from kvgov.proxy.dataplane.door import SLICE, Ack, PutSession
 from kvgov.proxy.dataplane.identity import Identity
-from kvgov.proxy.dataplane.limits import DenialBudget
-from kvgov.proxy.dataplane.pipeline import (
-    DENIAL_BUDGET,
-    Found,
-    GetPlan,
-    Kept,
-    PutPlan,
-    StoredPut,
-)
-from kvgov.types import Operation
 from kvgov.wire.codec import (
     HEADER_SIZE,
     PROTOCOL_VERSION,
@@ -62,9 +52,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgov.dataplane.server")
 
 MAX_BATCH = 4096
-#: items of a frame handled per turn of the event loop: a large frame yields to the other
-#: connections between slices (fairness: another engine's PING is not held behind it)
-SLICE = 64
 #: PUT frames per connection whose replies wait for their ledger commit
 MAX_PIPELINED_PUTS = 32
 
@@ -79,16 +66,12 @@ class EngineEvictResult:
 
 @dataclass(slots=True)
 class _PutJob:
-    """One PUT frame after its bytes arrived, on its way through the connection's storer
-    (seal, then store, in frame order) and replier (ledger commit, then reply, in order)."""
+    """One PUT frame after its bytes arrived: its items' acks (resolved by the door once
+    stored and recorded, in request order) and the reply they make."""
 
     sid: int
-    #: per item: its denial reply, or None where a plan was received
-    results: list[dict[str, Any] | None]
-    plans: list[PutPlan]
+    acks: list[asyncio.Future[Ack]]
     started: float
-    #: per plan: what storing it gave (filled by the storer)
-    stored: list[StoredPut | BaseException] = field(default_factory=list)
     #: set once its reply was sent (or the connection gave up on it)
     replied: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -103,20 +86,14 @@ class WireConnection(StreamProtocol):
         self.peer_uid: int | None = None
         self.identity: Identity | None = None
         self._handling = False
-        #: PUT frames received and not yet replied to, oldest first (they finish in order)
+        #: this connection's way into the pipeline
+        self.door = server.pipeline.door(self.listener)
+        #: PUT frames received and not yet replied to, oldest first (they finish in order);
+        #: one task replies to them (started when one arrives, gone when none is left)
         self._pending: deque[_PutJob] = deque()
-        #: ... of which these still wait to be stored, and these for their commit and reply;
-        #: one task drains each queue (started when work arrives, gone when it is empty), so
-        #: a run of ready frames is stored or replied to in one pass of the event loop
-        self._to_store: deque[_PutJob] = deque()
-        self._to_reply: deque[_PutJob] = deque()
-        self._storer: asyncio.Task[None] | None = None
         self._replier: asyncio.Task[None] | None = None
-        #: settles of stored puts left behind when the connection gave up on their replies
-        self._settling: set[asyncio.Future[None]] = set()
         self._next_id = 0
         self._acks: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self.budget = DenialBudget(None)
         #: holds a slot in the server's connection limits (released when lost)
         self._admitted = False
 
@@ -140,7 +117,7 @@ class WireConnection(StreamProtocol):
             return
         self._admitted = True
         self.server.connections.add(self)
-        self.server.pipeline.metrics.connections.labels(self.listener).inc()
+        self.door.opened()
         super().connection_made(transport)
         self.arm(self.server.config.hello_timeout_s, "hello")
 
@@ -148,11 +125,10 @@ class WireConnection(StreamProtocol):
         if self._admitted:
             self._admitted = False
             self.server.limits.release(self)
-            self.server.pipeline.end_denials(self.budget)
+            self.door.closed()
         if self in self.server.connections:
             self.server.connections.discard(self)
             self.server.controls.discard(self)
-            self.server.pipeline.metrics.connections.labels(self.listener).dec()
         for fut in self._acks.values():
             if not fut.done():
                 fut.set_exception(ConnectionClosed())
@@ -171,17 +147,16 @@ class WireConnection(StreamProtocol):
         self.write(encode_frame(ftype, sid, meta, payload_len, flags))
 
     def send_error(self, sid: int, err: WireError) -> None:
-        self.server.pipeline.metrics.protocol_errors.labels(self.listener, err.error.name).inc()
+        self.door.protocol_error(err.error.name)
         self.send(FrameType.ERROR, sid, error_meta(err.error, err.message), flags=Flag.NONE)
 
     def timed_out(self, phase: str) -> None:
-        self.server.pipeline.metrics.timeouts.labels(self.listener, phase).inc()
+        self.door.timed_out(phase)
         self.server.limits.summary.note(
             "dataplane.connection.timed_out", listener=self.listener, phase=phase
         )
 
     async def handle(self) -> None:
-        DENIAL_BUDGET.set(self.budget)  # this task's denials (and its storer's) count here
         cfg = self.server.config
         max_payload = cfg.max_frame_bytes
         frame_s = cfg.frame_timeout_s
@@ -231,9 +206,7 @@ class WireConnection(StreamProtocol):
                 self._handling = False
 
     def _observe(self, ftype: FrameType, started: float) -> None:
-        self.server.pipeline.metrics.latency.labels(ftype.name.lower()).observe(
-            time.perf_counter() - started
-        )
+        self.door.observe(ftype.name.lower(), time.perf_counter() - started)
 
     async def _replies_sent(self) -> None:
         """Wait until every pipelined PUT reply has been sent (they finish in order)."""
@@ -282,7 +255,7 @@ class WireConnection(StreamProtocol):
                 hint="close idle connections or raise dataplane.max_connections_per_engine",
             )
         self.identity = identity
-        self.budget.principal = identity.principal
+        self.door.budget.principal = identity.principal
         self.disarm()  # authenticated in time
         cfg = self.server.config
         control = meta.get("role") == "control"
@@ -306,8 +279,9 @@ class WireConnection(StreamProtocol):
     # -- operations ----------------------------------------------------------------------------
 
     async def _put(self, sid: int, meta: dict[str, Any], payload_len: int, started: float) -> None:
-        """Receive the items; :meth:`_finish_put` stores them and replies."""
-        pipeline = self.server.pipeline
+        """Receive the items into their sessions and commit them; the replier answers once
+        the door acks them (the next frame is read meanwhile)."""
+        door = self.door
         try:
             items = parse_put_items(meta, payload_len, self.server.config.max_frame_items)
             ctx = RequestContext.from_meta(meta.get("ctx"))
@@ -316,9 +290,10 @@ class WireConnection(StreamProtocol):
             raise
         if self.identity is None:
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
-        # an empty value takes no buffer (it is refused below)
-        bounds = [pipeline.lease_bound(i.length, i.meta) if i.length else 0 for i in items]
-        if sum(bounds) > pipeline.pool.owner_max_bytes:
+        identity = self.identity
+        # an empty value takes no buffer (it is refused)
+        bounds = [door.lease_bound(i.length) if i.length else 0 for i in items]
+        if sum(bounds) > door.pool_share:
             # its items' buffers are held together: waiting for that much room never ends
             await self.discard(payload_len)
             raise WireError(
@@ -328,214 +303,76 @@ class WireConnection(StreamProtocol):
             )
         # every item's buffer at once: never hold part of the pool while waiting for the rest
         self.disarm()  # waiting for the pool is backpressure, not a stalled sender
-        owner = self.identity.engine  # one engine holds at most its share of the pool
-        taken = iter(await pipeline.pool.acquire_many([b for b in bounds if b], owner))
+        taken = iter(await door.leases([b for b in bounds if b], identity.engine))
         leases: list[Lease | None] = [next(taken) if b else None for b in bounds]
         # the payload must arrive in time: a stalled frame gives its buffers back
         self.arm(self.server.config.frame_timeout_s)
-        results: list[dict[str, Any] | None] = []
-        plans: list[PutPlan] = []
+        sessions: list[PutSession] = []
         try:
             for index, item in enumerate(items):
                 if index % SLICE == SLICE - 1:
                     await asyncio.sleep(0)  # the other connections' turn
-                lease, leases[index] = leases[index], None  # the plan owns it from here
-                if item.length == 0:  # an empty value: nothing to cache, nothing recorded
-                    if lease is not None:
-                        lease.release()
-                    results.append({"code": int(ErrorCode.BAD_REQUEST), "reason": "empty"})
-                    pipeline.metrics.count_op("put", self.listener, "refused")
-                    continue
-                who, denied = pipeline.identify(self.identity, item.key, item.ctx or ctx)
-                plan = None
-                if denied is None and who is not None:
-                    got = await pipeline.plan_put(who, item.length, item.meta, lease)
-                    if isinstance(got, Kept):  # live already: acknowledged, not rewritten
-                        await self.discard(item.length)
-                        results.append({"code": 0})
-                        pipeline.metrics.count_op("put", self.listener, "kept")
-                        continue
-                    if isinstance(got, PutPlan):
-                        plan = got
-                    else:
-                        denied = got
-                elif lease is not None:
-                    lease.release()
-                if plan is None:
-                    if denied is not None:
-                        await pipeline.deny(who, denied, Operation.PUT)
-                    await self.discard(item.length)
-                    reason = denied.reason if denied is not None else "denied"
-                    code = ErrorCode.BAD_REQUEST if reason.startswith("bad_item_meta") else None
-                    results.append({"code": int(code or ErrorCode.DENIED), "reason": reason})
-                    continue
-                plans.append(plan)
-                for i, window in enumerate(plan.windows):
+                lease, leases[index] = leases[index], None  # the session owns it from here
+                session = await door.put(
+                    identity,
+                    item.key,
+                    item.ctx or ctx,
+                    length=item.length,
+                    item_meta=item.meta,
+                    lease=lease,
+                )
+                sessions.append(session)
+                for i, window in enumerate(session.windows):
                     await self.read_into(window)
-                    plan.segment_done(i, pipeline.executor)
-                results.append(None)
+                    session.received(i)
+                if session.skip:
+                    await self.discard(session.skip)
             self.disarm()
         except BaseException:
             for left in leases:
                 if left is not None:
                     left.release()
-            for plan in plans:  # the frame did not complete: store nothing from it
-                await plan.discard()
+            for session in sessions:  # the frame did not complete: store nothing from it
+                await session.abandon()
             raise
-        # seal, store (in request order) and record in the background: the next frame is read
-        # meanwhile
-        job = _PutJob(sid, results, plans, started)
+        job = _PutJob(sid, [s.commit() for s in sessions], started)
         self._pending.append(job)
-        self._to_store.append(job)
-        if self._storer is None or self._storer.done():
-            self._storer = asyncio.get_running_loop().create_task(self._store_jobs())
+        if self._replier is None or self._replier.done():
+            self._replier = asyncio.get_running_loop().create_task(self._reply_jobs())
         if len(self._pending) > MAX_PIPELINED_PUTS:
             await self._pending[0].replied.wait()
 
-    async def _store_jobs(self) -> None:
-        """Store the queued PUT frames, oldest first, then hand each to the replier."""
-        try:
-            while self._to_store:
-                job = self._to_store[0]
-                await self._store(job)
-                self._to_store.popleft()
-                self._to_reply.append(job)
-                if self._replier is None or self._replier.done():
-                    self._replier = asyncio.get_running_loop().create_task(self._reply_jobs())
-        except BaseException as exc:
-            await self._abandon(exc)
-            raise
-
-    async def _store(self, job: _PutJob) -> None:
-        """Wait until the frame's items are sealed, then store each (failures per item)."""
-        pipeline = self.server.pipeline
-        stored = job.stored
-        try:
-            for plan in job.plans:
-                with contextlib.suppress(Exception):  # store_put raises it again
-                    await plan.sealed()
-            for plan in job.plans:
-                try:
-                    stored.append(await pipeline.store_put(plan))
-                except Exception as exc:  # noqa: BLE001 - reported per item in the reply
-                    stored.append(exc)
-        finally:
-            for plan in job.plans[len(stored) :]:  # cancelled before storing these
-                await plan.discard()
-
     async def _reply_jobs(self) -> None:
-        """Reply to the stored PUT frames, oldest first, once their ledger events commit."""
+        """Reply to the PUT frames, oldest first, once the door acked their items."""
         try:
-            while self._to_reply:
-                job = self._to_reply[0]
-                await self._reply(job)
-                self._to_reply.popleft()
+            while self._pending:
+                job = self._pending[0]
+                replies = [
+                    _put_reply(ack.result() if ack.done() else await ack) for ack in job.acks
+                ]
+                self.send(FrameType.PUT, job.sid, {"results": replies})
+                self._observe(FrameType.PUT, job.started)
                 self._pending.popleft()
                 job.replied.set()
         except BaseException as exc:
-            await self._abandon(exc)
+            # the reply order is lost: close the connection (the client must reconnect); the
+            # door still stores and records (or removes) what it was given
+            if not isinstance(exc, asyncio.CancelledError):
+                log.error("dataplane.put.reply_failed", exc_info=exc)
+            self.close()
+            for job in self._pending:
+                job.replied.set()
+            self._pending.clear()
             raise
 
-    async def _abandon(self, exc: BaseException) -> None:
-        """The storer or replier failed: the reply order is lost, so close the connection (the
-        client must reconnect); frames not yet stored store nothing."""
-        if not isinstance(exc, asyncio.CancelledError):
-            log.error("dataplane.put.reply_failed", exc_info=exc)
-        self.close()
-        for job in list(self._to_store):
-            for plan in job.plans[len(job.stored) :]:
-                await plan.discard()
-        for job in self._pending:
-            for item in job.stored:  # stored: still settle (an unrecorded put is removed)
-                if not isinstance(item, BaseException):
-                    settle = asyncio.ensure_future(self.server.pipeline.settle_put(item))
-                    self._settling.add(settle)
-                    settle.add_done_callback(self._settled)
-            job.replied.set()
-        self._pending.clear()
-        self._to_store.clear()
-        self._to_reply.clear()
-
-    def _settled(self, task: asyncio.Future[None]) -> None:
-        self._settling.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: settle_put logs what it could not record
-
-    async def _reply(self, job: _PutJob) -> None:
-        pipeline = self.server.pipeline
-        outcomes: list[BaseException | None] = []
-        for item in job.stored:
-            if isinstance(item, BaseException):
-                outcomes.append(item)
-                continue
-            try:
-                await pipeline.settle_put(item)
-                outcomes.append(None)
-            except Exception as exc:  # noqa: BLE001 - reported per item in the reply
-                outcomes.append(exc)
-        it = iter(outcomes)
-        replies = []
-        for r in job.results:
-            if r is not None:  # denied, or kept (counted when it was read)
-                replies.append(r)
-                if r["code"]:
-                    pipeline.metrics.count_op("put", self.listener, "denied")
-                continue
-            outcome = next(it)
-            if outcome is not None:
-                log.warning("dataplane.put.failed", extra={"error": type(outcome).__name__})
-                replies.append({"code": int(ErrorCode.INTERNAL), "reason": "store_failed"})
-                pipeline.metrics.count_op("put", self.listener, "error")
-            else:
-                replies.append({"code": 0})
-                pipeline.metrics.count_op("put", self.listener, "ok")
-        self.send(FrameType.PUT, job.sid, {"results": replies})
-        self._observe(FrameType.PUT, job.started)
-
     async def _get(self, sid: int, meta: dict[str, Any]) -> None:
-        pipeline = self.server.pipeline
+        door = self.door
         keys = key_list(meta, max_items=self.server.config.max_frame_items)
         ctx = RequestContext.from_meta(meta.get("ctx"))
         if self.identity is None:
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
-        # first every key's entry and size, then the hits' buffers all at once (never part of
-        # the pool held while waiting for the rest), then read them
-        finds: list[Found | None] = []
-        for i, key in enumerate(keys):
-            if i % SLICE == SLICE - 1:
-                await asyncio.sleep(0)  # the other connections' turn
-            who, denied = pipeline.identify(self.identity, key, ctx)
-            found = None
-            if denied is not None:
-                await pipeline.deny(who, denied, Operation.GET)
-            elif who is not None:
-                found = await pipeline.find(who)
-            finds.append(found)
-        budget = self.server.config.max_frame_bytes
-        room = pipeline.pool.owner_max_bytes
-        taken: list[Found] = []
-        for found in finds:
-            # a hit beyond the frame limit or what the pool holds for one frame is a miss
-            if found is not None and budget > 0 and size_class(found.size) <= room:
-                taken.append(found)
-                budget -= found.size
-                room -= size_class(found.size)
-        leases = dict(
-            zip(
-                map(id, taken),
-                await pipeline.pool.acquire_many([f.size for f in taken], self.identity.engine),
-                strict=True,
-            )
-        )
-        plans: list[GetPlan | None] = []
+        plans = await door.get_many(self.identity, keys, ctx, self.server.config.max_frame_bytes)
         try:
-            for found in finds:
-                plan = None
-                if found is not None:
-                    plan = await pipeline.load(found, leases.pop(id(found), None))
-                outcome = "hit" if plan is not None else "miss"
-                pipeline.metrics.count_op("get", self.listener, outcome)
-                plans.append(plan)
             items = [
                 {"code": 0, "len": p.length, "meta": dict(p.item_meta)}
                 if p is not None
@@ -546,63 +383,48 @@ class WireConnection(StreamProtocol):
             self.send(FrameType.GET, sid, {"items": items}, total)
             if total:  # the reader must take the hits in time (they hold buffers)
                 self.arm(self.server.config.frame_timeout_s, "reply")
-            # the pipeline opened and authenticated every hit before it was announced (a bad
-            # one is a miss above); a plan that still carries a reader would be opened here,
-            # one ahead of the hit being sent
+            # every hit was opened and authenticated before it was announced (a bad one is a
+            # miss above); a plan that still carries a reader would be opened here, one ahead
+            # of the hit being sent
             hits = [h for h in plans if h is not None]
-            inline = pipeline.inline_crypto_bytes
-            ahead = start_opening(hits[0], pipeline.executor, inline) if hits else None
+            crypto, inline = door.crypto, door.inline_bytes
+            ahead = start_opening(hits[0], crypto, inline) if hits else None
             try:
                 for i, hit in enumerate(hits):
                     current = ahead
                     ahead = (
-                        start_opening(hits[i + 1], pipeline.executor, inline, ahead=True)
+                        start_opening(hits[i + 1], crypto, inline, ahead=True)
                         if i + 1 < len(hits)
                         else None
                     )
                     try:
-                        await self.send_plan(
-                            hit, pipeline.executor, pipeline.sender, current, inline_bytes=inline
-                        )
+                        await self.send_plan(hit, crypto, door.sender, current, inline_bytes=inline)
                     except KvgovError as exc:  # corrupt at rest: the promised bytes cannot come
-                        pipeline.metrics.count_op("get", self.listener, "error")
-                        await pipeline.drop_unreadable(hit.who, exc)
+                        await door.failed(hit, exc)
                         raise ConnectionClosed from exc
+                    await door.sent(hit)
             finally:
                 if ahead is not None:
                     await ahead.settled()
             if total:
                 self.disarm()
         finally:
-            for lease in leases.values():
-                lease.release()
             for p in plans:
                 if p is not None:
                     p.release()
 
     async def _keys_op(self, ftype: FrameType, sid: int, meta: dict[str, Any]) -> None:
-        pipeline = self.server.pipeline
         keys = key_list(meta, max_items=self.server.config.max_frame_items)
         ctx = RequestContext.from_meta(meta.get("ctx"))
         if self.identity is None:
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
-        op = Operation.EXISTS if ftype is FrameType.EXISTS else Operation.REMOVE
+        ask = self.door.exists if ftype is FrameType.EXISTS else self.door.remove
         out: list[bool] = []
         for i, key in enumerate(keys):
             if i % SLICE == SLICE - 1:
                 await asyncio.sleep(0)  # the other connections' turn
-            who, denied = pipeline.identify(self.identity, key, ctx)
-            if denied is not None or who is None:
-                if denied is not None:
-                    await pipeline.deny(who, denied, op)
-                # answered and counted like a miss (the denial has its own counter)
-                pipeline.metrics.count_op(op.value, self.listener, "miss")
-                out.append(False)
-                continue
-            found = await (pipeline.exists(who) if op is Operation.EXISTS else pipeline.remove(who))
-            pipeline.metrics.count_op(op.value, self.listener, "hit" if found else "miss")
-            out.append(found)
-        field_name = "found" if op is Operation.EXISTS else "removed"
+            out.append(await ask(self.identity, key, ctx))
+        field_name = "found" if ftype is FrameType.EXISTS else "removed"
         self.send(ftype, sid, {field_name: out})
 
     # -- server -> engine ----------------------------------------------------------------------
@@ -639,3 +461,18 @@ class WireConnection(StreamProtocol):
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._acks.pop(sid, None)
+
+
+#: the reply of every stored item (shared: only ever encoded)
+_STORED: dict[str, Any] = {"code": 0}
+
+
+def _put_reply(ack: Ack) -> dict[str, Any]:
+    """A PUT item's result on the wire (``docs/protocol.md``)."""
+    if ack.stored:
+        return _STORED
+    if ack.outcome == "error":
+        return {"code": int(ErrorCode.INTERNAL), "reason": ack.reason or "store_failed"}
+    reason = ack.reason or "denied"
+    bad = ack.outcome == "refused" or reason.startswith("bad_item_meta")
+    return {"code": int(ErrorCode.BAD_REQUEST if bad else ErrorCode.DENIED), "reason": reason}
