@@ -37,9 +37,9 @@ from kvgov.ledger.models import CacheEntry
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.ledger.verify import verify
 from kvgov.ledger.writer import LedgerWriter
-from kvgov.proxy.purge.build import make_service, writer_checkpointer
-from kvgov.proxy.purge.model import PurgeRequest
-from kvgov.proxy.purge.ports import KeyringShredder
+from kvgov.services.purge.build import make_service, writer_checkpointer
+from kvgov.services.purge.model import PurgeRequest
+from kvgov.services.purge.ports import KeyringShredder
 from kvgov.types import EntryState, EventKind, PurgeState, Scope
 
 ADMIN_DSN = os.environ.get("KVGOV_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")

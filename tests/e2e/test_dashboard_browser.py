@@ -29,7 +29,7 @@ import uvicorn
 from kvgov.keys.kek import FileKekProvider
 from kvgov.keys.keyring import Keyring
 from kvgov.ledger.keystore import SqlKeyStore
-from kvgov.proxy.purge.model import PurgeRequest
+from kvgov.services.purge.model import PurgeRequest
 from tests.integration.test_api_support import EXPECTED_STATS, ApiWorld, api_world, bearer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

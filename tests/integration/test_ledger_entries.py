@@ -16,9 +16,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from kvgov.ledger.db import make_engine, make_sessionmaker, upgrade
 from kvgov.ledger.events import EntryChange, Event
 from kvgov.ledger.models import CacheEntry
-from kvgov.ledger.provenance import provenance, reuse_of_user
 from kvgov.ledger.verify import verify
 from kvgov.ledger.writer import LedgerWriter
+from kvgov.services.provenance import provenance, reuse_of_user
 from kvgov.types import EntryState, EventKind, Outcome, Scope
 
 pytestmark = pytest.mark.postgres

@@ -28,12 +28,12 @@ from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.ledger.tokens import TokenRepository
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.proxy.api.auth import ApiContext
-from kvgov.proxy.api.v1 import include_v1
+from kvgov.proxy.api.compliance import include_v1
 from kvgov.proxy.api.v1.purges import include_purges
-from kvgov.proxy.purge.build import make_service, writer_checkpointer
-from kvgov.proxy.purge.ports import KeyringShredder
-from kvgov.proxy.purge.receipts import verify_receipt
-from kvgov.proxy.purge.service import PurgeService
+from kvgov.services.purge.build import make_service, writer_checkpointer
+from kvgov.services.purge.ports import KeyringShredder
+from kvgov.services.purge.receipts import verify_receipt
+from kvgov.services.purge.service import PurgeService
 from kvgov.types import EntryState, EventKind, Role, Scope
 
 pytestmark = pytest.mark.postgres

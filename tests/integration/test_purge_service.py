@@ -35,13 +35,13 @@ from kvgov.ledger.models import CacheEntry, EventPayload, LedgerEvent, PurgeJob,
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.ledger.verify import verify
 from kvgov.ledger.writer import LedgerWriter
-from kvgov.proxy.purge import jobs
-from kvgov.proxy.purge.build import make_service, writer_checkpointer
-from kvgov.proxy.purge.model import PurgeRequest, StepName
-from kvgov.proxy.purge.ports import KeyringShredder, TierSet
-from kvgov.proxy.purge.receipts import verify_receipt
-from kvgov.proxy.purge.retention import apply_retention
-from kvgov.proxy.purge.service import PurgeService
+from kvgov.services.purge import jobs
+from kvgov.services.purge.build import make_service, writer_checkpointer
+from kvgov.services.purge.model import PurgeRequest, StepName
+from kvgov.services.purge.ports import KeyringShredder, TierSet
+from kvgov.services.purge.receipts import verify_receipt
+from kvgov.services.purge.retention import apply_retention
+from kvgov.services.purge.service import PurgeService
 from kvgov.types import EntryState, EventKind, PurgeState, Scope
 
 pytestmark = pytest.mark.postgres

@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 from kvgov.config import Settings
 from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE, make_engine, make_sessionmaker, upgrade, utcnow
 from kvgov.ledger.models import Sidecar
-from kvgov.proxy.purge import jobs
-from kvgov.proxy.purge.steps import StepContext
+from kvgov.services.purge import jobs
+from kvgov.services.purge.steps import StepContext
 
 
 def _context(engine: Engine) -> StepContext:

@@ -63,7 +63,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _forward(session: Any, request_id: str, tenant: str | None) -> dict[str, Any]:
-    from kvgov.ledger.provenance import provenance, request_tenants
+    from kvgov.services.provenance import provenance, request_tenants
 
     tenants = request_tenants(session, request_id)
     if tenant is None and len(tenants) > 1:
@@ -94,8 +94,8 @@ def _forward(session: Any, request_id: str, tenant: str | None) -> dict[str, Any
 
 
 def _reverse(session: Any, s: Any, tenant: str, user: str) -> dict[str, Any]:
-    from kvgov.ledger.provenance import reuse_of_user
     from kvgov.ledger.pseudonym import Pseudonymizer
+    from kvgov.services.provenance import reuse_of_user
 
     pseudonym = Pseudonymizer.from_file(s.pseudonym_key_path).user(tenant, user)
     reuses = reuse_of_user(session, tenant, pseudonym)

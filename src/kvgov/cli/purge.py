@@ -25,7 +25,7 @@ from kvgov.cli._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, emit_json, setti
 
 if TYPE_CHECKING:
     from kvgov.config import Settings
-    from kvgov.proxy.purge.model import JobView, PurgeRequest
+    from kvgov.services.purge.model import JobView, PurgeRequest
 
 
 def register(app: typer.Typer) -> None:
@@ -67,7 +67,7 @@ def register(app: typer.Typer) -> None:
         if not tenant:
             typer.echo(ctx.get_help())
             raise typer.Exit(EXIT_USAGE)
-        from kvgov.proxy.purge.model import PurgeRequest
+        from kvgov.services.purge.model import PurgeRequest
 
         req = PurgeRequest(tenant=tenant, user=user, dry_run=dry_run, requested_by="cli")
         what = f"user {user!r} in tenant {tenant!r}" if user else f"ALL data of tenant {tenant!r}"
@@ -97,7 +97,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Check a receipt's signature against the ledger's key. Exit 0 valid, 1 not."""
         from kvgov.ledger.chain import load_public_key
-        from kvgov.proxy.purge.receipts import verify_receipt as check
+        from kvgov.services.purge.receipts import verify_receipt as check
 
         key_path = public_key or settings(ctx).signing_key_path
         trusted = [load_public_key(key_path)]
@@ -130,7 +130,7 @@ def register(app: typer.Typer) -> None:
 async def _purge(
     cfg: Settings, req: PurgeRequest, *, wait: bool, as_json: bool, out: Path | None
 ) -> int:
-    from kvgov.proxy.purge.build import cli_service
+    from kvgov.services.purge.build import cli_service
 
     async with cli_service(cfg) as service:
         if req.dry_run:
@@ -152,7 +152,7 @@ async def _purge(
 
 
 async def _status(cfg: Settings, purge_id: str, *, as_json: bool) -> int:
-    from kvgov.proxy.purge.build import cli_service
+    from kvgov.services.purge.build import cli_service
 
     async with cli_service(cfg, writer=False) as service:
         job = await service.get(purge_id)

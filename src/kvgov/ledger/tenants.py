@@ -2,7 +2,7 @@
 
 A tenant's ``retention_s`` bounds how long any of its entries stays cached, whatever TTL the
 policy gave at put: the sidecars' sweepers delete older entries from every tier through the
-purge's deletion path (:mod:`kvgov.proxy.purge.retention`). Operators set it with ``kvgov
+purge's deletion path (:mod:`kvgov.services.purge.retention`). Operators set it with ``kvgov
 tenant retention`` or ``PUT /v1/tenants/{tenant}/retention``; each change is a ledger event
 (``tenant:retention:set``) recorded before the row is written.
 

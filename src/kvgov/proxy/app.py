@@ -61,9 +61,9 @@ class Sidecar:
     sidecar_id: str = ""
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     ready: bool = False
-    #: the purge executor (kvgov.proxy.purge.executor.PurgeExecutor), None without a ledger
+    #: the purge executor (kvgov.services.purge.executor.PurgeExecutor), None without a ledger
     purge: Any = None
-    #: records the keys the keyring creates itself (kvgov.proxy.keys_service.KeyEventRecorder)
+    #: records the keys the keyring creates itself (kvgov.services.keys.KeyEventRecorder)
     key_events: Any = None
     #: the loop's exception handler before :meth:`start` replaced it (restored at stop)
     _loop_handler: tuple[Any] | None = None
@@ -151,10 +151,10 @@ class Sidecar:
             await self.pipeline.sweep()
             return
         from kvgov.ledger.db import make_sessionmaker
-        from kvgov.proxy.purge.ports import TierSet
-        from kvgov.proxy.purge.retention import apply_retention
-        from kvgov.proxy.purge.scope import ScopedEntry
         from kvgov.proxy.purge.sidecar import SidecarEngines
+        from kvgov.services.purge.ports import TierSet
+        from kvgov.services.purge.retention import apply_retention
+        from kvgov.services.purge.scope import ScopedEntry
         from kvgov.types import EntryState
 
         here = [
@@ -310,7 +310,7 @@ def touch_sidecar(engine: Any, sidecar_id: str, chain_id: str) -> None:
     from sqlalchemy.orm import Session
 
     from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE, utcnow
-    from kvgov.proxy.purge import jobs
+    from kvgov.services.purge import jobs
 
     with Session(engine) as session, session.begin():
         # read-then-write: on SQLite take the write lock up front, or a writer committing in
@@ -376,7 +376,7 @@ async def build_sidecar(
         if settings.environment is Environment.DEVELOPMENT and not settings.kek_path.exists():
             generate_kek_file(settings.kek_path)
         from kvgov.ledger.keystore import SqlKeyStore
-        from kvgov.proxy.keys_service import KeyEventRecorder
+        from kvgov.services.keys import KeyEventRecorder
 
         store: WrappedKeyStore = SqlKeyStore(engine)
         key_events = KeyEventRecorder(sink, asyncio.get_running_loop(), principal=settings.chain_id)

@@ -52,7 +52,7 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
 
     api = sidecar.engine is not None and sidecar.writer is not None
     if api:  # the compliance API
-        from kvgov.proxy.api.v1 import include_sidecar_api
+        from kvgov.proxy.api.compliance import include_sidecar_api
 
         include_sidecar_api(app, settings, sidecar.engine, sidecar.writer)
         app.state.kvgov_keyring = sidecar.pipeline.keyring  # /v1/keys rotates this one

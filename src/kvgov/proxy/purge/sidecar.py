@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvgov.proxy.purge.build import make_service, writer_checkpointer
-from kvgov.proxy.purge.executor import PurgeExecutor
-from kvgov.proxy.purge.ports import EngineEviction, KeyringShredder
+from kvgov.services.purge.build import make_service, writer_checkpointer
+from kvgov.services.purge.executor import PurgeExecutor
+from kvgov.services.purge.ports import EngineEviction, KeyringShredder
 
 if TYPE_CHECKING:
     from kvgov.proxy.app import Sidecar

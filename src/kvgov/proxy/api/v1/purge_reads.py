@@ -31,8 +31,8 @@ from kvgov.proxy.api.pagination import (
 from kvgov.proxy.api.problems import problem_responses
 from kvgov.proxy.api.v1.params import SinceQuery, TenantQuery, UntilQuery, utc
 from kvgov.proxy.api.v1.purges import PurgeJobOut, job_out
-from kvgov.proxy.purge import jobs
-from kvgov.proxy.purge.receipts import verify_receipt
+from kvgov.services.purge import jobs
+from kvgov.services.purge.receipts import verify_receipt
 from kvgov.types import PurgeKind, PurgeState
 
 router = APIRouter(tags=["purges"])

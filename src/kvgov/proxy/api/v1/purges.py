@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvgov.proxy.api.auth import Admin
 from kvgov.proxy.api.problems import problem_responses
 from kvgov.proxy.api.v1.params import SAFE_TEXT
-from kvgov.proxy.purge.model import JobView, PurgeRequest
-from kvgov.proxy.purge.service import PurgeService
+from kvgov.services.purge.model import JobView, PurgeRequest
+from kvgov.services.purge.service import PurgeService
 
 router = APIRouter(tags=["purges"])
 
@@ -139,7 +139,7 @@ async def create_purge(body: PurgeCreate, principal: Admin, request: Request) ->
 def include_purges(
     app: FastAPI, service: PurgeService, *, wake: Callable[[], None] | None = None
 ) -> None:
-    """Mount the purge routes (after :func:`kvgov.proxy.api.v1.include_v1`)."""
+    """Mount the purge routes (after :func:`kvgov.proxy.api.compliance.include_v1`)."""
     app.state.kvgov_purge = service
     app.state.kvgov_purge_wake = wake
     app.include_router(router, prefix="/v1")

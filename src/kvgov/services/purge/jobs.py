@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from kvgov.errors import NotFoundError
 from kvgov.ledger.models import PurgeJob, PurgeReceipt, PurgeStep, Sidecar
-from kvgov.proxy.purge.model import (
+from kvgov.services.purge.model import (
     MAX_ATTEMPTS,
     TERMINAL_STEP_STATES,
     JobView,

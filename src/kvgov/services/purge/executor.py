@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 
 from kvgov.errors import KvgovError
 from kvgov.ledger.db import utcnow
-from kvgov.proxy.purge import jobs
-from kvgov.proxy.purge.service import PurgeService
+from kvgov.services.purge import jobs
+from kvgov.services.purge.service import PurgeService
 
 log = logging.getLogger(__name__)
 

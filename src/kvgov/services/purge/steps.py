@@ -19,11 +19,11 @@ from sqlalchemy.orm import Session, sessionmaker
 from kvgov.config import Settings
 from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE
 from kvgov.ledger.events import Appended, Event, EventSink
-from kvgov.proxy.purge import scope
-from kvgov.proxy.purge.deletion import delete_entries, emit_all
-from kvgov.proxy.purge.gpu import reset_prefix_caches
-from kvgov.proxy.purge.model import JobView, StepName, StepView
-from kvgov.proxy.purge.ports import EngineEvictor, KeyShredder, LocalIndex, TierSet
+from kvgov.services.purge import scope
+from kvgov.services.purge.deletion import delete_entries, emit_all
+from kvgov.services.purge.gpu import reset_prefix_caches
+from kvgov.services.purge.model import JobView, StepName, StepView
+from kvgov.services.purge.ports import EngineEvictor, KeyShredder, LocalIndex, TierSet
 from kvgov.types import EntryState, EventKind, Outcome, PurgeState
 
 log = logging.getLogger(__name__)

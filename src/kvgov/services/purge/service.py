@@ -2,7 +2,7 @@
 
 The CLI, the REST API and each sidecar's background executor all use this one class. Creating a
 job writes the job, its steps and a ``purge:requested`` event; executing claims one step at a
-time (see :mod:`kvgov.proxy.purge.jobs`) and, when the final ``ledger`` step has run, builds the
+time (see :mod:`kvgov.services.purge.jobs`) and, when the final ``ledger`` step has run, builds the
 receipt from every step's recorded detail, signs it with the ledger's Ed25519 key and stores it
 with the job's final state in the same transaction.
 """
@@ -24,8 +24,8 @@ from kvgov.config import Settings
 from kvgov.errors import KvgovError, PurgeError
 from kvgov.ledger.db import utcnow
 from kvgov.ledger.events import Event
-from kvgov.proxy.purge import jobs, scope
-from kvgov.proxy.purge.model import (
+from kvgov.services.purge import jobs, scope
+from kvgov.services.purge.model import (
     JobView,
     PurgeRequest,
     StepName,
@@ -33,9 +33,9 @@ from kvgov.proxy.purge.model import (
     final_state,
     plan_steps,
 )
-from kvgov.proxy.purge.ports import Checkpointer
-from kvgov.proxy.purge.receipts import RECEIPT_FORMAT, sign_receipt
-from kvgov.proxy.purge.steps import StepContext, run_step
+from kvgov.services.purge.ports import Checkpointer
+from kvgov.services.purge.receipts import RECEIPT_FORMAT, sign_receipt
+from kvgov.services.purge.steps import StepContext, run_step
 from kvgov.types import EventKind, Outcome, PurgeState
 
 log = logging.getLogger(__name__)
