@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import select
 
 from kvgov.config import Settings
-from kvgov.ledger.models import DataKey, LedgerEvent, table
+from kvgov.db.models import DataKey, LedgerEvent, table
 from kvgov.ledger.verify import verify
 from kvgov.proxy.app import Sidecar
 from kvgov.services import keys as keys_service

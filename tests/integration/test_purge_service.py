@@ -24,20 +24,20 @@ from sqlalchemy.exc import OperationalError
 from kvgov.config import Settings
 from kvgov.connectors.tiers.filesystem import FilesystemTier
 from kvgov.connectors.tiers.memory import MemoryTier
+from kvgov.db import purge_jobs as jobs
+from kvgov.db.engine import make_engine, make_sessionmaker, upgrade, utcnow
+from kvgov.db.keystore import SqlKeyStore
+from kvgov.db.models import CacheEntry, EventPayload, LedgerEvent, PurgeJob, Tenant, UserRef
+from kvgov.db.purge_views import PurgeRequest, StepName
 from kvgov.errors import KeyDestroyedError
 from kvgov.keys.kek import FileKekProvider, generate_kek_file
 from kvgov.keys.keyring import Keyring
 from kvgov.ledger.chain import public_key_bytes
-from kvgov.ledger.db import make_engine, make_sessionmaker, upgrade, utcnow
 from kvgov.ledger.events import EntryChange, Event
-from kvgov.ledger.keystore import SqlKeyStore
-from kvgov.ledger.models import CacheEntry, EventPayload, LedgerEvent, PurgeJob, Tenant, UserRef
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.ledger.verify import verify
 from kvgov.ledger.writer import LedgerWriter
-from kvgov.services.purge import jobs
 from kvgov.services.purge.build import make_service, writer_checkpointer
-from kvgov.services.purge.model import PurgeRequest, StepName
 from kvgov.services.purge.ports import KeyringShredder, TierSet
 from kvgov.services.purge.receipts import verify_receipt
 from kvgov.services.purge.retention import apply_retention

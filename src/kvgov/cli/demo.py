@@ -179,7 +179,7 @@ def _ids(
 
 
 def _print_provenance(sidecar: _SidecarThread, request_id: str, tenant: str) -> bool:
-    from kvgov.ledger.db import make_sessionmaker
+    from kvgov.db.engine import make_sessionmaker
     from kvgov.services.provenance import provenance
 
     sidecar.call(sidecar.app.writer.flush())
@@ -200,8 +200,8 @@ def _print_provenance(sidecar: _SidecarThread, request_id: str, tenant: str) -> 
 def _purge(sidecar: _SidecarThread, tenant: str, user: str) -> bool:
     """Purge through the running sidecar as ``POST /v1/purges`` does (create the job, wake the
     sidecar's executor, wait for the receipt); print the receipt and check its signature."""
+    from kvgov.db.purge_views import PurgeRequest
     from kvgov.ledger.chain import load_public_key
-    from kvgov.services.purge.model import PurgeRequest
     from kvgov.services.purge.receipts import verify_receipt
 
     executor = sidecar.app.purge

@@ -152,8 +152,8 @@ def register(app: typer.Typer) -> None:
 
 @contextmanager
 def _store(cfg: Settings) -> Iterator[WrappedKeyStore]:
-    from kvgov.ledger.db import make_engine
-    from kvgov.ledger.keystore import SqlKeyStore
+    from kvgov.db.engine import make_engine
+    from kvgov.db.keystore import SqlKeyStore
 
     engine = make_engine(cfg.database_url, pool_size=2)
     try:
@@ -198,8 +198,8 @@ def _record(cfg: Settings, events: Sequence[Any]) -> list[dict[str, Any]] | None
 
 
 async def _append(cfg: Settings, events: Sequence[Any]) -> list[dict[str, Any]]:
+    from kvgov.db.engine import make_engine
     from kvgov.ledger.chain import load_signing_key
-    from kvgov.ledger.db import make_engine
     from kvgov.ledger.writer import LedgerWriter
     from kvgov.services.keys import record
 

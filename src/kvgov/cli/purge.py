@@ -25,7 +25,7 @@ from kvgov.cli._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, emit_json, setti
 
 if TYPE_CHECKING:
     from kvgov.config import Settings
-    from kvgov.services.purge.model import JobView, PurgeRequest
+    from kvgov.db.purge_views import JobView, PurgeRequest
 
 
 def register(app: typer.Typer) -> None:
@@ -67,7 +67,7 @@ def register(app: typer.Typer) -> None:
         if not tenant:
             typer.echo(ctx.get_help())
             raise typer.Exit(EXIT_USAGE)
-        from kvgov.services.purge.model import PurgeRequest
+        from kvgov.db.purge_views import PurgeRequest
 
         req = PurgeRequest(tenant=tenant, user=user, dry_run=dry_run, requested_by="cli")
         what = f"user {user!r} in tenant {tenant!r}" if user else f"ALL data of tenant {tenant!r}"

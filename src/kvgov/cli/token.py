@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     ) -> None:
         """Create a token and print it (shown only this once)."""
-        from kvgov.ledger.tokens import TokenRepository, new_token_id
+        from kvgov.db.tokens import TokenRepository, new_token_id
         from kvgov.types import EventKind, Role
 
         try:
@@ -75,7 +75,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     ) -> None:
         """List tokens (never the tokens themselves)."""
-        from kvgov.ledger.tokens import TokenRepository
+        from kvgov.db.tokens import TokenRepository
 
         with _session(ctx) as (session, _):
             records = TokenRepository(session).all(include_revoked=not active)
@@ -98,8 +98,8 @@ def register(app: typer.Typer) -> None:
         token_id: Annotated[str, typer.Argument(help="Token id (from `kvgov token list`).")],
     ) -> None:
         """Revoke a token at once."""
+        from kvgov.db.tokens import TokenRepository
         from kvgov.errors import NotFoundError
-        from kvgov.ledger.tokens import TokenRepository
         from kvgov.types import EventKind
 
         with _session(ctx) as (session, record_event):
@@ -134,7 +134,7 @@ def _session(
 ) -> Iterator[tuple[Session, Callable[[EventKind, str, Role, str | None], None]]]:
     """A session on the ledger plus ``record_event``, which appends a token event to this
     node's chain (durably, before the caller commits its change)."""
-    from kvgov.ledger.db import make_engine, make_sessionmaker
+    from kvgov.db.engine import make_engine, make_sessionmaker
 
     s = settings(ctx)
     engine = make_engine(s.database_url)

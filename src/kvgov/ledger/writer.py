@@ -45,6 +45,8 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import Connection, Engine, exc, select
 
+from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE, utcnow
+from kvgov.db.models import Chain, JournalMark, table
 from kvgov.errors import LedgerBackpressureError, LedgerError
 from kvgov.ledger.batch import (
     Applied,
@@ -59,10 +61,8 @@ from kvgov.ledger.batch import (
 )
 from kvgov.ledger.chain import key_fingerprint, public_key_bytes
 from kvgov.ledger.checkpoint import CheckpointInfo, checkpoint_logged, write_checkpoint
-from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE, utcnow
 from kvgov.ledger.events import Appended, Event
 from kvgov.ledger.journal import Journal, decode_event, encode_event
-from kvgov.ledger.models import Chain, JournalMark, table
 from kvgov.logging import get_logger
 
 log = get_logger(__name__)

@@ -2,7 +2,7 @@
 
 Creating or revoking a token is recorded before the change is written (the ledger may name a
 token whose commit then failed, never the other way round). Persistence is
-:mod:`kvgov.ledger.tokens`; this module is the part the CLI and the API share.
+:mod:`kvgov.db.tokens`; this module is the part the CLI and the API share.
 """
 
 from __future__ import annotations

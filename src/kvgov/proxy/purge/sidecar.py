@@ -79,8 +79,8 @@ async def attach_purge(sidecar: Sidecar) -> PurgeExecutor | None:
     keyring = sidecar.pipeline.keyring
     if sidecar.engine is None or sidecar.writer is None or keyring is None:
         return None
+    from kvgov.db.engine import make_sessionmaker
     from kvgov.ledger.chain import load_signing_key
-    from kvgov.ledger.db import make_sessionmaker
 
     settings = sidecar.settings
     engines = SidecarEngines(sidecar.pipeline.index, sidecar.server)

@@ -21,8 +21,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from kvgov.config import Settings
 from kvgov.connectors.tiers.base import Tier
+from kvgov.db.models import Checkpoint
 from kvgov.ledger.events import EventSink
-from kvgov.ledger.models import Checkpoint
 from kvgov.services.purge.ports import (
     Checkpointer,
     CheckpointInfo,
@@ -123,9 +123,9 @@ async def shared_tiers(settings: Settings) -> list[Tier]:
 @asynccontextmanager
 async def cli_service(settings: Settings, *, writer: bool = True) -> AsyncIterator[PurgeService]:
     """A service for ``kvgov purge``: its own ledger writer chain, shared tiers, no engines."""
+    from kvgov.db.engine import make_engine, make_sessionmaker
+    from kvgov.db.keystore import SqlKeyStore
     from kvgov.ledger.chain import load_signing_key
-    from kvgov.ledger.db import make_engine, make_sessionmaker
-    from kvgov.ledger.keystore import SqlKeyStore
     from kvgov.ledger.pseudonym import Pseudonymizer
     from kvgov.ledger.writer import LedgerWriter
 

@@ -16,9 +16,9 @@ import logging
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from kvgov.db import purge_jobs as jobs
+from kvgov.db.engine import utcnow
 from kvgov.errors import KvgovError
-from kvgov.ledger.db import utcnow
-from kvgov.services.purge import jobs
 from kvgov.services.purge.service import PurgeService
 
 log = logging.getLogger(__name__)

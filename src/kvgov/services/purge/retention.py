@@ -25,8 +25,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import and_, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from kvgov.db.models import CacheEntry, Tenant
 from kvgov.ledger.events import EventSink
-from kvgov.ledger.models import CacheEntry, Tenant
 from kvgov.services.purge.deletion import delete_entries
 from kvgov.services.purge.ports import LocalIndex, TierSet
 from kvgov.services.purge.scope import ScopedEntry

@@ -2,7 +2,7 @@
 
 The CLI, the REST API and each sidecar's background executor all use this one class. Creating a
 job writes the job, its steps and a ``purge:requested`` event; executing claims one step at a
-time (see :mod:`kvgov.services.purge.jobs`) and, when the final ``ledger`` step has run, builds the
+time (see :mod:`kvgov.db.purge_jobs`) and, when the final ``ledger`` step has run, builds the
 receipt from every step's recorded detail, signs it with the ledger's Ed25519 key and stores it
 with the job's final state in the same transaction.
 """
@@ -21,11 +21,9 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
-from kvgov.errors import KvgovError, PurgeError
-from kvgov.ledger.db import utcnow
-from kvgov.ledger.events import Event
-from kvgov.services.purge import jobs, scope
-from kvgov.services.purge.model import (
+from kvgov.db import purge_jobs as jobs
+from kvgov.db.engine import utcnow
+from kvgov.db.purge_views import (
     JobView,
     PurgeRequest,
     StepName,
@@ -33,6 +31,9 @@ from kvgov.services.purge.model import (
     final_state,
     plan_steps,
 )
+from kvgov.errors import KvgovError, PurgeError
+from kvgov.ledger.events import Event
+from kvgov.services.purge import scope
 from kvgov.services.purge.ports import Checkpointer
 from kvgov.services.purge.receipts import RECEIPT_FORMAT, sign_receipt
 from kvgov.services.purge.steps import StepContext, run_step

@@ -18,10 +18,10 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvgov.db import queries_admin as qa
+from kvgov.db.models import DataKey
 from kvgov.errors import InvalidInputError, KeyManagementError, StartupError
 from kvgov.keys.ids import KeyInfo
-from kvgov.ledger import queries_admin as qa
-from kvgov.ledger.models import DataKey
 from kvgov.proxy.api.auth import Admin, ApiContext, Context, DbSession, Reader
 from kvgov.proxy.api.pagination import (
     DEFAULT_LIMIT,
@@ -112,8 +112,8 @@ def _keyring(request: Request, ctx: ApiContext) -> _ApiKeyring:
     """The sidecar's keyring when the app has one, else one built from the settings once."""
     ring = getattr(request.app.state, "kvgov_keyring", None) or ctx.keyring
     if ring is None:
+        from kvgov.db.keystore import SqlKeyStore
         from kvgov.keys.keyring import Keyring
-        from kvgov.ledger.keystore import SqlKeyStore
 
         try:
             ring = Keyring.from_settings(ctx.settings, SqlKeyStore(ctx.engine))

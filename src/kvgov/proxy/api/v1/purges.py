@@ -18,10 +18,10 @@ from fastapi import APIRouter, FastAPI, Request, status
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvgov.db.purge_views import JobView, PurgeRequest
 from kvgov.proxy.api.auth import Admin
 from kvgov.proxy.api.problems import problem_responses
 from kvgov.proxy.api.v1.params import SAFE_TEXT
-from kvgov.services.purge.model import JobView, PurgeRequest
 from kvgov.services.purge.service import PurgeService
 
 router = APIRouter(tags=["purges"])

@@ -12,8 +12,8 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Response, status
 from fastapi.concurrency import run_in_threadpool
 
+from kvgov.db.tokens import TokenRecord, TokenRepository, new_token_id
 from kvgov.errors import NotFoundError
-from kvgov.ledger.tokens import TokenRecord, TokenRepository, new_token_id
 from kvgov.proxy.api.auth import Context, GlobalAdmin
 from kvgov.proxy.api.problems import problem_responses
 from kvgov.proxy.api.v1.schemas import TokenCreate, TokenCreated, TokenOut

@@ -19,9 +19,9 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from kvgov.db.engine import utcnow
+from kvgov.db.models import TENANT, Tenant
 from kvgov.errors import InvalidInputError
-from kvgov.ledger.db import utcnow
-from kvgov.ledger.models import TENANT, Tenant
 
 #: a tenant id as the cache keys' ``tenant%`` tag may carry it
 TENANT_ID = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{TENANT - 1}}}$")
