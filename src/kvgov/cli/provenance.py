@@ -10,11 +10,16 @@ query; the ledger never holds them.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from kvgov.cli._common import EXIT_FAILED, echo, emit_json, fail, settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from kvgov.config import Settings
 
 
 def register(app: typer.Typer) -> None:
@@ -62,7 +67,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(EXIT_FAILED)
 
 
-def _forward(session: Any, request_id: str, tenant: str | None) -> dict[str, Any]:
+def _forward(session: Session, request_id: str, tenant: str | None) -> dict[str, Any]:
     from kvgov.services.provenance import provenance, request_tenants
 
     tenants = request_tenants(session, request_id)
@@ -93,7 +98,7 @@ def _forward(session: Any, request_id: str, tenant: str | None) -> dict[str, Any
     return {"request_id": request_id, "tenant": tenant, "chunks": chunks}
 
 
-def _reverse(session: Any, s: Any, tenant: str, user: str) -> dict[str, Any]:
+def _reverse(session: Session, s: Settings, tenant: str, user: str) -> dict[str, Any]:
     from kvgov.ledger.pseudonym import Pseudonymizer
     from kvgov.services.provenance import user_reuse
 

@@ -168,19 +168,20 @@ def _report(job: JobView, *, as_json: bool, out: Path | None) -> int:
         emit_json(job.to_dict())
     else:
         typer.echo(f"purge {job.id}: {job.state}")
-        signed = job.receipt or {}
-        receipt = signed.get("receipt") or {}
-        if receipt:
-            typer.echo(f"  subject: {receipt.get('subject') or '(whole tenant)'}")
-            typer.echo(f"  entries purged: {receipt.get('entries_purged')}")
-            typer.echo(f"  deleted per tier: {receipt.get('tiers')}")
-            typer.echo(f"  keys destroyed: {len(receipt.get('keys_destroyed') or [])}")
-            engines = receipt.get("engines") or {}
-            typer.echo(f"  engines acknowledged: {engines.get('acknowledged')}")
-            for line in receipt.get("incomplete") or []:
+        from kvgov.services.purge.documents import Receipt
+
+        document = (job.receipt or {}).get("receipt")
+        if document:
+            receipt = Receipt.model_validate(document)
+            typer.echo(f"  subject: {receipt.subject or '(whole tenant)'}")
+            typer.echo(f"  entries purged: {receipt.entries_purged}")
+            typer.echo(f"  deleted per tier: {receipt.tiers}")
+            typer.echo(f"  keys destroyed: {len(receipt.keys_destroyed)}")
+            typer.echo(f"  engines acknowledged: {list(receipt.engines.acknowledged)}")
+            for line in receipt.incomplete:
                 typer.echo(f"  NOT DONE: {line}")
-            ledger = receipt.get("ledger") or {}
-            typer.echo(f"  erasure event: {ledger.get('erasure_event')}")
+            erasure = receipt.ledger.erasure_event if receipt.ledger else None
+            typer.echo(f"  erasure event: {erasure.model_dump() if erasure else None}")
         else:
             for step in job.steps:
                 typer.echo(f"  {step.label}: {step.state}")

@@ -34,8 +34,9 @@ from kvgov.db.purge_views import (
 from kvgov.errors import KvgovError, PurgeError
 from kvgov.ledger.events import Event
 from kvgov.services.purge import scope
+from kvgov.services.purge.documents import LedgerOutcome, Receipt
 from kvgov.services.purge.ports import Checkpointer
-from kvgov.services.purge.receipts import RECEIPT_FORMAT, sign_receipt
+from kvgov.services.purge.receipts import sign_receipt
 from kvgov.services.purge.steps import StepContext, run_step
 from kvgov.types import EventKind, Outcome, PurgeState
 
@@ -230,8 +231,8 @@ class PurgeService:
             signed = sign_receipt(receipt, self._signing_key)
             result = {
                 "state": str(final),
-                "tiers": receipt["tiers"],
-                "incomplete": receipt["incomplete"],
+                "tiers": receipt.tiers,
+                "incomplete": list(receipt.incomplete),
             }
             jobs.finish_job(
                 s,
@@ -247,7 +248,7 @@ class PurgeService:
         log.info("purge.finished", extra={"purge_id": job_id})
 
 
-def build_receipt(job: JobView, state: PurgeState, *, finished_at: str) -> dict[str, Any]:
+def build_receipt(job: JobView, state: PurgeState, *, finished_at: str) -> Receipt:
     """The receipt document (unsigned) from the job's recorded steps."""
     tiers: dict[str, int] = {}
     keys: list[dict[str, Any]] = []
@@ -259,7 +260,7 @@ def build_receipt(job: JobView, state: PurgeState, *, finished_at: str) -> dict[
     entries_in_scope = 0
     newly_purged = 0
     verified = True
-    ledger: dict[str, Any] = {}
+    ledger: LedgerOutcome | None = None
     for step in job.steps:
         d = step.detail
         if step.state is not PurgeState.COMPLETED and step.name is not StepName.LEDGER:
@@ -285,43 +286,46 @@ def build_receipt(job: JobView, state: PurgeState, *, finished_at: str) -> dict[
         elif step.name is StepName.GPU:
             gpu.extend(d.get("results") or [])
         elif step.name is StepName.LEDGER:
-            ledger = {
-                "payloads_erased": d.get("payloads_erased", 0),
-                "users_erased": d.get("users_erased", 0),
-                "erasure_event": d.get("erasure_event"),
-                "payload_event": d.get("payload_event"),
-                "checkpoint": d.get("checkpoint"),
-            }
+            ledger = LedgerOutcome.model_validate(
+                {
+                    "payloads_erased": d.get("payloads_erased", 0),
+                    "users_erased": d.get("users_erased", 0),
+                    "erasure_event": d.get("erasure_event"),
+                    "payload_event": d.get("payload_event"),
+                    "checkpoint": d.get("checkpoint"),
+                }
+            )
             if step.state is not PurgeState.COMPLETED:
                 incomplete.append(f"ledger: {d.get('error') or 'did not complete'}")
     for e in unreachable:
         if e["engine"] and not any(str(e["engine"]) in line for line in incomplete):
             incomplete.append(f"engine {e['engine']} did not acknowledge: {e['error']}")
-    return {
-        "format": RECEIPT_FORMAT,
-        "purge_id": job.id,
-        "state": str(state),
-        "kind": str(job.kind),
-        "tenant": job.tenant,
-        "subject": job.subject,
-        "scope": {
+    return Receipt.model_validate(
+        {
+            "purge_id": job.id,
+            "state": str(state),
+            "kind": str(job.kind),
             "tenant": job.tenant,
             "subject": job.subject,
-            "rule": "every entry of the tenant"
-            if job.subject is None
-            else "entries of the tenant owned by, scoped to, or put by the subject",
-        },
-        "requested_by": job.requested_by,
-        "requested_at": job.created_at.isoformat(),
-        "finished_at": finished_at,
-        "entries_in_scope": entries_in_scope,
-        "entries_purged": newly_purged,
-        "tiers": tiers,
-        "tiers_verified_absent": verified,
-        "keys_destroyed": keys,
-        "engines": {"acknowledged": sorted(set(acked)), "unreachable": unreachable},
-        "gpu_reset": gpu,
-        "sidecars": sorted(set(sidecars_done)),
-        "ledger": ledger,
-        "incomplete": incomplete,
-    }
+            "scope": {
+                "tenant": job.tenant,
+                "subject": job.subject,
+                "rule": "every entry of the tenant"
+                if job.subject is None
+                else "entries of the tenant owned by, scoped to, or put by the subject",
+            },
+            "requested_by": job.requested_by,
+            "requested_at": job.created_at.isoformat(),
+            "finished_at": finished_at,
+            "entries_in_scope": entries_in_scope,
+            "entries_purged": newly_purged,
+            "tiers": tiers,
+            "tiers_verified_absent": verified,
+            "keys_destroyed": keys,
+            "engines": {"acknowledged": sorted(set(acked)), "unreachable": unreachable},
+            "gpu_reset": gpu,
+            "sidecars": sorted(set(sidecars_done)),
+            "ledger": ledger,
+            "incomplete": incomplete,
+        }
+    )
