@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 export LMCACHE_TRACK_USAGE := false
 
-.PHONY: demo serve test lint typecheck install clean
+.PHONY: demo serve test lint typecheck install clean image
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ typecheck: install
 
 test: install lint typecheck
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+
+# The sidecar's container image (Containerfile). No registry here: the base is built from
+# Debian's packages (debootstrap, cached under build/image/); BASE=<image> uses another base.
+# Prints the image's size and its start-up time to ready.
+image:
+	deploy/image/build.sh
 
 clean:
 	rm -rf $(VENV) .kvgov .mypy_cache .ruff_cache

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import os
 import tomllib
 from contextvars import ContextVar
@@ -210,6 +211,9 @@ class DataPlaneSettings(_Section):
     lm_default_tenant: str = ""
     #: engine tokens: ``{"token": "engine-id"}``. Empty in development accepts any engine id.
     engine_tokens: dict[str, SecretStr] = Field(default_factory=dict)
+    #: a file holding the engine tokens in the same shape, as JSON (a mounted Secret; read at
+    #: start-up): set this or ``engine_tokens``, not both
+    engine_tokens_file: Path | None = None
     max_frame_bytes: int = Field(default=256 * _MIB, ge=_MIB)
     #: open data-plane connections, all listeners together (kvgov wire and lm://); more are
     #: closed at once (``docs/operations.md``, "Limits")
@@ -248,6 +252,14 @@ class DataPlaneSettings(_Section):
     inline_crypto_bytes: int | None = Field(default=None, ge=0)
     #: ``False`` switches policy, encryption and the ledger off: for benchmarks only
     governance: bool = True
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> DataPlaneSettings:
+        if self.engine_tokens and self.engine_tokens_file is not None:
+            raise ValueError(
+                "set dataplane.engine_tokens or dataplane.engine_tokens_file, not both"
+            )
+        return self
 
     def lm_problems(self) -> list[str]:
         """What is missing to turn the ``lm://`` listener on (in every environment)."""
@@ -372,7 +384,8 @@ class Settings(BaseSettings):
             problems.append("dataplane.governance=false stores plaintext without policy")
         if not self.api.auth:
             problems.append("api.auth=false leaves the compliance API open")
-        if not self.dataplane.engine_tokens and not self.dataplane.unix_path:
+        dp = self.dataplane
+        if not dp.engine_tokens and dp.engine_tokens_file is None and not dp.unix_path:
             problems.append("no engine tokens: any process could act as an engine")
         if self.keys.kek_path is None:
             problems.append("keys.kek_path must point at a provisioned key-encryption key")
@@ -384,7 +397,6 @@ class Settings(BaseSettings):
                 "database.runtime_role is empty: sidecars must connect as a role that does not"
                 " own the ledger's tables (docs/database.md)"
             )
-        dp = self.dataplane
         if dp.lm_port >= 0 and dp.lm_host not in LOOPBACK_HOSTS:
             problems.append(
                 f"dataplane.lm_host={dp.lm_host} exposes the handshake-less lm:// listener "
@@ -424,6 +436,38 @@ class Settings(BaseSettings):
         if self.environment is Environment.PRODUCTION and url.startswith("sqlite"):
             raise ConfigError(f"{name} {path} names SQLite: production needs a Postgres ledger")
         return url
+
+    @property
+    def engine_tokens(self) -> dict[str, SecretStr]:
+        """The engine tokens (``{"token": "engine-id"}``): ``dataplane.engine_tokens``, or the
+        JSON object in ``dataplane.engine_tokens_file`` (read now). Errors name the file and
+        what is wrong with it, never a token."""
+        dp = self.dataplane
+        path = dp.engine_tokens_file
+        if path is None:
+            return dict(dp.engine_tokens)
+        name = "dataplane.engine_tokens_file"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ConfigError(f"cannot read {name} {path}: {reason}") from None
+        hint = 'it must hold a JSON object {"<token>": "<engine-id>", ...}'
+        try:
+            data = json.loads(text)
+        except ValueError:
+            raise ConfigError(f"{name} {path} is not JSON", hint=hint) from None
+        if not isinstance(data, dict) or not data:
+            raise ConfigError(f"{name} {path} holds no tokens", hint=hint)
+        tokens: dict[str, SecretStr] = {}
+        for token, engine in data.items():
+            if not token or not isinstance(engine, str) or not 0 < len(engine) <= 128:
+                raise ConfigError(
+                    f"{name} {path}: every token must map to an engine id (1-128 characters)",
+                    hint=hint,
+                )
+            tokens[token] = SecretStr(engine)
+        return tokens
 
     @property
     def is_postgres(self) -> bool:

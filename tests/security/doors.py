@@ -65,6 +65,13 @@ class ProdDatabase:
     url: str
     runtime_role: str
 
+    @property
+    def superuser_dsn(self) -> str:
+        """A libpq DSN to this database as the server's superuser (what a DBA holds)."""
+        from tests.conftest import PG_ADMIN_DSN
+
+        return PG_ADMIN_DSN.rsplit("/", 1)[0] + "/" + self.url.rsplit("/", 1)[1]
+
 
 def settings(tmp_path: Path, db: ProdDatabase, **dataplane: Any) -> Settings:
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -159,8 +166,9 @@ def known_dataplane(**wanted: Any) -> dict[str, Any]:
     return {k: v for k, v in wanted.items() if k in DataPlaneSettings.model_fields}
 
 
-class RawWire:
-    """A raw kvgov wire client: frames as an attacker writes them (no client library)."""
+class WireProbe:
+    """A raw kvgov wire client for the resource attacks: frames as an attacker writes them
+    (stream id 1, payload length declared, bytes sent separately), replies read whole."""
 
     def __init__(self, port: int, timeout: float = 10.0) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
@@ -209,3 +217,121 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
         except OSError:  # reset
             return True
     return False
+
+
+# -- raw kvgov-wire frames, other tier chains (the "doors that held" tests) --------------------
+
+
+def tiered_settings(
+    tmp_path: Path, db: ProdDatabase, tiers: dict[str, Any], **dataplane: Any
+) -> Settings:
+    """:func:`settings` with another tier chain (e.g. ``{"chain": ["filesystem"]}``, or Redis
+    under a test's own prefix), so a test reaches the tier it tampers with."""
+    from kvgov.config import TierSettings
+
+    base = settings(tmp_path, db, **dataplane)
+    merged = {**base.tiers.model_dump(), **tiers}
+    return base.model_copy(update={"tiers": TierSettings(**merged)})
+
+
+@asynccontextmanager
+async def tiered_sidecar(
+    tmp_path: Path, db: ProdDatabase, tiers: dict[str, Any], **dataplane: Any
+) -> AsyncIterator[Sidecar]:
+    sc = await build_sidecar(tiered_settings(tmp_path, db, tiers, **dataplane))
+    await sc.start()
+    try:
+        yield sc
+    finally:
+        await sc.stop()
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame as a raw client reads it."""
+
+    type: int
+    flags: int
+    stream_id: int
+    meta: dict[str, Any]
+    payload: bytes
+
+    @property
+    def error(self) -> str | None:
+        """The ERROR frame's name (``unauthenticated``...), None for any other frame."""
+        from kvgov.wire.codec import FrameType
+
+        return str(self.meta.get("name")) if self.type == FrameType.ERROR else None
+
+
+class RawWire:
+    """A hand-rolled kvgov-wire client: sends whatever bytes an attacker chooses and reads the
+    frames that come back (blocking; call it through :func:`run`)."""
+
+    def __init__(self, port: int, timeout: float = 10) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+
+    @classmethod
+    def unix(cls, path: str, timeout: float = 10) -> RawWire:
+        self = cls.__new__(cls)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(path)
+        return self
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send(
+        self,
+        ftype: int,
+        sid: int,
+        meta: dict[str, Any] | None = None,
+        payload: bytes = b"",
+        *,
+        flags: int = 0,
+    ) -> None:
+        from kvgov.wire.codec import Flag, FrameType, encode_frame
+
+        self.sock.sendall(encode_frame(FrameType(ftype), sid, meta, len(payload), Flag(flags)))
+        if payload:
+            self.sock.sendall(payload)
+
+    def hello(self, token: str | None, engine: str = "raw", **extra: Any) -> Frame:
+        from kvgov.wire.codec import FrameType
+
+        meta: dict[str, Any] = {"version": 1, "engine": engine, **extra}
+        if token is not None:
+            meta["token"] = token
+        self.send(FrameType.HELLO, 1, meta)
+        return self.read()
+
+    def read(self) -> Frame:
+        """The next frame; :class:`ConnectionError` if the sidecar closed the connection."""
+        from kvgov.wire.codec import HEADER, decode_meta
+
+        head = recv_exact(self.sock, HEADER.size)
+        _magic, _version, ftype, flags, sid, meta_len, payload_len = HEADER.unpack(head)
+        meta = decode_meta(recv_exact(self.sock, meta_len)) if meta_len else {}
+        payload = recv_exact(self.sock, payload_len) if payload_len else b""
+        return Frame(ftype, flags, sid, meta, payload)
+
+    def closed_by_peer(self) -> bool:
+        """True once the sidecar has closed the connection (reads until EOF; anything it sends
+        first is ignored); False if it is still open when the timeout runs out."""
+        try:
+            while self.sock.recv(65536):
+                pass
+        except TimeoutError:
+            return False
+        except ConnectionError:
+            return True
+        return True
+
+
+def all_events(sc: Sidecar) -> list[LedgerEvent]:
+    with Session(sc.engine) as s:
+        return list(s.scalars(select(LedgerEvent).order_by(LedgerEvent.seq)).all())

@@ -40,7 +40,7 @@ async def control(
     sc = await build_sidecar(settings)
     await sc.start()
     try:
-        transport = httpx.ASGITransport(app=create_control_app(sc))
+        transport = httpx.ASGITransport(app=create_control_app(sc.control_plane()))
         async with httpx.AsyncClient(transport=transport, base_url="http://kvgov.test") as c:
             c.sidecar = sc  # type: ignore[attr-defined]
             yield c

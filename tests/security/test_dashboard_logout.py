@@ -40,7 +40,7 @@ async def dashboard(
         with Session(sc.engine) as s:
             _, token = TokenRepository(s).create(Role.AUDITOR)
             s.commit()
-        transport = httpx.ASGITransport(app=create_control_app(sc))
+        transport = httpx.ASGITransport(app=create_control_app(sc.control_plane()))
         async with httpx.AsyncClient(transport=transport, base_url="http://kvgov.test") as c:
             yield sc, c, token
 

@@ -130,7 +130,7 @@ async def served(tmp_path: Path, db: Db, **ledger: Any) -> AsyncIterator[Doors]:
             env[f"KVGOV_LEDGER__{name.upper()}"] = (
                 json.dumps(value) if isinstance(value, list) else str(value)
             )
-        transport = httpx.ASGITransport(app=create_control_app(sc))
+        transport = httpx.ASGITransport(app=create_control_app(sc.control_plane()))
         async with httpx.AsyncClient(transport=transport, base_url="http://kvgov.test") as api:
             yield Doors(sc, api, {"Authorization": f"Bearer {raw}"}, env)
     finally:

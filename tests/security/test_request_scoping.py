@@ -60,7 +60,7 @@ async def both_tenants_used_r(
             digests[tenant] = sc.pipeline.pseudonymizer.key_digest(k)
         assert sc.writer is not None
         await sc.writer.flush()
-        transport = httpx.ASGITransport(app=create_control_app(sc))
+        transport = httpx.ASGITransport(app=create_control_app(sc.control_plane()))
         async with httpx.AsyncClient(transport=transport, base_url="http://kvgov.test") as api:
             yield sc, api, digests
 

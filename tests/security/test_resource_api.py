@@ -32,7 +32,7 @@ async def api_server(sc: object, **limits: object) -> AsyncIterator[int]:
     from kvgov.proxy.api.server import api_config
 
     api = ApiSettings(host="127.0.0.1", port=0, **limits)  # type: ignore[arg-type]
-    server = _control_server_class()(api_config(create_control_app(sc), api))  # type: ignore[arg-type]
+    server = _control_server_class()(api_config(create_control_app(sc.control_plane()), api))  # type: ignore[arg-type]
     task = asyncio.get_running_loop().create_task(server.serve())
     while not server.started:  # noqa: ASYNC110 - uvicorn exposes a flag, no event
         await asyncio.sleep(0.01)

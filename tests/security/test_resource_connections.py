@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.security import doors
-from tests.security.doors import RawWire, engine, known_dataplane, run
+from tests.security.doors import WireProbe, engine, known_dataplane, run
 
 pytestmark = pytest.mark.postgres
 
@@ -81,8 +81,8 @@ async def test_one_engine_cannot_take_every_connection(
     async with doors.sidecar(tmp_path, prod_db, **caps) as sc:
         port = sc.server.tcp_port
         assert port is not None
-        mine = [RawWire(port) for _ in range(3)]
-        extra = RawWire(port)
+        mine = [WireProbe(port) for _ in range(3)]
+        extra = WireProbe(port)
         try:
             for conn in mine:
                 await run(conn.hello, "tok-globex")
@@ -96,7 +96,7 @@ async def test_one_engine_cannot_take_every_connection(
             finally:
                 acme.close()
             mine.pop().close()  # a slot of globex's comes free
-            again = RawWire(port)
+            again = WireProbe(port)
             try:
                 for _ in range(50):  # the close reaches the sidecar soon
                     try:
@@ -104,7 +104,7 @@ async def test_one_engine_cannot_take_every_connection(
                         break
                     except AssertionError:
                         again.close()
-                        again = RawWire(port)
+                        again = WireProbe(port)
                 else:
                     pytest.fail("the freed slot was never given back")
             finally:

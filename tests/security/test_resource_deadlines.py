@@ -16,7 +16,7 @@ from kvgov.wire.codec import HEADER_SIZE, FrameType, encode_frame
 from tests.security import doors
 from tests.security.doors import (
     LmClient,
-    RawWire,
+    WireProbe,
     closed_within,
     engine,
     key,
@@ -38,7 +38,7 @@ async def test_a_silent_connection_is_closed_after_the_hello_deadline(
     async with doors.sidecar(tmp_path, prod_db, **FAST) as sc:
         port = sc.server.tcp_port
         assert port is not None
-        silent, partial = RawWire(port), RawWire(port)
+        silent, partial = WireProbe(port), WireProbe(port)
         try:
             partial.sock.sendall(encode_frame(FrameType.HELLO, 1, {"engine": "x"})[:10])
             assert await run(silent.closed_within, 5.0)
@@ -58,7 +58,7 @@ async def test_an_idle_engine_stays_but_a_stalled_frame_is_closed(
     async with doors.sidecar(tmp_path, prod_db, **FAST) as sc:
         port = sc.server.tcp_port
         assert port is not None
-        idle, stalled = RawWire(port), RawWire(port)
+        idle, stalled = WireProbe(port), WireProbe(port)
         try:
             await run(idle.hello, "tok-acme")
             await run(stalled.hello, "tok-globex")
@@ -81,7 +81,7 @@ async def test_a_stalled_put_gives_its_buffers_back(
     async with doors.sidecar(tmp_path, prod_db, **FAST) as sc:
         port = sc.server.tcp_port
         assert port is not None
-        attackers = [RawWire(port), RawWire(port)]
+        attackers = [WireProbe(port), WireProbe(port)]
         acme = engine(sc, "tok-acme")
         acme.timeout = 8.0
         try:

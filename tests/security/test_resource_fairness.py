@@ -22,7 +22,7 @@ import pytest
 from kvgov.types import EventKind
 from kvgov.wire.codec import FrameType
 from tests.security import doors
-from tests.security.doors import RawWire, events, key, run
+from tests.security.doors import WireProbe, events, key, run
 
 pytestmark = pytest.mark.postgres
 
@@ -62,7 +62,7 @@ async def test_a_4096_key_exists_frame_yields_to_other_connections(
     async with doors.sidecar(tmp_path, prod_db) as sc:
         port = sc.server.tcp_port
         assert port is not None
-        attacker, other = RawWire(port), RawWire(port)
+        attacker, other = WireProbe(port), WireProbe(port)
         try:
             await run(attacker.hello, "tok-acme")
             await run(other.hello, "tok-globex")
@@ -87,7 +87,7 @@ async def test_a_put_of_4096_empty_values_is_refused_cheaply(
     async with doors.sidecar(tmp_path, prod_db) as sc:
         port = sc.server.tcp_port
         assert port is not None
-        attacker = RawWire(port)
+        attacker = WireProbe(port)
         try:
             await run(attacker.hello, "tok-acme")
             items = [{"key": key(i, "acme"), "len": 0} for i in range(ITEMS)]

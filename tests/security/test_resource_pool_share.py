@@ -16,7 +16,7 @@ import pytest
 
 from kvgov.wire.codec import FrameType
 from tests.security import doors
-from tests.security.doors import LmClient, RawWire, engine, key, known_dataplane, run
+from tests.security.doors import LmClient, WireProbe, engine, key, known_dataplane, run
 
 pytestmark = pytest.mark.postgres
 
@@ -32,7 +32,7 @@ async def test_a_stalling_engine_waits_for_its_own_buffers(
     async with doors.sidecar(tmp_path, prod_db, **lm) as sc:
         port = sc.server.tcp_port
         assert port is not None
-        hogs = [RawWire(port) for _ in range(4)]
+        hogs = [WireProbe(port) for _ in range(4)]
         lm_hogs = [LmClient(sc.lm_server.port) for _ in range(4)]
         acme = engine(sc, "tok-acme")
         acme.timeout = 8.0

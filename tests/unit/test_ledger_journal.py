@@ -4,6 +4,7 @@ per journal, write failures leave it broken; events survive their JSON encoding.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import marshal
@@ -15,8 +16,16 @@ from typing import Any
 import pytest
 
 from kvgov.errors import LedgerError
-from kvgov.ledger.events import EntryChange, Event
-from kvgov.ledger.journal import MAGIC, Journal, decode_event, encode_event, encode_record
+from kvgov.ledger.events import EVENT_TEXT_FIELDS, EntryChange, Event
+from kvgov.ledger.journal import (
+    MAGIC,
+    EntryRecord,
+    EventRecord,
+    Journal,
+    decode_event,
+    encode_event,
+    encode_record,
+)
 from kvgov.types import EntryState, EventKind, Outcome, Scope, Sensitivity
 
 
@@ -300,3 +309,65 @@ def _with(i: int, value: object) -> bytes:
 def test_a_record_that_is_not_an_event_is_refused(payload: bytes) -> None:
     with pytest.raises(LedgerError, match="not a ledger event"):
         decode_event(payload)
+
+
+# -- the codec's named layout, and compatibility with journals already on disk ----------------
+
+#: ``encode_event(full_event())`` and of a kind-only event at the same time, as the codec wrote
+#: them before it read named fields (version 1, the 17-tuple by position): journals on disk
+#: today must replay after any change to the codec
+V1_FULL = bytes.fromhex(
+    "a911e901000000fa066b763a7075746c040000008076953e2f033300da0461636d65da20616161616161"
+    "6161616161616161616161616161616161616161616161616161f5080000007265712dc3bc2d31da4064"
+    "646464646464646464646464646464646464646464646464646464646464646464646464646464646464"
+    "646464646464646464646464646464646464646464da066d656d6f7279fa196265636175736509746162"
+    "7320616e640a6e65776c696e6573fa056465632d31fa057265762d37fa0d656e67696e653a766c6c6d2d"
+    "30ec03000000000000000004da05616c6c6f777bda05726174696fe79a9999999999b93fda066e657374"
+    "6564fbda046c6973745b040000007201000000da0374776f4e5430da016ee9fdffffff307bda046e6f74"
+    "65da086572617361626c65da016bdb01000000e7000000000000f83f30a9107206000000da046c697665"
+    "72030000007204000000da20626262626262626262626262626262626262626262626262626262626262"
+    "6262da056c6c616d61da026b3172050000007209000000720a000000da0475736572da03706869e90000"
+    "4000e903000000a9027207000000da0a66696c6573797374656d6c04000000801abd6b32033300"
+)
+V1_KIND_ONLY = bytes.fromhex(
+    "a911e901000000fa0f736964656361723a737461727465646c040000008076953e2f0333004e4e4e4e4e"
+    "4e4e4e4e4e4e4e4e4e"
+)
+
+
+def test_journals_written_by_the_positional_codec_still_decode() -> None:
+    assert decode_event(V1_FULL) == full_event()
+    at = full_event().occurred_at
+    assert decode_event(V1_KIND_ONLY) == Event(kind=EventKind.SIDECAR_STARTED, occurred_at=at)
+    # and the codec writes the same layout (marshal's bytes may differ in its reference flags)
+    assert marshal.loads(encode_event(full_event())) == marshal.loads(V1_FULL)
+
+
+def test_each_field_is_written_under_its_name() -> None:
+    e = full_event()
+    c = e.entry
+    assert c is not None
+    record = EventRecord.read(marshal.loads(encode_event(e)))
+    assert record.version == 1
+    assert (record.kind, record.outcome) == (e.kind.value, "allow")
+    assert record.occurred_us == int(e.occurred_at.timestamp()) * 1_000_000 + 123456
+    for name in (*EVENT_TEXT_FIELDS, "nbytes"):
+        assert getattr(record, name) == getattr(e, name), name
+    assert (record.attrs, record.payload) == (e.attrs, e.payload)
+    assert record.entry is not None
+    entry = EntryRecord.read(record.entry)
+    for name in EntryRecord._fields:
+        if name not in {"state", "scope", "sensitivity", "expires_us"}:
+            assert getattr(entry, name) == getattr(c, name), name
+    assert (entry.state, entry.scope, entry.sensitivity) == ("live", "user", "phi")
+    assert entry.expires_us == record.occurred_us + 3600 * 1_000_000
+
+
+def test_the_records_carry_every_field_of_an_event() -> None:
+    """A field added to Event or EntryChange must be added to the journal's record too (or
+    the journal would drop it on replay)."""
+    renamed = {"occurred_at": "occurred_us", "expires_at": "expires_us"}
+    event_fields = {renamed.get(f.name, f.name) for f in dataclasses.fields(Event)}
+    assert event_fields == set(EventRecord._fields) - {"version"}
+    entry_fields = {renamed.get(f.name, f.name) for f in dataclasses.fields(EntryChange)}
+    assert entry_fields == set(EntryRecord._fields)

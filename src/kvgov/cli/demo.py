@@ -22,12 +22,22 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 from kvgov.cli._common import EXIT_FAILED, echo
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from kvgov.config import Settings
+    from kvgov.ledger.writer import LedgerWriter
+    from kvgov.proxy.app import Sidecar
+
+T = TypeVar("T")
 
 MODEL = "kvgov-demo/tiny"
 LAYERS, HEADS, HEAD_DIM, CHUNK = 4, 4, 64, 256
@@ -182,8 +192,9 @@ def _print_provenance(sidecar: _SidecarThread, request_id: str, tenant: str) -> 
     from kvgov.db.engine import make_sessionmaker
     from kvgov.services.provenance import provenance
 
-    sidecar.call(sidecar.app.writer.flush())
-    with make_sessionmaker(sidecar.app.engine)() as session:
+    writer, engine = sidecar.ledger()
+    sidecar.call(writer.flush())
+    with make_sessionmaker(engine)() as session:
         rows = provenance(session, request_id, tenant)
         for i, row in enumerate(rows):
             e = row.entry
@@ -200,14 +211,16 @@ def _print_provenance(sidecar: _SidecarThread, request_id: str, tenant: str) -> 
 def _purge(sidecar: _SidecarThread, tenant: str, user: str) -> bool:
     """Purge through the running sidecar as ``POST /v1/purges`` does (create the job, wake the
     sidecar's executor, wait for the receipt); print the receipt and check its signature."""
-    from kvgov.db.purge_views import PurgeRequest
+    from kvgov.db.purge_views import JobView, PurgeRequest
     from kvgov.ledger.chain import load_public_key
     from kvgov.services.purge.receipts import verify_receipt
 
-    executor = sidecar.app.purge
+    executor = sidecar.running.purge
+    if executor is None:
+        raise RuntimeError("the demo sidecar has no purge executor")
     started = time.monotonic()
 
-    async def run() -> Any:
+    async def run() -> JobView:
         job = await executor.service.create(
             PurgeRequest(tenant=tenant, user=user, requested_by="kvgov demo")
         )
@@ -246,11 +259,12 @@ def _verify_ledger(sidecar: _SidecarThread) -> bool:
     checked, against this node's signing key."""
     from kvgov.ledger.trust import trusted_keys, verify_trusted
 
-    sidecar.call(sidecar.app.writer.flush())
+    writer, engine = sidecar.ledger()
+    sidecar.call(writer.flush())
     report = verify_trusted(
-        sidecar.app.engine,
+        engine,
         trusted_keys(sidecar.settings),
-        expect_chains=[sidecar.app.writer.chain_id],
+        expect_chains=[writer.chain_id],
     )
     for c in report.chains:
         bad = c.first_bad
@@ -357,13 +371,13 @@ def _u8() -> Any:
 class _SidecarThread:
     """The real sidecar (``build_sidecar``) on its own event loop thread."""
 
-    def __init__(self, settings: Any) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.app: Any = None
+        self.app: Sidecar | None = None
 
-    def call(self, coro: Any, timeout_s: float = 60.0) -> Any:
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def start(self) -> None:
@@ -371,7 +385,7 @@ class _SidecarThread:
 
         self.thread.start()
 
-        async def boot() -> Any:
+        async def boot() -> Sidecar:
             app = await build_sidecar(self.settings)
             await app.start()
             return app
@@ -382,6 +396,19 @@ class _SidecarThread:
             if time.monotonic() > deadline:
                 raise RuntimeError("sidecar socket did not appear")
             time.sleep(0.01)
+
+    @property
+    def running(self) -> Sidecar:
+        if self.app is None:
+            raise RuntimeError("the demo sidecar is not running")
+        return self.app
+
+    def ledger(self) -> tuple[LedgerWriter, Engine]:
+        """The running sidecar's ledger writer and engine."""
+        app = self.running
+        if app.writer is None or app.engine is None:
+            raise RuntimeError("the demo sidecar has no ledger")
+        return app.writer, app.engine
 
     def stop(self) -> None:
         if self.app is not None:

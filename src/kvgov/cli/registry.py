@@ -23,6 +23,7 @@ GROUPS: tuple[str, ...] = (
     "purge",
     "provenance",
     "demo",
+    "health",
 )
 
 

@@ -112,14 +112,15 @@ def parse(value: memoryview) -> Envelope:
     end = HEAD.size + meta_len
     if end > value.nbytes:
         raise CorruptValueError("stored envelope is truncated")
-    meta: Any = {}
+    meta: dict[str, Any] = {}
     if meta_len:
         try:
-            meta = json.loads(bytes(value[HEAD.size : end]))
+            parsed = json.loads(bytes(value[HEAD.size : end]))
         except ValueError as exc:
             raise CorruptValueError("stored envelope metadata is not JSON") from exc
-        if not isinstance(meta, dict):
+        if not isinstance(parsed, dict):
             raise CorruptValueError("stored envelope metadata is not an object")
+        meta = parsed
     sealed = bool(flags & _SEALED)
     if sealed and value.nbytes - end < HEADER_SIZE:
         raise CorruptValueError("stored value is too short for its sealed chunk")

@@ -21,6 +21,12 @@ from typing import Any
 from sqlalchemy import Connection, select, update
 
 from kvgov.db.models import (
+    DECISION_ID,
+    DIGEST,
+    PSEUDONYM,
+    REQUEST_ID,
+    REVISION,
+    TENANT,
     Chain,
     EventPayload,
     JournalMark,
@@ -76,6 +82,49 @@ _STR = frozenset({str})
 _ALL_SCALARS = repeat(_SCALARS)
 
 
+#: the widest text each event field (and entry-change field) may hold: the database's columns.
+#: An event that does not fit is refused here, before any journal acknowledges it: once
+#: acknowledged, a put is served, and the database refusing its record later would leave the
+#: entry stored but unrecorded (issue 14, found by ``tests/security/test_key_tricks.py``).
+_EVENT_WIDTHS = (
+    ("tenant", TENANT),
+    ("actor", PSEUDONYM),
+    ("request_id", REQUEST_ID),
+    ("key_digest", DIGEST),
+    ("tier", 64),
+    ("decision_id", DECISION_ID),
+    ("policy_revision", REVISION),
+    ("principal", 256),
+)
+_ENTRY_WIDTHS = (
+    ("key_digest", DIGEST),
+    ("tenant", TENANT),
+    ("owner", PSEUDONYM),
+    ("scope_user", PSEUDONYM),
+    ("model", 256),
+    ("key_id", 256),
+    ("request_id", REQUEST_ID),
+    ("decision_id", DECISION_ID),
+    ("policy_revision", REVISION),
+)
+#: no text of this total length can be too wide for any column
+_NARROWEST = min(width for _, width in _EVENT_WIDTHS)
+
+
+def _check_widths(event: Event, total: int) -> None:
+    if total > _NARROWEST:
+        for name, width in _EVENT_WIDTHS:
+            value = getattr(event, name)
+            if value is not None and len(value) > width:
+                raise LedgerError(f"event field {name} is longer than {width} characters")
+    entry = event.entry
+    if entry is not None:
+        for name, width in _ENTRY_WIDTHS:
+            value = getattr(entry, name)
+            if value is not None and len(value) > width:
+                raise LedgerError(f"entry field {name} is longer than {width} characters")
+
+
 def prepare(event: Event) -> Prepared:
     """Check and normalise one event. Raises :class:`LedgerError` for what cannot be stored."""
     e = event
@@ -97,6 +146,7 @@ def prepare(event: Event) -> Prepared:
         if t is not None
     ]
     joined = "".join(texts)
+    _check_widths(event, len(joined))
     if "\x00" in joined:
         for name in EVENT_TEXT_FIELDS:
             value = getattr(event, name)

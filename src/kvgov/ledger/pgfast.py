@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, exc
 
 from kvgov.errors import LedgerError
 from kvgov.ledger.chain import format_time
+
+if TYPE_CHECKING:
+    import psycopg
 
 #: the ``ledger_events`` columns, in the order of a chained row (and of the COPY)
 EVENT_COLUMNS = [
@@ -83,8 +86,9 @@ def copy_text(rows: Sequence[tuple[Any, ...]], plain: Sequence[bool]) -> str:
     return "\n".join(lines)
 
 
-def _raw(conn: Connection) -> Any:
-    raw = conn.connection.driver_connection
+def _raw(conn: Connection) -> psycopg.Connection[Any]:
+    """The psycopg connection under ``conn`` (the engine's driver on Postgres)."""
+    raw: psycopg.Connection[Any] | None = conn.connection.driver_connection
     if raw is None:  # pragma: no cover - a live connection always has one
         raise LedgerError("no driver connection")
     return raw

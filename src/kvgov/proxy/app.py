@@ -18,7 +18,7 @@ import time
 from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -42,6 +42,16 @@ from kvgov.proxy.dataplane.plans import inline_crypto_bytes, usable_cpus
 from kvgov.proxy.dataplane.server import ServerConfig, WireServer
 from kvgov.types import Environment, EventKind, Outcome
 
+if TYPE_CHECKING:
+    import uvicorn
+    from sqlalchemy import Engine
+
+    from kvgov.ledger.writer import LedgerWriter
+    from kvgov.proxy.api.app import ControlPlane
+    from kvgov.proxy.dataplane.lm import LmServer
+    from kvgov.services.keys import KeyEventRecorder
+    from kvgov.services.purge.executor import PurgeExecutor
+
 log = logging.getLogger("kvgov.sidecar")
 
 
@@ -55,16 +65,17 @@ class Sidecar:
     executor: ThreadPoolExecutor
     #: writes large replies to sockets (kvgov.proxy.dataplane.conn.StreamProtocol.send_plan)
     sender: ThreadPoolExecutor
-    writer: Any = None
-    engine: Any = None
-    lm_server: Any = None
+    #: the ledger's writer and engine (None: an ungoverned benchmark sidecar)
+    writer: LedgerWriter | None = None
+    engine: Engine | None = None
+    lm_server: LmServer | None = None
     sidecar_id: str = ""
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     ready: bool = False
-    #: the purge executor (kvgov.services.purge.executor.PurgeExecutor), None without a ledger
-    purge: Any = None
-    #: records the keys the keyring creates itself (kvgov.services.keys.KeyEventRecorder)
-    key_events: Any = None
+    #: the purge executor, None without a ledger
+    purge: PurgeExecutor | None = None
+    #: records the keys the keyring creates itself
+    key_events: KeyEventRecorder | None = None
     #: the loop's exception handler before :meth:`start` replaced it (restored at stop)
     _loop_handler: tuple[Any] | None = None
 
@@ -87,9 +98,23 @@ class Sidecar:
             )
             await self.lm_server.start(dp.lm_host, dp.lm_port)
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvgov-ttl-sweeper"))
-        from kvgov.proxy.purge.sidecar import attach_purge
+        keyring = self.pipeline.keyring
+        if self.engine is not None and self.writer is not None and keyring is not None:
+            from kvgov.proxy.purge.sidecar import PurgeWiring, attach_purge
 
-        self.purge = await attach_purge(self)
+            self.purge = await attach_purge(
+                PurgeWiring(
+                    settings=self.settings,
+                    engine=self.engine,
+                    writer=self.writer,
+                    keyring=keyring,
+                    tiers=self.tiers.tiers,
+                    index=self.pipeline.index,
+                    server=self.server,
+                    pseudonymize=self.pipeline.pseudonymizer.user,
+                    sidecar_id=self.sidecar_id,
+                )
+            )
         if self.purge is not None and self.purge.task is not None:
             self._tasks.append(self.purge.task)
         if self.engine is not None:  # after the purge executor has registered the row
@@ -110,6 +135,24 @@ class Sidecar:
         self.ready = True
         await self._record_lifecycle(EventKind.SIDECAR_STARTED)
         log.info("sidecar.started", extra={"addresses": self.addresses})
+
+    def control_plane(self) -> ControlPlane:
+        """What the control plane may see of this sidecar (:func:`create_control_app`)."""
+        from kvgov.proxy.api.app import ControlPlane, Ledger, Purges
+
+        ledger = purges = None
+        if self.engine is not None and self.writer is not None:
+            ledger = Ledger(self.engine, self.writer)
+            if self.purge is not None:
+                purges = Purges(self.purge.service, self.purge.wake)
+        return ControlPlane(
+            settings=self.settings,
+            is_ready=lambda: self.ready and not self.server.draining,
+            metrics=self.metrics.registry,
+            ledger=ledger,
+            keyring=self.pipeline.keyring,
+            purges=purges,
+        )
 
     @property
     def addresses(self) -> list[str]:
@@ -193,9 +236,12 @@ class Sidecar:
         dead) nor on it being attached at all."""
         interval = heartbeat_interval_s(self.settings)
         loop = asyncio.get_running_loop()
+        engine = self.engine
+        if engine is None:
+            return
         while True:
             beat = loop.run_in_executor(
-                None, touch_sidecar, self.engine, self.sidecar_id, self.settings.chain_id
+                None, touch_sidecar, engine, self.sidecar_id, self.settings.chain_id
             )
             try:
                 await asyncio.shield(beat)
@@ -305,7 +351,7 @@ def heartbeat_interval_s(settings: Settings) -> float:
     return min(10.0, settings.purge.sidecar_live_s / 4)
 
 
-def touch_sidecar(engine: Any, sidecar_id: str, chain_id: str) -> None:
+def touch_sidecar(engine: Engine, sidecar_id: str, chain_id: str) -> None:
     """One heartbeat (blocking: run it in a thread); this function owns the transaction."""
     from sqlalchemy.orm import Session
 
@@ -449,7 +495,7 @@ async def build_sidecar(
             sidecar_id=sidecar_id,
             version=__version__,
             max_frame_bytes=dp.max_frame_bytes,
-            engine_tokens=dp.engine_tokens,
+            engine_tokens=settings.engine_tokens,
             allow_anonymous=settings.environment is Environment.DEVELOPMENT,
             digester=pseudonymizer.key_digester,
             max_frame_items=dp.max_frame_items,
@@ -508,7 +554,7 @@ def _descriptor_headroom(settings: Settings) -> None:
         )
 
 
-def _control_server_class() -> Any:
+def _control_server_class() -> type[uvicorn.Server]:
     import uvicorn
 
     class ControlServer(uvicorn.Server):
@@ -544,7 +590,7 @@ async def run_sidecar(settings: Settings) -> None:
             None, register_sidecar, sidecar.engine, sidecar.sidecar_id, settings.chain_id, endpoint
         )
     api = settings.api
-    config = api_config(create_control_app(sidecar), api)
+    config = api_config(create_control_app(sidecar.control_plane()), api)
     web = _control_server_class()(config)
     web_task = asyncio.create_task(web.serve())
     await stop.wait()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from kvgov.errors import ItemMetaError
 
@@ -60,11 +60,11 @@ _MAX_EXTRA_STR = 64
 _INT64 = 1 << 63
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _fmt(value: Any) -> int:
+def _fmt(value: object) -> int:
     if not _is_int(value) or value not in FMT_VALUES:
         raise ItemMetaError(
             f"fmt must be an int {FMT_VALUES.start}..{FMT_VALUES.stop - 1} (LMCache MemoryFormat)"
@@ -72,7 +72,7 @@ def _fmt(value: Any) -> int:
     return int(value)
 
 
-def _dtype(value: Any) -> str | None:
+def _dtype(value: object) -> str | None:
     if value is None:
         return None
     name = _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else None
@@ -81,7 +81,7 @@ def _dtype(value: Any) -> str | None:
     return name
 
 
-def _shape(value: Any) -> list[int]:
+def _shape(value: object) -> list[int]:
     if (
         not isinstance(value, Sequence)
         or isinstance(value, str | bytes)
@@ -92,13 +92,13 @@ def _shape(value: Any) -> list[int]:
     return [int(d) for d in value]
 
 
-def _location(value: Any) -> int:
+def _location(value: object) -> int:
     if not _is_int(value) or value not in LOCATION_VALUES:
         raise ItemMetaError(f"location must be an int 0..{LOCATION_VALUES.stop - 1}")
     return int(value)
 
 
-def _extra(name: Any, value: Any) -> Any:
+def _extra(name: object, value: object) -> bool | int | str | None:
     if not isinstance(name, str) or not _EXTRA_NAME.fullmatch(name):
         raise ItemMetaError("metadata field names must match [a-z][a-z0-9_]{0,31}")
     if value is None or isinstance(value, bool):
@@ -116,7 +116,7 @@ def _extra(name: Any, value: Any) -> Any:
 _CHECKS = {"fmt": _fmt, "dtype": _dtype, "shape": _shape, "location": _location}
 
 
-def check_item_meta(meta: Any) -> dict[str, Any]:
+def check_item_meta(meta: object) -> dict[str, Any]:
     """The canonical form of one item's metadata, or :class:`ItemMetaError` saying why not."""
     if meta is None:
         return {}

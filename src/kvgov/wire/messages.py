@@ -18,6 +18,10 @@ K = TypeVar("K")
 
 #: the small per-entry metadata an engine may attach to a put (fmt/dtype/shape...); bounded
 MAX_ITEM_META_BYTES = 1024
+#: the longest request id and tenant the ledger records (its columns, ``kvgov.db.models``):
+#: a longer one is a bad request at the edge, not an event the database refuses later
+MAX_REQUEST_ID = 128
+MAX_TENANT = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +57,10 @@ class RequestContext:
         if not isinstance(meta, Mapping):
             raise WireError(ErrorCode.BAD_REQUEST, "ctx must be an object")
         return cls(
-            request_id=optional_str(meta, "request_id"),
+            request_id=optional_str(meta, "request_id", max_len=MAX_REQUEST_ID),
             user=optional_str(meta, "user"),
             sensitivity=optional_str(meta, "sensitivity", max_len=64),
-            tenant=optional_str(meta, "tenant"),
+            tenant=optional_str(meta, "tenant", max_len=MAX_TENANT),
         )
 
 

@@ -7,7 +7,7 @@ LMCache hands every plugin the whole engine config; kvgov's keys live under ``kv
       remote_storage_plugin.kvgov.module_path: kvgov.connectors.lmcache
       remote_storage_plugin.kvgov.class_name: KvgovConnector
       kvgov.endpoint: unix:///run/kvgov/data.sock   # or tcp://127.0.0.1:7070
-      kvgov.token: <engine token>
+      kvgov.token: <engine token>             # or kvgov.token_file: /etc/kvgov/engine/token
       kvgov.engine_id: vllm-0
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvgov.errors import ConfigError
@@ -53,6 +54,11 @@ class ConnectorSettings:
                 hint="e.g. kvgov.endpoint: unix:///run/kvgov/data.sock or tcp://127.0.0.1:7070",
             )
         token = extra.get(PREFIX + "token")
+        token_file = extra.get(PREFIX + "token_file")
+        if token and token_file:
+            raise ConfigError("set kvgov.token or kvgov.token_file, not both")
+        if token_file:
+            token = _read_token_file(str(token_file))
         return cls(
             endpoint=endpoint,
             engine_id=str(extra.get(PREFIX + "engine_id") or "lmcache"),
@@ -67,6 +73,19 @@ class ConnectorSettings:
             max_frame_bytes=int(_number(extra, "max_frame_bytes", cls.max_frame_bytes)),
             put_frame_bytes=int(_number(extra, "put_frame_bytes", cls.put_frame_bytes)),
         )
+
+
+def _read_token_file(path: str) -> str:
+    """The engine token held in ``path`` (a mounted Secret), surrounding whitespace ignored.
+    Errors name the file, never its content."""
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"cannot read kvgov.token_file {path}: {reason}") from None
+    if not token:
+        raise ConfigError(f"kvgov.token_file {path} is empty", hint="it must hold the engine token")
+    return token
 
 
 def _number(extra: Mapping[str, Any], name: str, default: float) -> float:

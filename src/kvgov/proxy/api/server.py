@@ -15,17 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvgov.proxy.dataplane.limits import SummaryLog
 
 if TYPE_CHECKING:
+    import uvicorn
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
     from kvgov.config import ApiSettings
 
 log = logging.getLogger("kvgov.api.server")
 
 
-def api_protocol(request_timeout_s: float, summary: SummaryLog | None = None) -> type[Any]:
+def api_protocol(
+    request_timeout_s: float, summary: SummaryLog | None = None
+) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol with a deadline on receiving each request."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -74,12 +79,12 @@ class BodyLimit:
     413 unread; a chunked body is cut off (413) once it exceeds it; headers of more than
     ``max_header_bytes`` in all are answered 431."""
 
-    def __init__(self, app: Any, max_bytes: int, max_header_bytes: int = 16 * 1024) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_header_bytes: int = 16 * 1024) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.max_header_bytes = max_header_bytes
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -99,7 +104,7 @@ class BodyLimit:
         seen = 0
         started = False
 
-        async def limited_receive() -> Any:
+        async def limited_receive() -> Message:
             nonlocal seen
             message = await receive()
             if message.get("type") == "http.request":
@@ -108,7 +113,7 @@ class BodyLimit:
                     raise _TooLarge
             return message
 
-        async def tracking_send(message: Any) -> None:
+        async def tracking_send(message: Message) -> None:
             nonlocal started
             if message.get("type") == "http.response.start":
                 started = True
@@ -125,7 +130,7 @@ class _TooLarge(Exception):  # noqa: N818 - a signal inside BodyLimit
     pass
 
 
-async def _refuse(send: Any, status: int = 413, title: str = "request body too large") -> None:
+async def _refuse(send: Send, status: int = 413, title: str = "request body too large") -> None:
     body = ('{"title":"%s","status":%d}' % (title, status)).encode()  # noqa: UP031
     await send(
         {
@@ -141,7 +146,7 @@ async def _refuse(send: Any, status: int = 413, title: str = "request body too l
     await send({"type": "http.response.body", "body": body})
 
 
-def api_config(app: Any, api: ApiSettings) -> Any:
+def api_config(app: ASGIApp, api: ApiSettings) -> uvicorn.Config:
     """The uvicorn configuration of the REST API, its limits set from ``api``."""
     import uvicorn
 

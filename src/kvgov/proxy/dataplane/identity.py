@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvgov.db.models import TENANT
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.policy.interfaces import Decision, EntryFacts, PolicyInput
 from kvgov.proxy.dataplane.index import EntryMeta
 from kvgov.types import Operation
 from kvgov.wire.codec import WireError
 from kvgov.wire.messages import CacheKey, RequestContext, parse_cache_key
+
+#: the widest model name ``cache_entries.model`` holds
+MODEL = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +84,10 @@ def resolve(
     tenant = key.tenant or default_tenant
     if not tenant:
         return None, Denied("no_tenant", identity, ctx)
+    if len(tenant) > TENANT or len(key.model) > MODEL:
+        # no tenant is named like that, and the ledger could not record it: a denial that
+        # names no tenant is recorded instead of one the database would refuse (and lose)
+        return None, Denied("malformed_key", identity, ctx)
     digest = pseudonymizer.key_digest(raw_key)
     key_user = pseudonymizer.user(tenant, key.user) if key.user else None
     if identity.unattributed:  # nobody vouches for a user here: user-scoped data stays shut

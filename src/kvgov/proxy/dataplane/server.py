@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr
@@ -104,6 +105,9 @@ class WireServer:
         if unix_path:
             with contextlib.suppress(FileNotFoundError):  # a stale socket from a previous run
                 os.unlink(unix_path)  # noqa: PTH108
+            # a fresh volume (a container's emptyDir) may not hold the socket's folder yet;
+            # group members (the engine's container, by fsGroup) may reach the socket in it
+            Path(unix_path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
             srv = await loop.create_unix_server(lambda: self._factory(unix=True), unix_path)
             os.chmod(unix_path, 0o660)  # noqa: PTH101
             self._servers.append(srv)

@@ -1,8 +1,8 @@
 """Wire the purge into a running sidecar: its tiers, keyring, index, engines and ledger writer.
 
 :func:`attach_purge` builds the sidecar's :class:`PurgeService` and starts its
-:class:`PurgeExecutor` (the sidecar's ``start`` calls it; ``stop`` cancels the task). The
-sidecar's purge steps use:
+:class:`PurgeExecutor` from a :class:`PurgeWiring` (the sidecar's ``start`` builds it and calls
+it when it has a ledger; ``stop`` cancels the task). The sidecar's purge steps use:
 
 - its whole tier chain (memory included) and its :class:`Keyring` (so in-memory copies of
   shredded data keys are dropped too);
@@ -19,7 +19,8 @@ the engines' local tiers whatever this process has seen since it (re)started.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvgov.services.purge.build import make_service, writer_checkpointer
@@ -27,7 +28,12 @@ from kvgov.services.purge.executor import PurgeExecutor
 from kvgov.services.purge.ports import EngineEviction, KeyringShredder
 
 if TYPE_CHECKING:
-    from kvgov.proxy.app import Sidecar
+    from sqlalchemy import Engine
+
+    from kvgov.config import Settings
+    from kvgov.connectors.tiers.base import Tier
+    from kvgov.keys.keyring import Keyring
+    from kvgov.ledger.writer import LedgerWriter
 
 
 class _Index(Protocol):
@@ -74,30 +80,42 @@ class SidecarEngines:
         ]
 
 
-async def attach_purge(sidecar: Sidecar) -> PurgeExecutor | None:
-    """Build and start the sidecar's purge executor (None when governance is off: no ledger)."""
-    keyring = sidecar.pipeline.keyring
-    if sidecar.engine is None or sidecar.writer is None or keyring is None:
-        return None
+@dataclass(frozen=True, slots=True)
+class PurgeWiring:
+    """What a sidecar's purge executor works with: its ledger, keyring, tiers, index and
+    engine connections (the sidecar builds it; the purge never sees the sidecar itself)."""
+
+    settings: Settings
+    engine: Engine
+    writer: LedgerWriter
+    keyring: Keyring
+    tiers: Sequence[Tier]
+    index: _Index
+    server: _Server
+    pseudonymize: Callable[[str, str], str]
+    sidecar_id: str
+
+
+async def attach_purge(w: PurgeWiring) -> PurgeExecutor:
+    """Build and start the sidecar's purge executor."""
     from kvgov.db.engine import make_sessionmaker
     from kvgov.ledger.chain import load_signing_key
 
-    settings = sidecar.settings
-    engines = SidecarEngines(sidecar.pipeline.index, sidecar.server)
+    engines = SidecarEngines(w.index, w.server)
     service = make_service(
-        settings,
-        sessions=make_sessionmaker(sidecar.engine),
-        sink=sidecar.writer,
-        tiers=sidecar.tiers.tiers,
-        shredder=KeyringShredder(keyring),
-        signing_key=load_signing_key(settings.signing_key_path),
-        pseudonymize=sidecar.pipeline.pseudonymizer.user,
-        checkpoint=writer_checkpointer(sidecar.writer, sidecar.engine, sidecar.writer.chain_id),
+        w.settings,
+        sessions=make_sessionmaker(w.engine),
+        sink=w.writer,
+        tiers=w.tiers,
+        shredder=KeyringShredder(w.keyring),
+        signing_key=load_signing_key(w.settings.signing_key_path),
+        pseudonymize=w.pseudonymize,
+        checkpoint=writer_checkpointer(w.writer, w.engine, w.writer.chain_id),
         evictor=engines,
         local_index=engines,
-        sidecar_id=sidecar.sidecar_id,
-        principal=f"sidecar:{sidecar.sidecar_id}",
+        sidecar_id=w.sidecar_id,
+        principal=f"sidecar:{w.sidecar_id}",
     )
-    executor = PurgeExecutor(service, sidecar_id=sidecar.sidecar_id, chain_id=settings.chain_id)
+    executor = PurgeExecutor(service, sidecar_id=w.sidecar_id, chain_id=w.settings.chain_id)
     await executor.start()
     return executor

@@ -1,0 +1,159 @@
+"""Journal acknowledgement: an event acknowledged once it is durable in the local journal.
+
+With a :class:`~kvgov.ledger.journal.Journal`, ``submit_queued`` (a put) checks the event as
+its batch will (:func:`~kvgov.ledger.batch.prepare`: what the ledger could never store is
+refused before any acknowledgement), appends it to the journal and queues it like a lazy
+event. :class:`JournalAcks` runs the journal's sync loop on a thread of its own: it
+``fdatasync``-s whatever was appended since the last sync (group commit) and then resolves the
+acknowledgements the sync covers, in position order. The event's commit still follows, in a
+large batch; nobody awaits it, so a failure is logged (:func:`log_unwritten`) and the record
+stays in the journal, replayed at the next start.
+
+A journal that fails (disk full, I/O error) is set aside until the next start: its waiters are
+handed to their commits (each acknowledgement resolves as its commit does, which is made due
+at once) and later events are not journaled, so no acknowledgement rests on a failed write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from kvgov.ledger.batch import Prepared, prepare
+from kvgov.ledger.events import Appended, Event
+from kvgov.ledger.journal import Journal, encode_event
+from kvgov.ledger.writing.stats import WriterStats
+from kvgov.logging import get_logger
+
+log = get_logger(__name__)
+
+#: an acknowledgement waiting for a sync: (journal position, acknowledgement, commit)
+_Waiter = tuple[int, "asyncio.Future[None]", "asyncio.Future[Appended]"]
+
+
+class JournalAcks:
+    """Journals events and acknowledges them once synced (event loop, and one thread)."""
+
+    def __init__(
+        self,
+        journal: Journal,
+        chain_id: str,
+        stats: WriterStats,
+        *,
+        on_failed: Callable[[], None],
+    ) -> None:
+        self.journal = journal
+        self.chain_id = chain_id
+        self.stats = stats
+        #: called once the journal failed: the commits its waiters now wait for must go now
+        self._on_failed = on_failed
+        #: waiters, in position order
+        self._waiters: deque[_Waiter] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgov-journal")
+        #: the writer is closing: the sync loop ends once nothing is left to sync
+        self.closing = False
+
+    def start(self, name: str) -> None:
+        self._task = asyncio.create_task(self._run(), name=name)
+
+    @property
+    def taking(self) -> bool:
+        """The journal takes events: started and not failed."""
+        return self.journal.broken is None and self._task is not None
+
+    def append(self, event: Event) -> tuple[Prepared, int]:
+        """Append ``event`` to the journal (synced soon); it prepared, and its position.
+        Raises :class:`~kvgov.errors.LedgerError` for an event the ledger would refuse
+        (nothing is journaled)."""
+        prepared = prepare(event)
+        pos = self.journal.append(encode_event(event))
+        self._wake.set()
+        return prepared, pos
+
+    def acknowledgement(
+        self, position: int, commit: asyncio.Future[Appended]
+    ) -> asyncio.Future[None]:
+        """A future resolved once the journal is synced past ``position`` (or, if the journal
+        fails first, as ``commit`` is)."""
+        commit.add_done_callback(log_unwritten)
+        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((position, ack, commit))
+        return ack
+
+    async def _run(self) -> None:
+        """Sync the journal whenever something was appended (group commit: whatever is
+        appended during one sync goes in the next) and acknowledge what it covers."""
+        loop = asyncio.get_running_loop()
+        journal = self.journal
+        waiters = self._waiters
+        while True:
+            if journal.last_position <= journal.durable:  # nothing appended since the last sync
+                if self.closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                upto = await loop.run_in_executor(self._executor, journal.sync)
+            except OSError as err:
+                self._failed(err)
+                return
+            while waiters and waiters[0][0] <= upto:
+                _, ack, _ = waiters.popleft()
+                if not ack.done():
+                    ack.set_result(None)
+
+    def _failed(self, err: OSError) -> None:
+        """Set the journal aside: its waiters, and every later put, wait for the commit."""
+        self.stats.journal_failures += 1
+        log.error(
+            "ledger.journal.failed",
+            extra={
+                "chain_id": self.chain_id,
+                "error": type(err).__name__,
+                "detail": err.strerror or "",
+                "waiting": len(self._waiters),
+            },
+        )
+        waiters, self._waiters = self._waiters, deque()
+        self._task = None
+        for _, ack, commit in waiters:
+            commit.add_done_callback(functools.partial(_follow, ack))
+        self._on_failed()
+
+    async def close(self, applied_upto: int) -> None:
+        """Stop syncing (after a last sync of what was appended) and close the journal; what
+        the chain does not hold (beyond ``applied_upto``) stays in it for the next start."""
+        self.closing = True
+        task = self._task
+        if task is not None:
+            self._wake.set()
+            await task
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self.journal.close, applied_upto)
+        self._executor.shutdown(wait=True)
+
+
+def log_unwritten(fut: asyncio.Future[Appended]) -> None:
+    """A journaled event's commit, which nothing awaits: a failure is logged (the event stays
+    in the journal, replayed at the next start)."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("ledger.journal.uncommitted", extra={"error": type(fut.exception()).__name__})
+
+
+def _follow(ack: asyncio.Future[None], commit: asyncio.Future[Appended]) -> None:
+    """Resolve ``ack`` as ``commit`` was (the journal failed: the commit is what counts)."""
+    if ack.done():
+        return
+    err = None if commit.cancelled() else commit.exception()
+    if commit.cancelled():
+        ack.cancel()
+    elif err is not None:
+        ack.set_exception(err)
+    else:
+        ack.set_result(None)

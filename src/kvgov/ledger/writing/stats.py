@@ -1,0 +1,29 @@
+"""The ledger writer's counters, shared by its parts and read by the sidecar's metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class WriterStats:
+    """Counters for metrics."""
+
+    events_written: int = 0
+    events_failed: int = 0
+    batches_committed: int = 0
+    batch_retries: int = 0
+    backpressure_rejections: int = 0
+    last_batch_size: int = 0
+    last_commit_s: float = 0.0
+    journal_replayed: int = 0
+    journal_failures: int = 0
+
+    def summary(self) -> dict[str, float | int]:
+        """What the writer logs when it closes."""
+        return {
+            "events_written": self.events_written,
+            "events_failed": self.events_failed,
+            "batches_committed": self.batches_committed,
+            "batch_retries": self.batch_retries,
+        }

@@ -1,0 +1,127 @@
+"""Podman for the container tests (``tests/e2e/test_image.py``, ``test_kube_play.py``): the
+sidecar image built once per session by ``make image``'s script, containers started read-only
+as a non-root user on the host network (the local Postgres is on 127.0.0.1), and waits.
+
+Without podman the tests are skipped, saying so; a runtime that is there but cannot build or
+run the image fails them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE = os.environ.get("KVGOV_TEST_IMAGE", "localhost/kvgov:dev")
+UID = 10001
+#: build.sh's exit status when a tool it needs is missing
+_MISSING_TOOL = 2
+
+
+def podman_or_skip() -> str:
+    podman = shutil.which("podman")
+    if podman is None:
+        pytest.skip(
+            "no container runtime: podman is not installed "
+            "(apt-get install podman runc debootstrap; .ci/run installs them)"
+        )
+    if os.geteuid() != 0:
+        pytest.skip("the container tests run podman as root (they hand volumes to uid 10001)")
+    return podman
+
+
+def build_image() -> str:
+    """Build (or reuse, from podman's layer cache) the image ``make image`` builds."""
+    podman_or_skip()
+    proc = subprocess.run(
+        [str(ROOT / "deploy/image/build.sh")],
+        env={**os.environ, "IMAGE": IMAGE},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    if proc.returncode == _MISSING_TOOL:
+        pytest.skip(f"container runtime incomplete: {proc.stderr.strip()}")
+    assert proc.returncode == 0, f"make image failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    print(proc.stdout.strip())  # size and start-up time to ready, in -s output
+    return IMAGE
+
+
+def podman(
+    *args: str, check: bool = True, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        ["podman", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"podman {' '.join(args[:3])}... failed: {proc.stderr[-3000:]}")
+    return proc
+
+
+def owned_dir(path: Path, mode: int = 0o700) -> Path:
+    """A folder the image's user owns (a volume or a Secret's mount)."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chown(path, UID, UID)
+    path.chmod(mode)
+    return path
+
+
+def secret_file(path: Path, data: str | bytes, mode: int = 0o400) -> Path:
+    """A file as a Secret mounts it for the image's user."""
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    os.chown(path, UID, UID)
+    path.chmod(mode)
+    return path
+
+
+def http_status(url: str) -> int | None:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=1) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def wait_ready(url: str, container: str, timeout_s: float = 90) -> None:
+    """Until ``url`` answers 200; the container's log when it stops or never does."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if http_status(url) == 200:
+            return
+        state = podman("inspect", "--format", "{{.State.Status}}", container, check=False)
+        if state.stdout.strip() in {"exited", "stopped"}:
+            break
+        time.sleep(0.2)
+    logs = podman("logs", container, check=False)
+    raise AssertionError(f"{container} never became ready:\n{(logs.stdout + logs.stderr)[-4000:]}")
+
+
+def inspect(container: str) -> dict[str, Any]:
+    data: list[dict[str, Any]] = json.loads(podman("inspect", container).stdout)
+    return data[0]
+
+
+def remove(*containers: str) -> None:
+    for name in containers:
+        podman("rm", "-f", "-v", "-t", "30", name, check=False)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,300 @@
+"""The Kubernetes manifests (``deploy/kubernetes``): every overlay renders with ``kubectl
+kustomize``, every rendered object validates against the Kubernetes schemas (strict: unknown
+fields are errors) of the oldest release with native sidecars on by default and of the
+newest, and the pod spec keeps the promises of docs/deploy.md: a native kvgov sidecar beside
+vLLM sharing the socket's emptyDir, probes, a locked-down securityContext on every container,
+resources, draining time, settings from a ConfigMap that loads (production: safe), secrets
+from Secret files only, per-pod chain ids with fleet-wide keys, a NetworkPolicy that admits
+only the compliance namespace to the API and no one to the data ports, the migration Job.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvgov.config import load_settings
+from kvgov.types import Environment
+
+ROOT = Path(__file__).resolve().parents[2]
+KUSTOMIZE = ROOT / "deploy" / "kubernetes"
+OVERLAYS = ["development", "production"]
+#: native sidecars are on by default from 1.29 (beta) and GA in 1.33
+K8S_VERSIONS = ["1.29.0", "1.37.0"]
+RESTRICTED = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def render(overlay: str) -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: cannot render the Kustomize overlays")
+    out = subprocess.run(
+        [kubectl, "kustomize", str(KUSTOMIZE / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(params=OVERLAYS, scope="module")
+def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, render(request.param)
+
+
+def one(docs: list[dict[str, Any]], kind: str, name_prefix: str = "") -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].startswith(name_prefix)]
+    assert len(found) == 1, f"{kind} {name_prefix}: {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def containers(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in pod.get("initContainers", []) + pod["containers"]}
+
+
+def settings_env(docs: list[dict[str, Any]], pod: dict[str, Any]) -> dict[str, str]:
+    """The kvgov container's environment: its ConfigMap plus its own entries."""
+    kvgov = containers(pod)["kvgov"]
+    (ref,) = [e["configMapRef"]["name"] for e in kvgov["envFrom"]]
+    env = dict(one(docs, "ConfigMap", ref)["data"])
+    for e in kvgov.get("env", []):
+        env[e["name"]] = e.get("value", f"<{e['valueFrom']}>")
+    return env
+
+
+def test_every_rendered_object_validates(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    import kubernetes_validate
+
+    name, docs = overlay
+    kinds = {d["kind"] for d in docs}
+    assert {
+        "Deployment",
+        "Service",
+        "NetworkPolicy",
+        "Job",
+        "ConfigMap",
+        "ServiceAccount",
+    } <= kinds
+    for version in K8S_VERSIONS:
+        for doc in docs:
+            kubernetes_validate.validate(doc, version, strict=True)  # raises on any error
+    namespaces = {d["metadata"].get("namespace") for d in docs}
+    assert namespaces == {"kvgov-dev" if name == "development" else "kvgov"}
+
+
+def test_an_invalid_manifest_is_caught() -> None:
+    """The validation above can fail: a misspelt field and a wrong type are both errors."""
+    import kubernetes_validate
+    from kubernetes_validate.utils import ValidationError
+
+    docs = render("production")
+    deployment = json.loads(json.dumps(one(docs, "Deployment")))
+    deployment["spec"]["template"]["spec"]["initContainers"][1]["restartPolicy"] = 1
+    with pytest.raises(ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[-1], strict=True)
+    deployment = json.loads(json.dumps(one(docs, "Deployment")))
+    deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRot"] = True
+    with pytest.raises(ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[-1], strict=True)
+
+
+def test_kvgov_is_a_native_sidecar_beside_vllm_sharing_the_socket(
+    overlay: tuple[str, list[dict[str, Any]]],
+) -> None:
+    _, docs = overlay
+    pod = one(docs, "Deployment", "kvgov-inference")["spec"]["template"]["spec"]
+    inits = [c["name"] for c in pod["initContainers"]]
+    assert inits.index("kvgov-keys") < inits.index("kvgov")
+    by_name = containers(pod)
+    kvgov, vllm = by_name["kvgov"], by_name["vllm"]
+    assert kvgov["restartPolicy"] == "Always"
+    assert "restartPolicy" not in by_name["kvgov-keys"]  # runs to completion first
+    assert [c["name"] for c in pod["containers"]] == ["vllm"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+
+    def mount(c: dict[str, Any], path: str) -> dict[str, Any]:
+        (m,) = [m for m in c["volumeMounts"] if m["mountPath"] == path]
+        return m
+
+    sock_volume = mount(kvgov, "/run/kvgov")["name"]
+    assert mount(vllm, "/run/kvgov")["name"] == sock_volume
+    assert "emptyDir" in volumes[sock_volume]
+    env = settings_env(docs, pod)
+    assert env["KVGOV_DATAPLANE__UNIX_PATH"] == "/run/kvgov/data.sock"
+    assert env["KVGOV_DATAPLANE__HOST"] == ""  # no TCP data plane: the socket only
+    assert env["KVGOV_DATAPLANE__LM_PORT"] == "-1"  # lm:// off
+
+    # the engine's LMCache config: the file in deploy/engine/, pointing at that socket
+    lm_env = {e["name"]: e.get("value") for e in vllm["env"]}
+    lm_dir = Path(lm_env["LMCACHE_CONFIG_FILE"]).parent.as_posix()
+    cm = one(docs, "ConfigMap", volumes[mount(vllm, lm_dir)["name"]]["configMap"]["name"])
+    text = cm["data"]["lmcache.yaml"]
+    assert text == (ROOT / "deploy/engine/lmcache.yaml").read_text()
+    lmcache = yaml.safe_load(text)["extra_config"]
+    assert lmcache["kvgov.endpoint"] == "unix://" + env["KVGOV_DATAPLANE__UNIX_PATH"]
+    token_dir = Path(lmcache["kvgov.token_file"]).parent.as_posix()
+    token_volume = volumes[mount(vllm, token_dir)["name"]]
+    assert token_volume["secret"]["secretName"] == "kvgov-engine-tokens"
+    assert [i["path"] for i in token_volume["secret"]["items"]] == ["token"]
+
+
+def test_probes_resources_and_draining(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = overlay
+    pod = one(docs, "Deployment", "kvgov-inference")["spec"]["template"]["spec"]
+    kvgov = containers(pod)["kvgov"]
+    (port,) = [p for p in kvgov["ports"] if p["name"] == "control"]
+    assert port["containerPort"] == int(settings_env(docs, pod)["KVGOV_API__PORT"])
+    assert kvgov["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert kvgov["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert kvgov["startupProbe"]["httpGet"]["path"] == "/readyz"
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert kvgov[probe]["httpGet"]["port"] == "control"
+    for c in containers(pod).values():
+        assert c["resources"]["requests"], c["name"]
+        assert c["resources"]["limits"]["memory"], c["name"]
+    # vLLM leaves the endpoints first; then the sidecar drains (30 s) and flushes the ledger
+    prestop = containers(pod)["vllm"]["lifecycle"]["preStop"]["exec"]["command"]
+    assert prestop[0] == "sleep"
+    assert pod["terminationGracePeriodSeconds"] >= int(prestop[1]) + 30 + 60
+
+
+def test_every_container_is_locked_down(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = overlay
+    pods = [
+        one(docs, "Deployment", "kvgov-inference")["spec"]["template"]["spec"],
+        one(docs, "Job", "kvgov-migrate")["spec"]["template"]["spec"],
+    ]
+    for pod in pods:
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] != 0
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["automountServiceAccountToken"] is False
+        assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
+        for c in containers(pod).values():
+            sc = c["securityContext"]
+            assert {k: sc.get(k) for k in RESTRICTED} == RESTRICTED, c["name"]
+            assert sc.get("runAsUser", 1) != 0 and not sc.get("privileged"), c["name"]
+
+
+def test_settings_load_and_secrets_come_from_secret_files(
+    overlay: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    name, docs = overlay
+    pod = one(docs, "Deployment", "kvgov-inference")["spec"]["template"]["spec"]
+    env = settings_env(docs, pod)
+    for secret in ("KVGOV_DATABASE__URL", "KVGOV_DATAPLANE__ENGINE_TOKENS", "KVGOV_DATABASE_URL"):
+        assert secret not in env  # no secret value in a ConfigMap
+    assert not any("TOKEN=" in f"{k}=" and not k.endswith("_FILE") for k in env)
+    for key in list(os.environ):
+        if key.startswith("KVGOV_"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    settings = load_settings()  # raises on unknown names, bad values, unsafe production
+    expected = Environment.DEVELOPMENT if name == "development" else Environment.PRODUCTION
+    assert settings.environment is expected
+    assert settings.production_problems() == [] or name == "development"
+    if name == "production":
+        assert settings.policy.engine == "opa"
+
+    kvgov = containers(pod)["kvgov"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in kvgov["volumeMounts"]}
+
+    def source(path: Path | None) -> dict[str, Any]:
+        assert path is not None
+        mount = mounts[path.parent.as_posix()]
+        assert mount.get("readOnly") is True, path
+        return volumes[mount["name"]]
+
+    assert source(settings.database.url_file)["secret"]["secretName"] == "kvgov-database"
+    tokens = source(settings.dataplane.engine_tokens_file)["secret"]
+    assert tokens["secretName"] == "kvgov-engine-tokens"
+    # per fleet: the KEK, the signing key and the pseudonym key, from one Secret, copied 0400
+    # by kvgov-keys into a memory volume; never generated per pod
+    keys_copy = containers(pod)["kvgov-keys"]
+    copy_src = {m["mountPath"]: m["name"] for m in keys_copy["volumeMounts"]}
+    items = {i["path"] for i in volumes[copy_src["/etc/kvgov/secret-keys"]]["secret"]["items"]}
+    assert volumes[copy_src["/etc/kvgov/secret-keys"]]["secret"]["secretName"] == "kvgov-keys"
+    for path in (settings.kek_path, settings.signing_key_path, settings.pseudonym_key_path):
+        volume = source(path)
+        assert volume["emptyDir"]["medium"] == "Memory"
+        assert copy_src[path.parent.as_posix()] == volume["name"]
+        assert path.name in items
+    # per pod: the chain id (the pod's name), the journal on the pod's state volume
+    (chain,) = [e for e in kvgov["env"] if e["name"] == "KVGOV_LEDGER__CHAIN_ID"]
+    assert chain["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    state = volumes[mounts[env["KVGOV_DATA_DIR"]]["name"]]
+    assert "medium" not in state["emptyDir"]  # disk: survives container restarts
+    assert settings.journal_path.is_relative_to(settings.data_dir)
+    assert settings.filesystem_tier_path.is_relative_to(settings.data_dir)
+
+
+def test_network_policy_admits_only_compliance_to_the_api(
+    overlay: tuple[str, list[dict[str, Any]]],
+) -> None:
+    _, docs = overlay
+    labels = one(docs, "Deployment", "kvgov-inference")["spec"]["template"]["metadata"]["labels"]
+    policy = one(docs, "NetworkPolicy")["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert "Ingress" in policy["policyTypes"]
+    admitted: dict[int, list[Any]] = {}
+    for rule in policy["ingress"]:
+        assert rule.get("ports"), "a rule without ports admits every port"
+        assert rule.get("from"), "a rule without sources admits everyone"
+        for port in rule["ports"]:
+            admitted.setdefault(port["port"], []).extend(rule["from"])
+    assert 7070 not in admitted and 7071 not in admitted  # data ports: the pod only
+    assert admitted[7080] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "compliance"}}}
+    ]
+    service = one(docs, "Service", "kvgov-control")["spec"]
+    assert service["selector"].items() <= labels.items()
+    assert [p["port"] for p in service["ports"]] == [7080]
+
+
+def test_migration_job_runs_db_upgrade_as_the_owner(
+    overlay: tuple[str, list[dict[str, Any]]],
+) -> None:
+    _, docs = overlay
+    job = one(docs, "Job", "kvgov-migrate")["spec"]
+    (c,) = job["template"]["spec"]["containers"]
+    assert c["args"] == ["db", "upgrade"]
+    deployment = one(docs, "Deployment", "kvgov-inference")["spec"]["template"]["spec"]
+    assert c["image"] == containers(deployment)["kvgov"]["image"]  # same release
+    env = {e["name"]: e["value"] for e in c["env"]}
+    owner_dir = Path(env["KVGOV_DATABASE__MIGRATION_URL_FILE"]).parent.as_posix()
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == owner_dir]
+    volumes = {v["name"]: v for v in job["template"]["spec"]["volumes"]}
+    assert volumes[mount["name"]]["secret"]["secretName"] == "kvgov-database-owner"
+    assert job["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_production_runs_opa_as_its_own_sidecar_before_kvgov() -> None:
+    docs = render("production")
+    pod = one(docs, "Deployment", "kvgov-inference")["spec"]["template"]["spec"]
+    inits = [c["name"] for c in pod["initContainers"]]
+    assert inits.index("opa") < inits.index("kvgov")
+    opa = containers(pod)["opa"]
+    assert opa["restartPolicy"] == "Always"
+    assert "--addr=127.0.0.1:8181" in opa["args"]  # loopback only: the pod's kvgov asks it
+    env = settings_env(docs, pod)
+    assert env["KVGOV_POLICY__OPA_URL"] == "http://127.0.0.1:8181"
+    assert one(docs, "Deployment")["spec"]["replicas"] > 1
+    assert one(docs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1

@@ -1,0 +1,71 @@
+"""``kvgov health`` (the image's HEALTHCHECK): exit 0 only on a 200 from /readyz (or /healthz
+with ``--live``), 1 on 503 or when nothing listens; the probe asks loopback for a server bound
+to every address."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from typer.testing import CliRunner
+
+from kvgov.cli.health import probe_url
+from kvgov.cli.main import build_app
+
+
+class _Probe(BaseHTTPRequestHandler):
+    ready = True
+
+    def do_GET(self) -> None:
+        ok = self.path == "/healthz" or (self.path == "/readyz" and _Probe.ready)
+        self.send_response(200 if ok else 503)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[int]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Probe)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield int(httpd.server_address[1])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        _Probe.ready = True
+
+
+def _health(port: int, *args: str) -> int:
+    env = {"KVGOV_API__HOST": "0.0.0.0", "KVGOV_API__PORT": str(port)}
+    return CliRunner().invoke(build_app(), ["health", *args], env=env).exit_code
+
+
+def test_ready_is_0_not_ready_is_1(server: int) -> None:
+    assert _health(server) == 0
+    _Probe.ready = False
+    assert _health(server) == 1
+    assert _health(server, "--live") == 0  # alive while not ready
+
+
+def test_nothing_listening_is_1(server: int) -> None:
+    assert _health(1) == 1
+    assert _health(server, "--url", "http://127.0.0.1:1/readyz") == 1
+
+
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [
+        ("0.0.0.0", "http://127.0.0.1:7080/readyz"),
+        ("", "http://127.0.0.1:7080/readyz"),
+        ("::", "http://127.0.0.1:7080/readyz"),
+        ("10.0.0.5", "http://10.0.0.5:7080/readyz"),
+        ("::1", "http://[::1]:7080/readyz"),
+    ],
+)
+def test_probe_url(host: str, url: str) -> None:
+    assert probe_url(host, 7080) == url

@@ -1,0 +1,105 @@
+"""Secrets read from files (Kubernetes Secrets mounted as files): the sidecar's engine tokens
+(``dataplane.engine_tokens_file``) and the connector's engine token (``kvgov.token_file``).
+Bad files stop start-up with an error naming the file, never what it holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvgov.config import load_settings
+from kvgov.connectors.lmcache.settings import ConnectorSettings
+from kvgov.errors import ConfigError
+
+SECRET = "s3cret-t0ken-value"
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("KVGOV_") and not name.startswith("KVGOV_TEST_"):
+            monkeypatch.delenv(name)
+
+
+def test_engine_tokens_come_from_a_json_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "engine-tokens.json"
+    path.write_text(json.dumps({SECRET: "vllm-0"}))
+    monkeypatch.setenv("KVGOV_DATAPLANE__ENGINE_TOKENS_FILE", str(path))
+    s = load_settings()
+    tokens = s.engine_tokens
+    assert list(tokens) == [SECRET]
+    assert tokens[SECRET].get_secret_value() == "vllm-0"
+    assert SECRET not in repr(s)
+
+
+def test_a_token_file_satisfies_production_without_a_socket(tmp_path: Path) -> None:
+    path = tmp_path / "engine-tokens.json"
+    path.write_text(json.dumps({SECRET: "vllm-0"}))
+    s = load_settings(dataplane={"engine_tokens_file": path, "unix_path": None})
+    assert not any("engine tokens" in p for p in s.production_problems())
+    bare = load_settings(dataplane={"unix_path": None})
+    assert any("engine tokens" in p for p in bare.production_problems())
+
+
+def test_tokens_and_a_token_file_together_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not both"):
+        load_settings(
+            dataplane={"engine_tokens": {"a": "e"}, "engine_tokens_file": tmp_path / "t.json"}
+        )
+
+
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        (None, "cannot read"),
+        ("", "not JSON"),
+        (f"{SECRET}: vllm-0", "not JSON"),
+        ("{}", "holds no tokens"),
+        (json.dumps([SECRET]), "holds no tokens"),
+        (json.dumps({SECRET: 7}), "engine id"),
+        (json.dumps({SECRET: ""}), "engine id"),
+    ],
+)
+def test_a_bad_token_file_stops_startup_naming_the_file_not_its_content(
+    tmp_path: Path, content: str | None, error: str
+) -> None:
+    path = tmp_path / "engine-tokens.json"
+    if content is not None:
+        path.write_text(content)
+    s = load_settings(dataplane={"engine_tokens_file": path})
+    with pytest.raises(ConfigError, match=error) as exc:
+        _ = s.engine_tokens
+    assert str(path) in str(exc.value)
+    assert SECRET not in exc.value.diagnostics()
+
+
+def test_connector_reads_its_token_from_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text(f"  {SECRET}\n")
+    cfg = ConnectorSettings.from_extra_config(
+        {"kvgov.endpoint": "unix:///run/kvgov/data.sock", "kvgov.token_file": str(path)}
+    )
+    assert cfg.token == SECRET
+
+
+@pytest.mark.parametrize(
+    ("extra", "error"),
+    [
+        ({"kvgov.token": SECRET, "kvgov.token_file": "/nonexistent"}, "not both"),
+        ({"kvgov.token_file": "/nonexistent/token"}, "cannot read"),
+        ({"kvgov.token_file": "EMPTY"}, "is empty"),
+    ],
+)
+def test_connector_token_file_errors(tmp_path: Path, extra: dict[str, str], error: str) -> None:
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    extra = {k: (str(empty) if v == "EMPTY" else v) for k, v in extra.items()}
+    with pytest.raises(ConfigError, match=error) as exc:
+        ConnectorSettings.from_extra_config({"kvgov.endpoint": "tcp://127.0.0.1:7070", **extra})
+    assert SECRET not in exc.value.diagnostics()
