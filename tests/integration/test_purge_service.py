@@ -256,12 +256,12 @@ async def test_dry_run_changes_nothing(env: Env) -> None:
     await env.writer.flush()
     events_before = env.count(LedgerEvent)
     plan = await env.service().plan(PurgeRequest(tenant="acme", user="alice", dry_run=True))
-    assert plan["entries_in_scope"] == N
-    assert plan["present_in_reachable_tiers"] == {"memory": N, "filesystem": N}
-    assert [k["key_id"] for k in plan["keys_to_destroy"]] == [
+    assert plan.entries_in_scope == N
+    assert plan.present_in_reachable_tiers == {"memory": N, "filesystem": N}
+    assert [k.key_id for k in plan.keys_to_destroy] == [
         f"u:acme:{env.pseudo.user('acme', 'alice')}"
     ]
-    assert plan["payloads_to_erase"] == N
+    assert plan.payloads_to_erase == N
     # nothing changed: no job, no event, data and keys intact
     assert env.count(PurgeJob) == 0
     assert env.count(LedgerEvent) == events_before
@@ -478,7 +478,7 @@ async def test_user_purge_covers_entries_the_user_re_put(env: Env) -> None:
 
     service = env.service()
     plan = await service.plan(PurgeRequest(tenant="acme", user="bob", dry_run=True))
-    assert plan["entries_in_scope"] == 1
+    assert plan.entries_in_scope == 1
     job = await service.create(PurgeRequest(tenant="acme", user="bob"))
     job = await asyncio.wait_for(service.wait(job.id), 30)
 

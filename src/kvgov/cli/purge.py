@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -26,6 +26,7 @@ from kvgov.cli._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, emit_json, setti
 if TYPE_CHECKING:
     from kvgov.config import Settings
     from kvgov.db.purge_views import JobView, PurgeRequest
+    from kvgov.services.purge.documents import PurgePlan
 
 
 def register(app: typer.Typer) -> None:
@@ -136,7 +137,7 @@ async def _purge(
         if req.dry_run:
             plan = await service.plan(req)
             if as_json:
-                emit_json(plan)
+                emit_json(plan.model_dump(mode="json"))
             else:
                 _print_plan(plan)
             return EXIT_OK
@@ -192,12 +193,12 @@ def _report(job: JobView, *, as_json: bool, out: Path | None) -> int:
     return EXIT_OK
 
 
-def _print_plan(plan: dict[str, Any]) -> None:
+def _print_plan(plan: PurgePlan) -> None:
     typer.echo("dry run: nothing was changed")
-    typer.echo(f"  subject: {plan['subject'] or '(whole tenant)'} in tenant {plan['tenant']}")
-    typer.echo(f"  entries in scope: {plan['entries_in_scope']} {plan['entries_by_state']}")
-    typer.echo(f"  present in reachable tiers: {plan['present_in_reachable_tiers']}")
-    typer.echo(f"  keys to destroy: {len(plan['keys_to_destroy'])}")
-    typer.echo(f"  ledger payloads to erase: {plan['payloads_to_erase']}")
-    typer.echo(f"  sidecars to ask: {plan['sidecars'] or 'none registered'}")
-    typer.echo(f"  vLLM engines to reset: {plan['vllm_engines'] or 'none configured'}")
+    typer.echo(f"  subject: {plan.subject or '(whole tenant)'} in tenant {plan.tenant}")
+    typer.echo(f"  entries in scope: {plan.entries_in_scope} {plan.entries_by_state}")
+    typer.echo(f"  present in reachable tiers: {plan.present_in_reachable_tiers}")
+    typer.echo(f"  keys to destroy: {len(plan.keys_to_destroy)}")
+    typer.echo(f"  ledger payloads to erase: {plan.payloads_to_erase}")
+    typer.echo(f"  sidecars to ask: {list(plan.sidecars) or 'none registered'}")
+    typer.echo(f"  vLLM engines to reset: {list(plan.vllm_engines) or 'none configured'}")

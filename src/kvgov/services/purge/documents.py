@@ -109,3 +109,20 @@ class Receipt(_Document):
         if out["ledger"] is None:
             out["ledger"] = {}
         return out
+
+
+class PurgePlan(_Document):
+    """What a purge would delete, changing nothing (``--dry-run``, ``dry_run: true``)."""
+
+    dry_run: Literal[True] = True
+    kind: str
+    tenant: str
+    subject: str | None
+    entries_in_scope: int
+    entries_by_state: dict[str, int]
+    bytes_in_scope: int
+    present_in_reachable_tiers: dict[str, int]
+    keys_to_destroy: tuple[KeyDestroyed, ...]
+    payloads_to_erase: int
+    sidecars: tuple[str, ...]
+    vllm_engines: tuple[str, ...]

@@ -34,7 +34,7 @@ from kvgov.db.purge_views import (
 from kvgov.errors import KvgovError, PurgeError
 from kvgov.ledger.events import Event
 from kvgov.services.purge import scope
-from kvgov.services.purge.documents import LedgerOutcome, Receipt
+from kvgov.services.purge.documents import KeyDestroyed, LedgerOutcome, PurgePlan, Receipt
 from kvgov.services.purge.ports import Checkpointer
 from kvgov.services.purge.receipts import sign_receipt
 from kvgov.services.purge.steps import StepContext, run_step
@@ -68,7 +68,7 @@ class PurgeService:
 
     # -- plan / create ---------------------------------------------------------------------
 
-    async def plan(self, req: PurgeRequest) -> dict[str, Any]:
+    async def plan(self, req: PurgeRequest) -> PurgePlan:
         """What a purge would delete, changing nothing (``--dry-run``)."""
         subject = self.subject_of(req)
 
@@ -89,20 +89,19 @@ class PurgeService:
         by_state: dict[str, int] = {}
         for e in entries:
             by_state[str(e.state)] = by_state.get(str(e.state), 0) + 1
-        return {
-            "dry_run": True,
-            "kind": str(req.kind),
-            "tenant": req.tenant,
-            "subject": subject,
-            "entries_in_scope": len(entries),
-            "entries_by_state": by_state,
-            "bytes_in_scope": sum(e.size or 0 for e in entries),
-            "present_in_reachable_tiers": present,
-            "keys_to_destroy": [{"key_id": k, "version": v} for k, v in keys],
-            "payloads_to_erase": found["payloads"],
-            "sidecars": found["sidecars"],
-            "vllm_engines": list(self.settings.purge.vllm_engines),
-        }
+        return PurgePlan(
+            kind=str(req.kind),
+            tenant=req.tenant,
+            subject=subject,
+            entries_in_scope=len(entries),
+            entries_by_state=by_state,
+            bytes_in_scope=sum(e.size or 0 for e in entries),
+            present_in_reachable_tiers=present,
+            keys_to_destroy=tuple(KeyDestroyed(key_id=k, version=v) for k, v in keys),
+            payloads_to_erase=found["payloads"],
+            sidecars=tuple(found["sidecars"]),
+            vllm_engines=tuple(self.settings.purge.vllm_engines),
+        )
 
     async def create(self, req: PurgeRequest) -> JobView:
         if req.dry_run:
