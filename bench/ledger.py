@@ -25,7 +25,7 @@ import uuid
 import psycopg
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from kvgov.ledger.db import make_engine, upgrade
+from kvgov.db.engine import make_engine, upgrade
 from kvgov.ledger.events import EntryChange, Event
 from kvgov.ledger.verify import verify
 from kvgov.ledger.writer import LedgerWriter

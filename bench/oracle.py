@@ -82,7 +82,7 @@ def main() -> None:
     from tests.pgroles import role_database
     from tests.security import doors
 
-    from kvgov.ledger.db import upgrade
+    from kvgov.db.engine import upgrade
     from kvgov.proxy.app import build_sidecar
     from kvgov.wire import RequestContext
 

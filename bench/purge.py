@@ -28,18 +28,18 @@ from sqlalchemy import func, select
 from kvgov.config import Settings
 from kvgov.connectors.tiers.filesystem import FilesystemTier
 from kvgov.connectors.tiers.memory import MemoryTier
+from kvgov.db.engine import make_engine, make_sessionmaker, upgrade
+from kvgov.db.keystore import SqlKeyStore
+from kvgov.db.models import CacheEntry
+from kvgov.db.purge_views import PurgeRequest
 from kvgov.keys.kek import FileKekProvider, generate_kek_file
 from kvgov.keys.keyring import Keyring
-from kvgov.ledger.db import make_engine, make_sessionmaker, upgrade
 from kvgov.ledger.events import EntryChange, Event
-from kvgov.ledger.keystore import SqlKeyStore
-from kvgov.ledger.models import CacheEntry
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.ledger.verify import verify
 from kvgov.ledger.writer import LedgerWriter
-from kvgov.proxy.purge.build import make_service, writer_checkpointer
-from kvgov.proxy.purge.model import PurgeRequest
-from kvgov.proxy.purge.ports import KeyringShredder
+from kvgov.services.purge.build import make_service, writer_checkpointer
+from kvgov.services.purge.ports import KeyringShredder
 from kvgov.types import EntryState, EventKind, PurgeState, Scope
 
 ADMIN_DSN = os.environ.get("KVGOV_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")

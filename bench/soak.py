@@ -615,7 +615,7 @@ def main() -> None:
 
     from tests.pgroles import role_database
 
-    from kvgov.ledger.db import upgrade
+    from kvgov.db.engine import upgrade
 
     with tempfile.TemporaryDirectory() as tmp, role_database() as db:
         upgrade(db.owner_url, runtime_role=db.runtime)

@@ -1,6 +1,6 @@
 """Alembic environment for the kvgov ledger.
 
-The database URL comes from, in order: a connection handed in by ``kvgov.ledger.db.upgrade``
+The database URL comes from, in order: a connection handed in by ``kvgov.db.engine.upgrade``
 (``config.attributes["connection"]``), ``sqlalchemy.url`` set on the Config, then kvgov's
 Settings (``KVGOV_DATABASE_URL``, the embedded SQLite default). SQLite runs in batch mode so
 later migrations can alter tables there.
@@ -13,8 +13,8 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import Connection
 
-from kvgov.ledger.db import make_engine
-from kvgov.ledger.models import Base
+from kvgov.db.engine import make_engine
+from kvgov.db.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -553,7 +553,7 @@ class SidecarThread:
 
     def session(self) -> Any:
         """A SQLAlchemy session on the sidecar's ledger (flushes the writer first)."""
-        from kvgov.ledger.db import make_sessionmaker
+        from kvgov.db.engine import make_sessionmaker
 
         self.flush()
         return make_sessionmaker(self.sidecar.engine)()

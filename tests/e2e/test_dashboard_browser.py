@@ -26,10 +26,10 @@ import httpx
 import pytest
 import uvicorn
 
+from kvgov.db.keystore import SqlKeyStore
+from kvgov.db.purge_views import PurgeRequest
 from kvgov.keys.kek import FileKekProvider
 from kvgov.keys.keyring import Keyring
-from kvgov.ledger.keystore import SqlKeyStore
-from kvgov.proxy.purge.model import PurgeRequest
 from tests.integration.test_api_support import EXPECTED_STATS, ApiWorld, api_world, bearer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

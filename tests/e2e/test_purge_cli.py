@@ -16,13 +16,13 @@ import pytest
 
 from kvgov.config import Settings, load_settings
 from kvgov.connectors.tiers.filesystem import FilesystemTier
+from kvgov.db.engine import make_engine
+from kvgov.db.keystore import SqlKeyStore
 from kvgov.errors import KeyDestroyedError
 from kvgov.keys.kek import FileKekProvider
 from kvgov.keys.keyring import Keyring
 from kvgov.ledger.chain import load_signing_key
-from kvgov.ledger.db import make_engine
 from kvgov.ledger.events import EntryChange, Event
-from kvgov.ledger.keystore import SqlKeyStore
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.types import EntryState, EventKind, Scope

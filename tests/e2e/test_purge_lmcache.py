@@ -24,12 +24,12 @@ pytest.importorskip("lmcache")
 from sqlalchemy import select
 
 from kvgov.connectors.tiers.filesystem import FilesystemTier
+from kvgov.db.keystore import SqlKeyStore
+from kvgov.db.models import CacheEntry
 from kvgov.errors import KeyDestroyedError
 from kvgov.keys import sealformat
 from kvgov.keys.kek import FileKekProvider
 from kvgov.keys.keyring import Keyring
-from kvgov.ledger.keystore import SqlKeyStore
-from kvgov.ledger.models import CacheEntry
 from kvgov.types import EntryState
 from tests import lmcache_harness as h
 from tests.e2e import served

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from kvgov.ledger.models import ApiToken
+from kvgov.db.models import ApiToken
 from tests.integration.test_api_support import ApiWorld, api_world, bearer
 
 pytestmark = pytest.mark.postgres

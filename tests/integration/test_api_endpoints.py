@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from kvgov.ledger.db import make_engine
+from kvgov.db.engine import make_engine
+from kvgov.db.models import LedgerEvent
 from kvgov.ledger.events import Event
-from kvgov.ledger.models import LedgerEvent
 from kvgov.types import EventKind
 from tests.integration.test_api_support import (
     EXPECTED_STATS,

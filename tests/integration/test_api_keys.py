@@ -14,11 +14,11 @@ import httpx
 import pytest
 from sqlalchemy import select
 
+from kvgov.db.keystore import SqlKeyStore
+from kvgov.db.models import LedgerEvent, table
 from kvgov.keys.kek import FileKekProvider
 from kvgov.keys.keyring import Keyring
 from kvgov.keys.sealed import parse_header
-from kvgov.ledger.keystore import SqlKeyStore
-from kvgov.ledger.models import LedgerEvent, table
 from kvgov.ledger.verify import verify
 from kvgov.types import EventKind
 from tests.integration.test_api_support import ApiWorld, api_world, bearer

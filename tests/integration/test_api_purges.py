@@ -17,9 +17,9 @@ from sqlalchemy import update
 from typer.testing import CliRunner
 
 from kvgov.cli.main import build_app
-from kvgov.ledger.models import PurgeReceipt, table
+from kvgov.db.models import PurgeReceipt, table
+from kvgov.db.purge_views import PurgeRequest
 from kvgov.ledger.verify import verify
-from kvgov.proxy.purge.model import PurgeRequest
 from tests.integration.test_api_support import ApiWorld, api_world, bearer
 
 pytestmark = pytest.mark.postgres

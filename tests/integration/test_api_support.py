@@ -30,21 +30,21 @@ from sqlalchemy import Engine
 
 from kvgov.config import Settings
 from kvgov.connectors.tiers.memory import MemoryTier
+from kvgov.db.engine import make_engine, make_sessionmaker, upgrade
+from kvgov.db.keystore import SqlKeyStore
+from kvgov.db.purge_views import JobView, PurgeRequest
+from kvgov.db.tokens import TokenRepository
 from kvgov.keys.kek import generate_kek_file
 from kvgov.ledger.chain import generate_signing_key_file, load_signing_key
-from kvgov.ledger.db import make_engine, make_sessionmaker, upgrade
 from kvgov.ledger.events import Appended, EntryChange, Event
-from kvgov.ledger.keystore import SqlKeyStore
 from kvgov.ledger.pseudonym import Pseudonymizer
-from kvgov.ledger.tokens import TokenRepository
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.proxy.api.auth import ApiContext
-from kvgov.proxy.api.v1 import include_v1
+from kvgov.proxy.api.compliance import include_v1
 from kvgov.proxy.api.v1.purges import include_purges
-from kvgov.proxy.purge.build import make_service, writer_checkpointer
-from kvgov.proxy.purge.model import JobView, PurgeRequest
-from kvgov.proxy.purge.ports import StoreShredder
-from kvgov.proxy.purge.service import PurgeService
+from kvgov.services.purge.build import make_service, writer_checkpointer
+from kvgov.services.purge.ports import StoreShredder
+from kvgov.services.purge.service import PurgeService
 from kvgov.types import EntryState, EventKind, Outcome, Role, Scope, Sensitivity
 
 T = TypeVar("T")

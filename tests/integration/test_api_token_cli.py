@@ -14,9 +14,9 @@ from sqlalchemy import select
 
 from kvgov.cli import token as token_cli
 from kvgov.config import Settings
+from kvgov.db.engine import make_engine, upgrade
+from kvgov.db.models import ApiToken, LedgerEvent
 from kvgov.ledger.chain import generate_signing_key_file
-from kvgov.ledger.db import make_engine, upgrade
-from kvgov.ledger.models import ApiToken, LedgerEvent
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.proxy.api.auth import ApiContext
 from tests.integration.test_api_support import WriterThread, bearer

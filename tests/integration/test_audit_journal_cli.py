@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from typer.testing import CliRunner
 
 from kvgov.cli.main import build_app
-from kvgov.ledger.db import make_engine, upgrade
+from kvgov.db.engine import make_engine, upgrade
 from kvgov.ledger.events import Event
 from kvgov.ledger.journal import Journal, encode_event
 from kvgov.ledger.writer import LedgerWriter

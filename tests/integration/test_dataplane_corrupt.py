@@ -29,7 +29,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
-from kvgov.ledger.models import LedgerEvent
+from kvgov.db.models import LedgerEvent
 from kvgov.proxy.app import Sidecar
 from kvgov.proxy.dataplane.conn import StreamProtocol
 from kvgov.proxy.dataplane.plans import GetPlan

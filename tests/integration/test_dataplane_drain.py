@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from kvgov.config import Settings
-from kvgov.ledger.db import make_engine
+from kvgov.db.engine import make_engine
 from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.embedded import EmbeddedPolicyEngine
 from kvgov.proxy.app import build_sidecar

@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
-from kvgov.ledger.models import LedgerEvent
+from kvgov.db.models import LedgerEvent
 from kvgov.proxy.app import Sidecar
 from kvgov.types import EventKind
 from kvgov.wire import RequestContext, WireClient

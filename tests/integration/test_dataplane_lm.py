@@ -27,7 +27,7 @@ from lmcache.v1.storage_backend.connector.lm_connector import LMCServerConnector
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from sqlalchemy import func, select
 
-from kvgov.ledger.models import LedgerEvent
+from kvgov.db.models import LedgerEvent
 from kvgov.types import EventKind
 from tests import lmcache_harness as h
 from tests.integration.live import recv_exact

@@ -34,7 +34,7 @@ from typing import BinaryIO
 import pytest
 from sqlalchemy import create_engine, func, select
 
-from kvgov.ledger.models import LedgerEvent
+from kvgov.db.models import LedgerEvent
 from kvgov.types import EventKind
 from kvgov.wire import RequestContext, WireClient, WireError
 

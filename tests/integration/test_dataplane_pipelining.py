@@ -67,7 +67,7 @@ async def _run(fn, *args):  # type: ignore[no-untyped-def]
 
 
 def _events(sc: Sidecar, kind: EventKind) -> int:
-    from kvgov.ledger.models import LedgerEvent
+    from kvgov.db.models import LedgerEvent
 
     with Session(sc.engine) as s:
         query = select(func.count()).select_from(LedgerEvent).where(LedgerEvent.kind == kind)
@@ -75,7 +75,7 @@ def _events(sc: Sidecar, kind: EventKind) -> int:
 
 
 def _entry_state(sc: Sidecar, digest: str) -> EntryState | None:
-    from kvgov.ledger.models import CacheEntry
+    from kvgov.db.models import CacheEntry
 
     with Session(sc.engine) as s:
         row = s.get(CacheEntry, digest)

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
 from kvgov.connectors.tiers.memory import MemoryTier
-from kvgov.ledger.models import LedgerEvent
+from kvgov.db.models import LedgerEvent
 from kvgov.proxy.app import Sidecar
 from kvgov.types import EventKind
 from kvgov.wire import RequestContext, WireClient

@@ -68,7 +68,7 @@ async def _run(fn, *args):  # type: ignore[no-untyped-def]
 
 
 def _count(sc: Sidecar, kind: EventKind) -> int:
-    from kvgov.ledger.models import LedgerEvent
+    from kvgov.db.models import LedgerEvent
 
     with Session(sc.engine) as s:
         return int(

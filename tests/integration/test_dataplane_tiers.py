@@ -24,8 +24,8 @@ from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
 from kvgov.connectors.tiers.memory import MemoryTier
-from kvgov.ledger.models import LedgerEvent
-from kvgov.ledger.models import Sidecar as SidecarRow
+from kvgov.db.models import LedgerEvent
+from kvgov.db.models import Sidecar as SidecarRow
 from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.embedded import EmbeddedPolicyEngine
 from kvgov.proxy.app import Sidecar, build_sidecar

@@ -18,8 +18,7 @@ import psycopg
 import pytest
 
 from kvgov.config import Settings
-from kvgov.errors import LedgerError, StartupError
-from kvgov.ledger.db import (
+from kvgov.db.engine import (
     MIGRATION_LOCK_KEY,
     MigrationLimits,
     current_revision,
@@ -27,6 +26,7 @@ from kvgov.ledger.db import (
     known_revisions,
     upgrade,
 )
+from kvgov.errors import LedgerError, StartupError
 from kvgov.proxy.app import build_sidecar
 
 pytestmark = pytest.mark.postgres

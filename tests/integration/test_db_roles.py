@@ -12,11 +12,11 @@ import psycopg
 import pytest
 
 from kvgov.config import Settings, load_settings
+from kvgov.db.engine import head_revision, make_engine, migrate, upgrade
+from kvgov.db.grants import RUNTIME_PRIVILEGES, RUNTIME_SEQUENCES, grant_statements
+from kvgov.db.models import Base
+from kvgov.db.roles import check_schema
 from kvgov.errors import ConfigError, LedgerError, StartupError
-from kvgov.ledger.db import head_revision, make_engine, migrate, upgrade
-from kvgov.ledger.grants import RUNTIME_PRIVILEGES, RUNTIME_SEQUENCES, grant_statements
-from kvgov.ledger.models import Base
-from kvgov.ledger.roles import check_schema
 from tests.e2e.served import kvgov
 from tests.pgroles import RoleDatabase, role_database
 
@@ -145,7 +145,7 @@ def test_a_production_sidecar_accepts_only_a_runtime_role(
         # a schema a later release migrated: the sidecar starts, and says so
         with psycopg.connect(db.admin_dsn, autocommit=True) as conn:
             conn.execute("UPDATE alembic_version SET version_num = '9999'")
-        with caplog.at_level(logging.WARNING, logger="kvgov.ledger.roles"):
+        with caplog.at_level(logging.WARNING, logger="kvgov.db.roles"):
             assert check_schema(production(db.url(login))) == "9999"
         assert any(r.getMessage() == "ledger.schema.newer" for r in caplog.records)
     finally:

@@ -15,14 +15,14 @@ from typer.testing import CliRunner
 
 from kvgov.cli.main import build_app
 from kvgov.config import Settings
+from kvgov.db.engine import make_engine, upgrade
+from kvgov.db.keystore import SqlKeyStore
+from kvgov.db.models import LedgerEvent, table
 from kvgov.errors import KeyDestroyedError
 from kvgov.keys.kek import FileKekProvider, generate_kek_file
 from kvgov.keys.keyring import Keyring
 from kvgov.keys.sealed import parse_header
 from kvgov.ledger.chain import generate_signing_key_file
-from kvgov.ledger.db import make_engine, upgrade
-from kvgov.ledger.keystore import SqlKeyStore
-from kvgov.ledger.models import LedgerEvent, table
 from kvgov.ledger.pseudonym import Pseudonymizer, generate_pseudonym_key_file
 from kvgov.ledger.verify import verify
 from kvgov.types import EventKind, KeyState

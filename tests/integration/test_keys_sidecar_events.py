@@ -15,10 +15,10 @@ import pytest
 from sqlalchemy import select
 
 from kvgov.config import Settings
-from kvgov.ledger.models import DataKey, LedgerEvent, table
+from kvgov.db.models import DataKey, LedgerEvent, table
 from kvgov.ledger.verify import verify
-from kvgov.proxy import keys_service
 from kvgov.proxy.app import Sidecar
+from kvgov.services import keys as keys_service
 from kvgov.types import EventKind
 from kvgov.wire import RequestContext, WireClient
 from tests.integration.live import running_sidecar

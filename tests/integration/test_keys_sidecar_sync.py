@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from kvgov.cli.main import build_app
 from kvgov.config import Settings
-from kvgov.ledger.models import LedgerEvent, table
+from kvgov.db.models import LedgerEvent, table
 from kvgov.ledger.verify import verify
 from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.embedded import EmbeddedPolicyEngine

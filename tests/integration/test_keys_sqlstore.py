@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
+from kvgov.db.engine import make_engine, upgrade
+from kvgov.db.keystore import SqlKeyStore
 from kvgov.errors import KeyDestroyedError, SealError
 from kvgov.keys.kek import FileKekProvider, generate_kek_file
 from kvgov.keys.keyring import Keyring
 from kvgov.keys.sealed import parse_header
-from kvgov.ledger.db import make_engine, upgrade
-from kvgov.ledger.keystore import SqlKeyStore
 from kvgov.types import KeyState
 
 pytestmark = pytest.mark.postgres

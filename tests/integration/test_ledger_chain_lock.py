@@ -13,10 +13,10 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
+from kvgov.db.engine import make_engine, upgrade
+from kvgov.db.models import Chain, table
 from kvgov.ledger.batch import apply_batch, prepare, read_head
-from kvgov.ledger.db import make_engine, upgrade
 from kvgov.ledger.events import Event
-from kvgov.ledger.models import Chain, table
 from kvgov.ledger.pgfast import CHAIN_LOCK_CLASS
 from kvgov.ledger.verify import verify
 from kvgov.types import EventKind, Outcome

@@ -12,10 +12,10 @@ import pytest
 import sqlalchemy as sa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from kvgov.db.engine import make_engine, upgrade
 from kvgov.errors import LedgerError
 from kvgov.ledger.batch import Head, Prepared
 from kvgov.ledger.chain import public_key_bytes
-from kvgov.ledger.db import make_engine, upgrade
 from kvgov.ledger.events import Appended, Event
 from kvgov.ledger.verify import verify
 from kvgov.ledger.writing.commit import Committer

@@ -13,9 +13,9 @@ import pytest
 import sqlalchemy as sa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from kvgov.ledger.db import make_engine, upgrade
+from kvgov.db.engine import make_engine, upgrade
+from kvgov.db.models import LedgerEvent
 from kvgov.ledger.events import Event
-from kvgov.ledger.models import LedgerEvent
 from kvgov.ledger.verify import verify
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.types import EventKind
@@ -27,7 +27,7 @@ CHILD = textwrap.dedent(
     import asyncio, sys
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from cryptography.hazmat.primitives import serialization
-    from kvgov.ledger.db import make_engine
+    from kvgov.db.engine import make_engine
     from kvgov.ledger.events import Event, EntryChange
     from kvgov.ledger.writer import LedgerWriter
     from kvgov.types import EventKind, EntryState

@@ -13,12 +13,12 @@ import pytest
 import sqlalchemy as sa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from kvgov.ledger.db import make_engine, make_sessionmaker, upgrade
+from kvgov.db.engine import make_engine, make_sessionmaker, upgrade
+from kvgov.db.models import CacheEntry
 from kvgov.ledger.events import EntryChange, Event
-from kvgov.ledger.models import CacheEntry
-from kvgov.ledger.provenance import provenance, reuse_of_user
 from kvgov.ledger.verify import verify
 from kvgov.ledger.writer import LedgerWriter
+from kvgov.services.provenance import provenance, served_to, user_reuse
 from kvgov.types import EntryState, EventKind, Outcome, Scope
 
 pytestmark = pytest.mark.postgres
@@ -178,9 +178,14 @@ async def test_provenance_reports_the_true_creator(engine: sa.Engine) -> None:
         [row] = provenance(session, "r3", "acme")
         assert row.entry is not None
         assert (row.entry.owner, row.entry.created_request_id) == (ALICE, "r1")
-        reuse = reuse_of_user(session, "acme", ALICE)
-        assert [(r.request_id, r.created_request_id) for r in reuse] == [("r3", "r1")]
-        assert reuse_of_user(session, "acme", BOB) == []
+        reuse = user_reuse(session, "acme", ALICE)
+        assert [(e.reused_by, e.created_request_id) for e in reuse.entries] == [(("r3",), "r1")]
+        assert [(r.request_id, r.chunks) for r in reuse.requests] == [("r3", 1)]
+        assert served_to(session, [e.key_digest for e in reuse.entries]) == {
+            reuse.entries[0].key_digest: ["r3"]
+        }
+        bob = user_reuse(session, "acme", BOB)
+        assert (bob.entries, bob.requests) == ((), ())
 
 
 async def test_a_user_who_re_put_an_entry_sees_it_in_every_user_view(engine: sa.Engine) -> None:

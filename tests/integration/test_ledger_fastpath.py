@@ -16,12 +16,12 @@ import pytest
 import sqlalchemy as sa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from kvgov.db.engine import make_engine, upgrade
+from kvgov.db.models import Chain, table
 from kvgov.ledger import batch as batch_mod
 from kvgov.ledger.batch import Head, apply_batch, chain_rows, prepare
 from kvgov.ledger.chain import GENESIS_HASH
-from kvgov.ledger.db import make_engine, upgrade
 from kvgov.ledger.events import EntryChange, Event
-from kvgov.ledger.models import Chain, table
 from kvgov.ledger.verify import verify
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.types import EntryState, EventKind, Outcome, Scope, Sensitivity

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from kvgov.ledger.db import make_engine, upgrade
+from kvgov.db.engine import make_engine, upgrade
 from kvgov.ledger.events import Event
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.types import EventKind

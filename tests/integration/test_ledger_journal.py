@@ -19,11 +19,11 @@ import sqlalchemy as sa
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from kvgov.db.engine import make_engine, upgrade
+from kvgov.db.models import CacheEntry, JournalMark, LedgerEvent
 from kvgov.errors import LedgerError
-from kvgov.ledger.db import make_engine, upgrade
 from kvgov.ledger.events import EntryChange, Event
 from kvgov.ledger.journal import Journal
-from kvgov.ledger.models import CacheEntry, JournalMark, LedgerEvent
 from kvgov.ledger.verify import verify
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.types import EntryState, EventKind
@@ -40,7 +40,7 @@ CHILD = textwrap.dedent(
     import asyncio, sys
     from pathlib import Path
     from cryptography.hazmat.primitives import serialization
-    from kvgov.ledger.db import make_engine
+    from kvgov.db.engine import make_engine
     from kvgov.ledger.events import Event, EntryChange
     from kvgov.ledger.journal import Journal
     from kvgov.ledger.writer import LedgerWriter

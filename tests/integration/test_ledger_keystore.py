@@ -8,9 +8,9 @@ from datetime import UTC, datetime
 
 import pytest
 
+from kvgov.db.engine import make_engine, upgrade
+from kvgov.db.keystore import SqlKeyStore
 from kvgov.keys.store import InMemoryKeyStore, WrappedKeyStore
-from kvgov.ledger.db import make_engine, upgrade
-from kvgov.ledger.keystore import SqlKeyStore
 from kvgov.types import KeyState, WrappedKey
 
 pytestmark = pytest.mark.postgres

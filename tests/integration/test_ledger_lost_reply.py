@@ -16,9 +16,9 @@ import pytest
 import sqlalchemy as sa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from kvgov.ledger.db import make_engine, make_sessionmaker, upgrade
+from kvgov.db.engine import make_engine, make_sessionmaker, upgrade
+from kvgov.db.models import CacheEntry, EventPayload, LedgerEvent
 from kvgov.ledger.events import EntryChange, Event
-from kvgov.ledger.models import CacheEntry, EventPayload, LedgerEvent
 from kvgov.ledger.verify import verify
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.types import EntryState, EventKind

@@ -22,11 +22,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from typer.testing import CliRunner
 
 from kvgov.cli.main import build_app
+from kvgov.db.engine import make_engine
+from kvgov.db.models import LedgerEvent, table
 from kvgov.ledger.chain import ChainedFields, link, load_signing_key, public_key_bytes
 from kvgov.ledger.checkpoint import write_checkpoint
-from kvgov.ledger.db import make_engine
 from kvgov.ledger.events import EntryChange, Event
-from kvgov.ledger.models import LedgerEvent, table
 from kvgov.ledger.trust import format_public_key
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.types import EntryState, EventKind, Outcome

@@ -15,9 +15,9 @@ import sqlalchemy as sa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from kvgov.config import Settings
-from kvgov.ledger.db import make_engine, upgrade
+from kvgov.db.engine import make_engine, upgrade
+from kvgov.db.models import LedgerEvent, table
 from kvgov.ledger.events import Appended, Event, LazyEventSink
-from kvgov.ledger.models import LedgerEvent, table
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.embedded import EmbeddedPolicyEngine

@@ -24,7 +24,7 @@ SHIPPED = ("pyproject.toml", "README.md", "alembic.ini", "src", "migrations")
 PROBE = """
 import json, sys
 import kvgov
-from kvgov.ledger.db import current_revision, migrations_dir, upgrade
+from kvgov.db.engine import current_revision, migrations_dir, upgrade
 url = sys.argv[1]
 upgrade(url)
 print(json.dumps({

@@ -13,11 +13,11 @@ import sqlalchemy as sa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy.orm import Session
 
+from kvgov.db.engine import make_engine, make_sessionmaker, upgrade
+from kvgov.db.keystore import SqlKeyStore
+from kvgov.db.models import CacheEntry, EventPayload, PolicyDecision, Request, UserRef
 from kvgov.errors import LedgerBackpressureError, LedgerError
-from kvgov.ledger.db import make_engine, make_sessionmaker, upgrade
 from kvgov.ledger.events import Appended, EntryChange, Event
-from kvgov.ledger.keystore import SqlKeyStore
-from kvgov.ledger.models import CacheEntry, EventPayload, PolicyDecision, Request, UserRef
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.ledger.repository import LedgerRepository
 from kvgov.ledger.verify import verify

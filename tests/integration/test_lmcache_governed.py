@@ -20,7 +20,7 @@ pytest.importorskip("lmcache")
 
 from sqlalchemy import select
 
-from kvgov.ledger.models import LedgerEvent
+from kvgov.db.models import LedgerEvent
 from kvgov.ledger.queries_api import provenance
 from kvgov.types import EventKind
 from tests import lmcache_harness as h

@@ -9,7 +9,7 @@ import pytest
 import sqlalchemy as sa
 from alembic import command
 
-from kvgov.ledger.db import alembic_config, make_engine, upgrade
+from kvgov.db.engine import alembic_config, make_engine, upgrade
 
 pytestmark = pytest.mark.postgres
 

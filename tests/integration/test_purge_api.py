@@ -18,22 +18,22 @@ from fastapi import FastAPI
 
 from kvgov.config import Settings
 from kvgov.connectors.tiers.memory import MemoryTier
+from kvgov.db.engine import make_engine, make_sessionmaker, upgrade
+from kvgov.db.keystore import SqlKeyStore
+from kvgov.db.tokens import TokenRepository
 from kvgov.keys.kek import FileKekProvider, generate_kek_file
 from kvgov.keys.keyring import Keyring
 from kvgov.ledger.chain import public_key_bytes
-from kvgov.ledger.db import make_engine, make_sessionmaker, upgrade
 from kvgov.ledger.events import EntryChange, Event
-from kvgov.ledger.keystore import SqlKeyStore
 from kvgov.ledger.pseudonym import Pseudonymizer
-from kvgov.ledger.tokens import TokenRepository
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.proxy.api.auth import ApiContext
-from kvgov.proxy.api.v1 import include_v1
+from kvgov.proxy.api.compliance import include_v1
 from kvgov.proxy.api.v1.purges import include_purges
-from kvgov.proxy.purge.build import make_service, writer_checkpointer
-from kvgov.proxy.purge.ports import KeyringShredder
-from kvgov.proxy.purge.receipts import verify_receipt
-from kvgov.proxy.purge.service import PurgeService
+from kvgov.services.purge.build import make_service, writer_checkpointer
+from kvgov.services.purge.ports import KeyringShredder
+from kvgov.services.purge.receipts import verify_receipt
+from kvgov.services.purge.service import PurgeService
 from kvgov.types import EntryState, EventKind, Role, Scope
 
 pytestmark = pytest.mark.postgres

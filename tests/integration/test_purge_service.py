@@ -24,24 +24,24 @@ from sqlalchemy.exc import OperationalError
 from kvgov.config import Settings
 from kvgov.connectors.tiers.filesystem import FilesystemTier
 from kvgov.connectors.tiers.memory import MemoryTier
+from kvgov.db import purge_jobs as jobs
+from kvgov.db.engine import make_engine, make_sessionmaker, upgrade, utcnow
+from kvgov.db.keystore import SqlKeyStore
+from kvgov.db.models import CacheEntry, EventPayload, LedgerEvent, PurgeJob, Tenant, UserRef
+from kvgov.db.purge_views import PurgeRequest, StepName
 from kvgov.errors import KeyDestroyedError
 from kvgov.keys.kek import FileKekProvider, generate_kek_file
 from kvgov.keys.keyring import Keyring
 from kvgov.ledger.chain import public_key_bytes
-from kvgov.ledger.db import make_engine, make_sessionmaker, upgrade, utcnow
 from kvgov.ledger.events import EntryChange, Event
-from kvgov.ledger.keystore import SqlKeyStore
-from kvgov.ledger.models import CacheEntry, EventPayload, LedgerEvent, PurgeJob, Tenant, UserRef
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.ledger.verify import verify
 from kvgov.ledger.writer import LedgerWriter
-from kvgov.proxy.purge import jobs
-from kvgov.proxy.purge.build import make_service, writer_checkpointer
-from kvgov.proxy.purge.model import PurgeRequest, StepName
-from kvgov.proxy.purge.ports import KeyringShredder, TierSet
-from kvgov.proxy.purge.receipts import verify_receipt
-from kvgov.proxy.purge.retention import apply_retention
-from kvgov.proxy.purge.service import PurgeService
+from kvgov.services.purge.build import make_service, writer_checkpointer
+from kvgov.services.purge.ports import KeyringShredder, TierSet
+from kvgov.services.purge.receipts import verify_receipt
+from kvgov.services.purge.retention import apply_retention
+from kvgov.services.purge.service import PurgeService
 from kvgov.types import EntryState, EventKind, PurgeState, Scope
 
 pytestmark = pytest.mark.postgres
@@ -256,12 +256,12 @@ async def test_dry_run_changes_nothing(env: Env) -> None:
     await env.writer.flush()
     events_before = env.count(LedgerEvent)
     plan = await env.service().plan(PurgeRequest(tenant="acme", user="alice", dry_run=True))
-    assert plan["entries_in_scope"] == N
-    assert plan["present_in_reachable_tiers"] == {"memory": N, "filesystem": N}
-    assert [k["key_id"] for k in plan["keys_to_destroy"]] == [
+    assert plan.entries_in_scope == N
+    assert plan.present_in_reachable_tiers == {"memory": N, "filesystem": N}
+    assert [k.key_id for k in plan.keys_to_destroy] == [
         f"u:acme:{env.pseudo.user('acme', 'alice')}"
     ]
-    assert plan["payloads_to_erase"] == N
+    assert plan.payloads_to_erase == N
     # nothing changed: no job, no event, data and keys intact
     assert env.count(PurgeJob) == 0
     assert env.count(LedgerEvent) == events_before
@@ -478,7 +478,7 @@ async def test_user_purge_covers_entries_the_user_re_put(env: Env) -> None:
 
     service = env.service()
     plan = await service.plan(PurgeRequest(tenant="acme", user="bob", dry_run=True))
-    assert plan["entries_in_scope"] == 1
+    assert plan.entries_in_scope == 1
     job = await service.create(PurgeRequest(tenant="acme", user="bob"))
     job = await asyncio.wait_for(service.wait(job.id), 30)
 

@@ -16,10 +16,10 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
-from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE, make_engine, make_sessionmaker, upgrade, utcnow
-from kvgov.ledger.models import Sidecar
-from kvgov.proxy.purge import jobs
-from kvgov.proxy.purge.steps import StepContext
+from kvgov.db import purge_jobs as jobs
+from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE, make_engine, make_sessionmaker, upgrade, utcnow
+from kvgov.db.models import Sidecar
+from kvgov.services.purge.steps import StepContext
 
 
 def _context(engine: Engine) -> StepContext:

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 from kvgov.cli import tenant as tenant_cli
 from kvgov.config import Settings
-from kvgov.ledger.db import make_engine, utcnow
-from kvgov.ledger.models import CacheEntry, LedgerEvent, Tenant, table
+from kvgov.db.engine import make_engine, utcnow
+from kvgov.db.models import CacheEntry, LedgerEvent, Tenant, table
 from kvgov.ledger.verify import verify
 from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.embedded import EmbeddedPolicyEngine

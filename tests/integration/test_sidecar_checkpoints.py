@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from kvgov.cli.main import build_app
 from kvgov.config import Settings
-from kvgov.ledger.models import Checkpoint, LedgerEvent
+from kvgov.db.models import Checkpoint, LedgerEvent
 from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.embedded import EmbeddedPolicyEngine
 from kvgov.proxy.app import Sidecar, build_sidecar

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvgov.ledger.db import upgrade
+from kvgov.db.engine import upgrade
 from tests.pgroles import role_database
 from tests.security.doors import ProdDatabase
 

@@ -23,7 +23,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
-from kvgov.ledger.models import LedgerEvent
+from kvgov.db.models import LedgerEvent
 from kvgov.proxy.app import Sidecar, build_sidecar
 from kvgov.types import EventKind
 from kvgov.wire import WireClient

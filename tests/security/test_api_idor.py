@@ -24,10 +24,10 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session
 
-from kvgov.ledger.tokens import TokenRepository
+from kvgov.db.purge_views import PurgeRequest
+from kvgov.db.tokens import TokenRepository
 from kvgov.proxy.api.app import create_control_app
 from kvgov.proxy.app import Sidecar
-from kvgov.proxy.purge.model import PurgeRequest
 from kvgov.types import PurgeState, Role
 from kvgov.wire import RequestContext
 from tests.security import doors

@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 from kvgov.config import ApiSettings
-from kvgov.ledger.tokens import TokenRepository
+from kvgov.db.tokens import TokenRepository
 from kvgov.proxy.api.app import create_control_app
 from kvgov.types import Role
 from tests.security import doors

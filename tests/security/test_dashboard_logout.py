@@ -17,10 +17,10 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from kvgov.ledger.db import utcnow
-from kvgov.ledger.models import DashboardSession
-from kvgov.ledger.sessions import SessionRepository
-from kvgov.ledger.tokens import TokenRepository
+from kvgov.db.engine import utcnow
+from kvgov.db.models import DashboardSession
+from kvgov.db.sessions import SessionRepository
+from kvgov.db.tokens import TokenRepository
 from kvgov.proxy.api.app import create_control_app
 from kvgov.proxy.api.auth import ApiContext, issue_session, read_session_claims
 from kvgov.proxy.app import Sidecar

@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from psycopg import errors as pg_errors
 
 from kvgov.config import load_settings
-from kvgov.ledger.db import make_engine, migrate
+from kvgov.db.engine import make_engine, migrate
 from kvgov.ledger.events import Event
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.types import EventKind, Outcome

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgov.proxy.purge.model import PurgeRequest
+from kvgov.db.purge_views import PurgeRequest
 from kvgov.types import PurgeState
 from kvgov.wire import EvictRequest, RequestContext
 from tests.security import doors

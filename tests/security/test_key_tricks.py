@@ -328,10 +328,10 @@ async def test_overlong_strings_store_nothing_unrecorded(
 def test_the_ledger_refuses_what_its_columns_cannot_hold_before_any_ack() -> None:
     """The last line of defence behind the edge checks: ``prepare`` (run before an event is
     journaled and acknowledged) refuses a text wider than its column."""
+    from kvgov.db.models import REQUEST_ID, TENANT
     from kvgov.errors import LedgerError
     from kvgov.ledger.batch import prepare
     from kvgov.ledger.events import EntryChange, Event
-    from kvgov.ledger.models import REQUEST_ID, TENANT
     from kvgov.types import EntryState
     from kvgov.wire.messages import MAX_REQUEST_ID, MAX_TENANT
 

@@ -32,6 +32,9 @@ from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
 from kvgov.cli.main import build_app
+from kvgov.db.engine import make_engine, upgrade, utcnow
+from kvgov.db.models import Checkpoint, LedgerEvent, table
+from kvgov.db.tokens import TokenRepository
 from kvgov.ledger.chain import (
     GENESIS_HASH,
     ChainedFields,
@@ -39,10 +42,7 @@ from kvgov.ledger.chain import (
     public_key_bytes,
     sign_checkpoint,
 )
-from kvgov.ledger.db import make_engine, upgrade, utcnow
 from kvgov.ledger.events import Event
-from kvgov.ledger.models import Checkpoint, LedgerEvent, table
-from kvgov.ledger.tokens import TokenRepository
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.proxy.api.app import create_control_app
 from kvgov.proxy.app import Sidecar

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
 from kvgov.cli.main import build_app
-from kvgov.ledger.tokens import TokenRepository
+from kvgov.db.tokens import TokenRepository
 from kvgov.proxy.api.app import create_control_app
 from kvgov.proxy.app import Sidecar
 from kvgov.types import Role

@@ -30,11 +30,11 @@ from typer.testing import CliRunner
 
 from kvgov.cli.main import build_app
 from kvgov.config import Settings
+from kvgov.db.engine import make_engine
+from kvgov.db.tokens import TokenRepository
 from kvgov.ledger.chain import ChainedFields, link
-from kvgov.ledger.db import make_engine
 from kvgov.ledger.events import InMemoryEventSink
-from kvgov.ledger.tokens import TokenRepository
-from kvgov.proxy.api.v1 import include_sidecar_api
+from kvgov.proxy.api.compliance import include_sidecar_api
 from kvgov.proxy.app import Sidecar
 from kvgov.types import Role
 from kvgov.wire import RequestContext

@@ -16,7 +16,7 @@ from kvgov.keys.kek import FileKekProvider, generate_kek_file
 from kvgov.keys.keyring import Keyring
 from kvgov.keys.store import InMemoryKeyStore
 from kvgov.ledger.events import Appended, Event, InMemoryEventSink
-from kvgov.proxy.keys_service import KeyEventRecorder, rotate_key
+from kvgov.services.keys import KeyEventRecorder, rotate_key
 from kvgov.types import EventKind
 
 CK = b"llama|chunk-0009"

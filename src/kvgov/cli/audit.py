@@ -26,9 +26,9 @@ def register(app: typer.Typer) -> None:
         note: bool = typer.Option(False, "--note", help="Print each checkpoint's signed note."),
     ) -> None:
         """Sign the current head of this node's chains."""
+        from kvgov.db.engine import make_engine
         from kvgov.ledger.chain import load_signing_key
         from kvgov.ledger.checkpoint import chains_of_key, write_checkpoint
-        from kvgov.ledger.db import make_engine
 
         s = settings(ctx)
         key = load_signing_key(s.signing_key_path)
@@ -66,8 +66,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Recompute every chain and check every checkpoint against the trusted keys (never the
         keys stored in the database). Exit 1 on any problem."""
+        from kvgov.db.engine import make_engine
         from kvgov.ledger.chain import load_public_key
-        from kvgov.ledger.db import make_engine
         from kvgov.ledger.trust import trusted_keys, verify_trusted
         from kvgov.ledger.verify import Finding, Problem
 
@@ -154,9 +154,9 @@ def register(app: typer.Typer) -> None:
         many records the database does not hold yet. Exit 1 if a start would refuse it."""
         from sqlalchemy import select
 
-        from kvgov.ledger.db import make_engine
+        from kvgov.db.engine import make_engine
+        from kvgov.db.models import JournalMark
         from kvgov.ledger.journal import inspect_journal
-        from kvgov.ledger.models import JournalMark
 
         s = settings(ctx)
         where = directory or s.journal_path

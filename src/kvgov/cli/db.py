@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
         revision: str = typer.Argument("head", help="Alembic revision to upgrade to."),
     ) -> None:
         """Migrate the ledger (as the migration role) and grant database.runtime_role."""
-        from kvgov.ledger.db import current_revision, migrate
+        from kvgov.db.engine import current_revision, migrate
 
         s = settings(ctx)
         applied = migrate(s, revision)
@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
     @group.command("current")
     def current_cmd(ctx: typer.Context) -> None:
         """Print the schema revision the database is at."""
-        from kvgov.ledger.db import current_revision
+        from kvgov.db.engine import current_revision
 
         echo(str(current_revision(settings(ctx).database_url) or "none"))
 
@@ -53,7 +53,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Print the SQL that gives the runtime role exactly its privileges (for a DBA)."""
         from kvgov.cli._common import EXIT_USAGE, fail
-        from kvgov.ledger.grants import grant_statements
+        from kvgov.db.grants import grant_statements
 
         s = settings(ctx)
         name = role if role is not None else s.database.runtime_role
@@ -63,7 +63,7 @@ def register(app: typer.Typer) -> None:
             for statement in grant_statements(name, schema):
                 echo(statement)
             return
-        from kvgov.ledger.roles import grant_runtime_role
+        from kvgov.db.roles import grant_runtime_role
 
         for statement in grant_runtime_role(s, name):
             echo(statement)

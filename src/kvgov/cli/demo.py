@@ -189,8 +189,8 @@ def _ids(
 
 
 def _print_provenance(sidecar: _SidecarThread, request_id: str, tenant: str) -> bool:
-    from kvgov.ledger.db import make_sessionmaker
-    from kvgov.ledger.provenance import provenance
+    from kvgov.db.engine import make_sessionmaker
+    from kvgov.services.provenance import provenance
 
     writer, engine = sidecar.ledger()
     sidecar.call(writer.flush())
@@ -211,9 +211,9 @@ def _print_provenance(sidecar: _SidecarThread, request_id: str, tenant: str) -> 
 def _purge(sidecar: _SidecarThread, tenant: str, user: str) -> bool:
     """Purge through the running sidecar as ``POST /v1/purges`` does (create the job, wake the
     sidecar's executor, wait for the receipt); print the receipt and check its signature."""
+    from kvgov.db.purge_views import JobView, PurgeRequest
     from kvgov.ledger.chain import load_public_key
-    from kvgov.proxy.purge.model import JobView, PurgeRequest
-    from kvgov.proxy.purge.receipts import verify_receipt
+    from kvgov.services.purge.receipts import verify_receipt
 
     executor = sidecar.running.purge
     if executor is None:

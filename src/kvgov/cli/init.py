@@ -21,9 +21,9 @@ def register(app: typer.Typer) -> None:
         skip_db: bool = typer.Option(False, "--skip-db", help="Leave the database alone."),
     ) -> None:
         """Create the data dir, signing key, pseudonym key, KEK file and the ledger schema."""
+        from kvgov.db.engine import current_revision, migrate
         from kvgov.keys.kek import generate_kek_file
         from kvgov.ledger.chain import generate_signing_key_file
-        from kvgov.ledger.db import current_revision, migrate
         from kvgov.ledger.pseudonym import generate_pseudonym_key_file
 
         s = settings(ctx)
@@ -43,8 +43,8 @@ def register(app: typer.Typer) -> None:
             return
         # production: migrations are their own step (kvgov db upgrade as the owner role); say
         # whether a sidecar could start on this database
+        from kvgov.db.roles import check_schema
         from kvgov.errors import StartupError
-        from kvgov.ledger.roles import check_schema
 
         try:
             echo(f"database       revision {check_schema(s)} (ready)")

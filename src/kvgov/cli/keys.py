@@ -10,7 +10,7 @@ material. Rotation and shredding are recorded in the ledger (``key:rotated`` / `
 running sidecar drops its in-memory copies within ``keys.revalidate_interval_s``. The
 right-to-be-forgotten path is still ``kvgov purge``, which calls the same shred and also deletes
 the ciphertext and the engines' copies. Rotation, the
-ledger events and what a key listing shows come from :mod:`kvgov.proxy.keys_service`, which
+ledger events and what a key listing shows come from :mod:`kvgov.services.keys`, which
 ``POST /v1/keys/rotate`` and ``GET /v1/keys`` use too.
 Exit 0 done, 1 done but not recorded in the ledger, 2 bad usage or configuration.
 """
@@ -72,7 +72,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Start a new key version for new data; older versions stay readable (retired)."""
         from kvgov.keys.keyring import Keyring
-        from kvgov.proxy.keys_service import rotate_key
+        from kvgov.services.keys import rotate_key
 
         cfg = settings(ctx)
         subject = _pseudonym(cfg, tenant, user)
@@ -109,7 +109,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Crypto-shred a tenant's keys (all of them) or one user's keys: irreversible."""
         from kvgov.keys.keyring import key_id_for
-        from kvgov.proxy.keys_service import key_event
+        from kvgov.services.keys import key_event
 
         cfg = settings(ctx)
         subject = _pseudonym(cfg, tenant, user)
@@ -152,8 +152,8 @@ def register(app: typer.Typer) -> None:
 
 @contextmanager
 def _store(cfg: Settings) -> Iterator[WrappedKeyStore]:
-    from kvgov.ledger.db import make_engine
-    from kvgov.ledger.keystore import SqlKeyStore
+    from kvgov.db.engine import make_engine
+    from kvgov.db.keystore import SqlKeyStore
 
     engine = make_engine(cfg.database_url, pool_size=2)
     try:
@@ -179,7 +179,7 @@ def _info(row: Any) -> KeyInfo:
 
 
 def _as_dict(k: KeyInfo) -> dict[str, Any]:
-    from kvgov.proxy.keys_service import key_record
+    from kvgov.services.keys import key_record
 
     return key_record(k)
 
@@ -198,10 +198,10 @@ def _record(cfg: Settings, events: Sequence[Any]) -> list[dict[str, Any]] | None
 
 
 async def _append(cfg: Settings, events: Sequence[Any]) -> list[dict[str, Any]]:
+    from kvgov.db.engine import make_engine
     from kvgov.ledger.chain import load_signing_key
-    from kvgov.ledger.db import make_engine
     from kvgov.ledger.writer import LedgerWriter
-    from kvgov.proxy.keys_service import record
+    from kvgov.services.keys import record
 
     engine = make_engine(cfg.database_url, pool_size=2)
     writer = LedgerWriter(

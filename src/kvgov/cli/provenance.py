@@ -10,11 +10,16 @@ query; the ledger never holds them.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from kvgov.cli._common import EXIT_FAILED, echo, emit_json, fail, settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from kvgov.config import Settings
 
 
 def register(app: typer.Typer) -> None:
@@ -38,7 +43,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     ) -> None:
         """Show the cached chunks that fed REQUEST_ID (or, with --user, where they went)."""
-        from kvgov.ledger.db import make_engine, make_sessionmaker
+        from kvgov.db.engine import make_engine, make_sessionmaker
 
         if (request_id is None) == (user is None):
             raise fail("kvgov: give a REQUEST_ID, or --user with --tenant", 2)
@@ -62,8 +67,8 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(EXIT_FAILED)
 
 
-def _forward(session: Any, request_id: str, tenant: str | None) -> dict[str, Any]:
-    from kvgov.ledger.provenance import provenance, request_tenants
+def _forward(session: Session, request_id: str, tenant: str | None) -> dict[str, Any]:
+    from kvgov.services.provenance import provenance, request_tenants
 
     tenants = request_tenants(session, request_id)
     if tenant is None and len(tenants) > 1:
@@ -93,20 +98,12 @@ def _forward(session: Any, request_id: str, tenant: str | None) -> dict[str, Any
     return {"request_id": request_id, "tenant": tenant, "chunks": chunks}
 
 
-def _reverse(session: Any, s: Any, tenant: str, user: str) -> dict[str, Any]:
-    from kvgov.ledger.provenance import reuse_of_user
+def _reverse(session: Session, s: Settings, tenant: str, user: str) -> dict[str, Any]:
     from kvgov.ledger.pseudonym import Pseudonymizer
+    from kvgov.services.provenance import user_reuse
 
     pseudonym = Pseudonymizer.from_file(s.pseudonym_key_path).user(tenant, user)
-    reuses = reuse_of_user(session, tenant, pseudonym)
-    requests: dict[str, int] = {}
-    for r in reuses:
-        requests[r.request_id] = requests.get(r.request_id, 0) + 1
-    return {
-        "tenant": tenant,
-        "user_pseudonym": pseudonym,
-        "requests": [{"request_id": k, "chunks": v} for k, v in requests.items()],
-    }
+    return user_reuse(session, tenant, pseudonym).model_dump(mode="json")
 
 
 def _print(data: dict[str, Any]) -> None:
@@ -123,6 +120,6 @@ def _print(data: dict[str, Any]) -> None:
                 f"{c['created_at']}  [{c['sensitivity']}, policy {c['policy_revision']}]"
             )
         return
-    echo(f"user {data['user_pseudonym'][:12]} in {data['tenant']}: chunks reused by")
+    echo(f"user {data['user'][:12]} in {data['tenant']}: chunks reused by")
     for r in data["requests"]:
         echo(f"  {r['request_id']}: {r['chunks']} chunk(s)")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -25,7 +25,8 @@ from kvgov.cli._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, emit_json, setti
 
 if TYPE_CHECKING:
     from kvgov.config import Settings
-    from kvgov.proxy.purge.model import JobView, PurgeRequest
+    from kvgov.db.purge_views import JobView, PurgeRequest
+    from kvgov.services.purge.documents import PurgePlan
 
 
 def register(app: typer.Typer) -> None:
@@ -67,7 +68,7 @@ def register(app: typer.Typer) -> None:
         if not tenant:
             typer.echo(ctx.get_help())
             raise typer.Exit(EXIT_USAGE)
-        from kvgov.proxy.purge.model import PurgeRequest
+        from kvgov.db.purge_views import PurgeRequest
 
         req = PurgeRequest(tenant=tenant, user=user, dry_run=dry_run, requested_by="cli")
         what = f"user {user!r} in tenant {tenant!r}" if user else f"ALL data of tenant {tenant!r}"
@@ -97,7 +98,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Check a receipt's signature against the ledger's key. Exit 0 valid, 1 not."""
         from kvgov.ledger.chain import load_public_key
-        from kvgov.proxy.purge.receipts import verify_receipt as check
+        from kvgov.services.purge.receipts import verify_receipt as check
 
         key_path = public_key or settings(ctx).signing_key_path
         trusted = [load_public_key(key_path)]
@@ -130,13 +131,13 @@ def register(app: typer.Typer) -> None:
 async def _purge(
     cfg: Settings, req: PurgeRequest, *, wait: bool, as_json: bool, out: Path | None
 ) -> int:
-    from kvgov.proxy.purge.build import cli_service
+    from kvgov.services.purge.build import cli_service
 
     async with cli_service(cfg) as service:
         if req.dry_run:
             plan = await service.plan(req)
             if as_json:
-                emit_json(plan)
+                emit_json(plan.model_dump(mode="json"))
             else:
                 _print_plan(plan)
             return EXIT_OK
@@ -152,7 +153,7 @@ async def _purge(
 
 
 async def _status(cfg: Settings, purge_id: str, *, as_json: bool) -> int:
-    from kvgov.proxy.purge.build import cli_service
+    from kvgov.services.purge.build import cli_service
 
     async with cli_service(cfg, writer=False) as service:
         job = await service.get(purge_id)
@@ -168,19 +169,20 @@ def _report(job: JobView, *, as_json: bool, out: Path | None) -> int:
         emit_json(job.to_dict())
     else:
         typer.echo(f"purge {job.id}: {job.state}")
-        signed = job.receipt or {}
-        receipt = signed.get("receipt") or {}
-        if receipt:
-            typer.echo(f"  subject: {receipt.get('subject') or '(whole tenant)'}")
-            typer.echo(f"  entries purged: {receipt.get('entries_purged')}")
-            typer.echo(f"  deleted per tier: {receipt.get('tiers')}")
-            typer.echo(f"  keys destroyed: {len(receipt.get('keys_destroyed') or [])}")
-            engines = receipt.get("engines") or {}
-            typer.echo(f"  engines acknowledged: {engines.get('acknowledged')}")
-            for line in receipt.get("incomplete") or []:
+        from kvgov.services.purge.documents import Receipt
+
+        document = (job.receipt or {}).get("receipt")
+        if document:
+            receipt = Receipt.model_validate(document)
+            typer.echo(f"  subject: {receipt.subject or '(whole tenant)'}")
+            typer.echo(f"  entries purged: {receipt.entries_purged}")
+            typer.echo(f"  deleted per tier: {receipt.tiers}")
+            typer.echo(f"  keys destroyed: {len(receipt.keys_destroyed)}")
+            typer.echo(f"  engines acknowledged: {list(receipt.engines.acknowledged)}")
+            for line in receipt.incomplete:
                 typer.echo(f"  NOT DONE: {line}")
-            ledger = receipt.get("ledger") or {}
-            typer.echo(f"  erasure event: {ledger.get('erasure_event')}")
+            erasure = receipt.ledger.erasure_event if receipt.ledger else None
+            typer.echo(f"  erasure event: {erasure.model_dump() if erasure else None}")
         else:
             for step in job.steps:
                 typer.echo(f"  {step.label}: {step.state}")
@@ -191,12 +193,12 @@ def _report(job: JobView, *, as_json: bool, out: Path | None) -> int:
     return EXIT_OK
 
 
-def _print_plan(plan: dict[str, Any]) -> None:
+def _print_plan(plan: PurgePlan) -> None:
     typer.echo("dry run: nothing was changed")
-    typer.echo(f"  subject: {plan['subject'] or '(whole tenant)'} in tenant {plan['tenant']}")
-    typer.echo(f"  entries in scope: {plan['entries_in_scope']} {plan['entries_by_state']}")
-    typer.echo(f"  present in reachable tiers: {plan['present_in_reachable_tiers']}")
-    typer.echo(f"  keys to destroy: {len(plan['keys_to_destroy'])}")
-    typer.echo(f"  ledger payloads to erase: {plan['payloads_to_erase']}")
-    typer.echo(f"  sidecars to ask: {plan['sidecars'] or 'none registered'}")
-    typer.echo(f"  vLLM engines to reset: {plan['vllm_engines'] or 'none configured'}")
+    typer.echo(f"  subject: {plan.subject or '(whole tenant)'} in tenant {plan.tenant}")
+    typer.echo(f"  entries in scope: {plan.entries_in_scope} {plan.entries_by_state}")
+    typer.echo(f"  present in reachable tiers: {plan.present_in_reachable_tiers}")
+    typer.echo(f"  keys to destroy: {len(plan.keys_to_destroy)}")
+    typer.echo(f"  ledger payloads to erase: {plan.payloads_to_erase}")
+    typer.echo(f"  sidecars to ask: {list(plan.sidecars) or 'none registered'}")
+    typer.echo(f"  vLLM engines to reset: {list(plan.vllm_engines) or 'none configured'}")

@@ -26,8 +26,8 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     ) -> None:
         """List the tenants the ledger knows, with their retention."""
-        from kvgov.ledger.db import make_engine, make_sessionmaker
-        from kvgov.ledger.tenants import TenantRepository
+        from kvgov.db.engine import make_engine, make_sessionmaker
+        from kvgov.db.tenants import TenantRepository
 
         engine = make_engine(settings(ctx).database_url)
         try:
@@ -52,10 +52,10 @@ def register(app: typer.Typer) -> None:
         clear: Annotated[bool, typer.Option("--clear", help="Remove the retention.")] = False,
     ) -> None:
         """Set (or --clear) how long a tenant's entries may stay cached."""
+        from kvgov.db.engine import make_engine, make_sessionmaker
+        from kvgov.db.tenants import TenantRepository, check_retention
         from kvgov.errors import KvgovError
-        from kvgov.ledger.db import make_engine, make_sessionmaker
         from kvgov.ledger.events import Event
-        from kvgov.ledger.tenants import TenantRepository, check_retention
         from kvgov.types import EventKind
 
         if (seconds is None) == (not clear):

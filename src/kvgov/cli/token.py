@@ -19,7 +19,7 @@ from kvgov.cli._common import EXIT_OK, append_events, echo, emit_json, fail, set
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from kvgov.types import EventKind
+    from kvgov.types import EventKind, Role
 
 _ROLES = "auditor, admin or engine"
 
@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     ) -> None:
         """Create a token and print it (shown only this once)."""
-        from kvgov.ledger.tokens import TokenRepository, new_token_id
+        from kvgov.db.tokens import TokenRepository, new_token_id
         from kvgov.types import EventKind, Role
 
         try:
@@ -51,7 +51,7 @@ def register(app: typer.Typer) -> None:
         with _session(ctx) as (session, record_event):
             # recorded before it exists: the ledger may name a token whose commit failed, it
             # never misses one that exists
-            record_event(EventKind.TOKEN_CREATED, token_id, role_value.value, tenant or None)
+            record_event(EventKind.TOKEN_CREATED, token_id, role_value, tenant or None)
             record, token = TokenRepository(session).create(
                 role_value, tenant=tenant, name=name, token_id=token_id
             )
@@ -75,7 +75,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     ) -> None:
         """List tokens (never the tokens themselves)."""
-        from kvgov.ledger.tokens import TokenRepository
+        from kvgov.db.tokens import TokenRepository
 
         with _session(ctx) as (session, _):
             records = TokenRepository(session).all(include_revoked=not active)
@@ -98,8 +98,8 @@ def register(app: typer.Typer) -> None:
         token_id: Annotated[str, typer.Argument(help="Token id (from `kvgov token list`).")],
     ) -> None:
         """Revoke a token at once."""
+        from kvgov.db.tokens import TokenRepository
         from kvgov.errors import NotFoundError
-        from kvgov.ledger.tokens import TokenRepository
         from kvgov.types import EventKind
 
         with _session(ctx) as (session, record_event):
@@ -108,7 +108,7 @@ def register(app: typer.Typer) -> None:
             session.rollback()  # end the read before the ledger writes (SQLite: one writer)
             if found is None:
                 raise fail(f"kvgov: {NotFoundError(f'no token with id {token_id!r}').message}")
-            record_event(EventKind.TOKEN_REVOKED, found.id, found.role.value, found.tenant)
+            record_event(EventKind.TOKEN_REVOKED, found.id, found.role, found.tenant)
             record = repo.revoke(token_id)
             session.commit()
         echo(f"revoked {record.id}")
@@ -131,23 +131,18 @@ def _as_dict(record: object) -> dict[str, object]:
 @contextmanager
 def _session(
     ctx: typer.Context,
-) -> Iterator[tuple[Session, Callable[[EventKind, str, str, str | None], None]]]:
+) -> Iterator[tuple[Session, Callable[[EventKind, str, Role, str | None], None]]]:
     """A session on the ledger plus ``record_event``, which appends a token event to this
     node's chain (durably, before the caller commits its change)."""
-    from kvgov.ledger.db import make_engine, make_sessionmaker
+    from kvgov.db.engine import make_engine, make_sessionmaker
 
     s = settings(ctx)
     engine = make_engine(s.database_url)
 
-    def record_event(kind: EventKind, token_id: str, role: str, tenant: str | None) -> None:
-        from kvgov.ledger.events import Event
+    def record_event(kind: EventKind, token_id: str, role: Role, tenant: str | None) -> None:
+        from kvgov.services.tokens import token_event
 
-        event = Event(
-            kind=kind,
-            tenant=tenant,
-            principal=f"cli:{getpass.getuser()}",
-            attrs={"token_id": token_id, "role": role},
-        )
+        event = token_event(kind, token_id, role, tenant, f"cli:{getpass.getuser()}")
         asyncio.run(append_events(s, engine, event))
 
     try:

@@ -1,6 +1,6 @@
 """Where wrapped data keys live: the :class:`WrappedKeyStore` protocol and an in-memory store.
 
-The production store is ``kvgov.ledger.keystore.SqlKeyStore`` (rows in the ledger database);
+The production store is ``kvgov.db.keystore.SqlKeyStore`` (rows in the ledger database);
 it satisfies this protocol structurally, so ``kvgov.keys`` never imports the ledger.
 """
 

@@ -20,6 +20,19 @@ from typing import Any
 
 from sqlalchemy import Connection, select, update
 
+from kvgov.db.models import (
+    DECISION_ID,
+    DIGEST,
+    PSEUDONYM,
+    REQUEST_ID,
+    REVISION,
+    TENANT,
+    Chain,
+    EventPayload,
+    JournalMark,
+    LedgerEvent,
+    table,
+)
 from kvgov.errors import LedgerError
 from kvgov.ledger.chain import (
     ENCODING_VERSION,
@@ -33,19 +46,6 @@ from kvgov.ledger.chain import (
 )
 from kvgov.ledger.events import EVENT_TEXT_FIELDS, Appended, Event
 from kvgov.ledger.indexes import apply_indexes, pg_index_statements, plan_indexes
-from kvgov.ledger.models import (
-    DECISION_ID,
-    DIGEST,
-    PSEUDONYM,
-    REQUEST_ID,
-    REVISION,
-    TENANT,
-    Chain,
-    EventPayload,
-    JournalMark,
-    LedgerEvent,
-    table,
-)
 from kvgov.ledger.pgfast import (
     COPY_SPECIAL,
     EVENT_COLUMNS,

@@ -11,6 +11,8 @@ from typing import Protocol
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import Engine, exc, select
 
+from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE, utcnow
+from kvgov.db.models import Chain, Checkpoint, table
 from kvgov.errors import LedgerError
 from kvgov.ledger.batch import read_head
 from kvgov.ledger.chain import (
@@ -20,8 +22,6 @@ from kvgov.ledger.chain import (
     sign_checkpoint,
     signed_note,
 )
-from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE, utcnow
-from kvgov.ledger.models import Chain, Checkpoint, table
 from kvgov.logging import get_logger
 
 log = get_logger(__name__)

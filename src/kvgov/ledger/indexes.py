@@ -23,8 +23,8 @@ from typing import Any, Protocol
 from sqlalchemy import ColumnElement, Connection, Table, bindparam, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
+from kvgov.db.models import CacheEntry, PolicyDecision, Request, UserRef, table
 from kvgov.ledger.events import EntryChange, Event
-from kvgov.ledger.models import CacheEntry, PolicyDecision, Request, UserRef, table
 from kvgov.ledger.pgfast import execute_pipelined
 from kvgov.types import EntryState, EventKind
 

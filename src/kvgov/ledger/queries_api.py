@@ -4,14 +4,13 @@ Each function takes a :class:`~sqlalchemy.orm.Session` and returns ORM rows or s
 records; none of them writes or commits. Lists use keyset pagination: the caller passes the
 sort key of the last row it has (``after``) and asks for ``limit + 1`` rows to learn whether a
 next page exists. Filters are explicit keyword arguments; a ``None`` filter is not applied.
-Purge jobs and data keys have their queries in :mod:`kvgov.ledger.queries_admin`.
+Purge jobs and data keys have their queries in :mod:`kvgov.db.queries_admin`.
 """
 
 from __future__ import annotations
 
 import json
-from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, get_args
@@ -21,7 +20,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
 from kvgov.config import TierName
-from kvgov.ledger.models import (
+from kvgov.db.models import (
     CacheEntry,
     Checkpoint,
     LedgerEvent,
@@ -186,29 +185,6 @@ def footprint_summary(session: Session, tenant: str, user: str) -> Footprint:
         live_until=row[0],
         requests_served=int(served or 0),
     )
-
-
-def reused_by(
-    session: Session, key_digests: Sequence[str], *, per_entry: int = 100
-) -> dict[str, list[str]]:
-    """For each digest, the distinct request ids it was served to (first served first)."""
-    if not key_digests:
-        return {}
-    query = (
-        select(LedgerEvent.key_digest, LedgerEvent.request_id, func.min(LedgerEvent.occurred_at))
-        .where(
-            LedgerEvent.kind == EventKind.KV_GET.value,
-            LedgerEvent.key_digest.in_(list(key_digests)),
-            LedgerEvent.request_id.is_not(None),
-        )
-        .group_by(LedgerEvent.key_digest, LedgerEvent.request_id)
-        .order_by(func.min(LedgerEvent.occurred_at))
-    )
-    out: dict[str, list[str]] = defaultdict(list)
-    for digest, request_id, _first in session.execute(query):
-        if digest is not None and request_id is not None and len(out[digest]) < per_entry:
-            out[digest].append(request_id)
-    return dict(out)
 
 
 # -- policy decisions -------------------------------------------------------------------------

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from sqlalchemy import ColumnElement, and_, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from kvgov.ledger.db import utcnow
-from kvgov.ledger.models import (
+from kvgov.db.engine import utcnow
+from kvgov.db.models import (
     CacheEntry,
     Checkpoint,
     EventPayload,

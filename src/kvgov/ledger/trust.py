@@ -32,9 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sqlalchemy import Engine, select
 
 from kvgov.config import Settings, parse_public_key
-from kvgov.errors import ConfigError, KvgovError
-from kvgov.ledger.chain import load_public_key, public_key_bytes
-from kvgov.ledger.models import (
+from kvgov.db.models import (
     CacheEntry,
     Checkpoint,
     DataKey,
@@ -48,6 +46,8 @@ from kvgov.ledger.models import (
     UserRef,
     table,
 )
+from kvgov.errors import ConfigError, KvgovError
+from kvgov.ledger.chain import load_public_key, public_key_bytes
 from kvgov.ledger.verify import ChainReport, Finding, Problem, VerifyReport, verify
 
 #: tables whose ``chain_id`` names a chain the ledger must hold, and what to call them

@@ -22,6 +22,7 @@ from typing import Any
 
 from sqlalchemy import Engine, Row, select
 
+from kvgov.db.models import Chain, Checkpoint, EventPayload, LedgerEvent, table
 from kvgov.ledger.chain import (
     ENCODING_VERSION,
     GENESIS_HASH,
@@ -31,7 +32,6 @@ from kvgov.ledger.chain import (
     link,
     payload_digest,
 )
-from kvgov.ledger.models import Chain, Checkpoint, EventPayload, LedgerEvent, table
 
 _STREAM_ROWS = 5000
 

@@ -2,7 +2,7 @@
 ``Settings`` (ledger engine, writer, keyring, policy, tiers, pipeline, the kvgov wire server,
 the ``lm://`` listener and the control plane). Nothing happens at import. A development sidecar
 migrates its ledger schema itself; a production one never does: it refuses to start unless the
-schema is current and its database role is a runtime role (``kvgov.ledger.roles``).
+schema is current and its database role is a runtime role (``kvgov.db.roles``).
 
 Lifecycle: ``sidecar = await build_sidecar(settings)``; ``await sidecar.start()``;
 ``await sidecar.stop()`` (stop accepting, drain in-flight puts, flush the ledger, close).
@@ -26,10 +26,10 @@ from kvgov import __version__
 from kvgov.config import Settings
 from kvgov.connectors.tiers.chain import TierChain
 from kvgov.connectors.tiers.factory import build_tiers
+from kvgov.db.engine import utcnow
 from kvgov.errors import ConfigError, KvgovError
 from kvgov.keys.keyring import Keyring
 from kvgov.keys.store import WrappedKeyStore
-from kvgov.ledger.db import utcnow
 from kvgov.ledger.events import Event, EventSink
 from kvgov.ledger.pseudonym import Pseudonymizer, generate_pseudonym_key_file
 from kvgov.policy.interfaces import PolicyEngine
@@ -50,8 +50,8 @@ if TYPE_CHECKING:
     from kvgov.ledger.writer import LedgerWriter
     from kvgov.proxy.api.app import ControlPlane
     from kvgov.proxy.dataplane.lm import LmServer
-    from kvgov.proxy.keys_service import KeyEventRecorder
-    from kvgov.proxy.purge.executor import PurgeExecutor
+    from kvgov.services.keys import KeyEventRecorder
+    from kvgov.services.purge.executor import PurgeExecutor
 
 log = logging.getLogger("kvgov.sidecar")
 
@@ -194,11 +194,11 @@ class Sidecar:
         if self.writer is None or self.engine is None:
             await self.pipeline.sweep()
             return
-        from kvgov.ledger.db import make_sessionmaker
-        from kvgov.proxy.purge.ports import TierSet
-        from kvgov.proxy.purge.retention import apply_retention
-        from kvgov.proxy.purge.scope import ScopedEntry
+        from kvgov.db.engine import make_sessionmaker
         from kvgov.proxy.purge.sidecar import SidecarEngines
+        from kvgov.services.purge.ports import TierSet
+        from kvgov.services.purge.retention import apply_retention
+        from kvgov.services.purge.scope import ScopedEntry
         from kvgov.types import EntryState
 
         here = [
@@ -356,8 +356,8 @@ def touch_sidecar(engine: Engine, sidecar_id: str, chain_id: str) -> None:
     """One heartbeat (blocking: run it in a thread); this function owns the transaction."""
     from sqlalchemy.orm import Session
 
-    from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE, utcnow
-    from kvgov.proxy.purge import jobs
+    from kvgov.db import purge_jobs as jobs
+    from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE, utcnow
 
     with Session(engine) as session, session.begin():
         # read-then-write: on SQLite take the write lock up front, or a writer committing in
@@ -397,12 +397,12 @@ async def build_sidecar(
     engine = writer = key_events = None
     keyring: Keyring | PlaintextSealer = PlaintextSealer()
     if recorded or sealed:
-        from kvgov.ledger.db import make_engine, migrate
+        from kvgov.db.engine import make_engine, migrate
 
         if settings.environment is Environment.DEVELOPMENT:
             migrate(settings)  # a development sidecar keeps its own schema current
         else:  # migrations are a step of their own (kvgov db upgrade, as the owner role)
-            from kvgov.ledger.roles import check_schema
+            from kvgov.db.roles import check_schema
 
             check_schema(settings)
         engine = make_engine(settings.database_url, pool_size=settings.database.pool_size)
@@ -435,9 +435,9 @@ async def build_sidecar(
         sink = writer
     assert sink is not None  # the configured ledger, the given sink or the null one
     if sealed and engine is not None:
+        from kvgov.db.keystore import SqlKeyStore
         from kvgov.keys.kek import FileKekProvider, generate_kek_file
-        from kvgov.ledger.keystore import SqlKeyStore
-        from kvgov.proxy.keys_service import KeyEventRecorder
+        from kvgov.services.keys import KeyEventRecorder
 
         if settings.environment is Environment.DEVELOPMENT and not settings.kek_path.exists():
             generate_kek_file(settings.kek_path)

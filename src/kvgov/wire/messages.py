@@ -18,7 +18,7 @@ K = TypeVar("K")
 
 #: the small per-entry metadata an engine may attach to a put (fmt/dtype/shape...); bounded
 MAX_ITEM_META_BYTES = 1024
-#: the longest request id and tenant the ledger records (its columns, ``kvgov.ledger.models``):
+#: the longest request id and tenant the ledger records (its columns, ``kvgov.db.models``):
 #: a longer one is a bad request at the edge, not an event the database refuses later
 MAX_REQUEST_ID = 128
 MAX_TENANT = 128

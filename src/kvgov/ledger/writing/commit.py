@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 from sqlalchemy import Connection, Engine, exc
 
+from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE
 from kvgov.errors import LedgerError
 from kvgov.ledger.batch import Applied, Head, Prepared, Rows, apply_batch, find_committed
-from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE
 from kvgov.ledger.journal import Journal
 from kvgov.ledger.writing.sequence import Chained, Result
 from kvgov.ledger.writing.stats import WriterStats

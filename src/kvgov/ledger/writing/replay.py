@@ -15,13 +15,13 @@ from concurrent.futures import Executor
 
 from sqlalchemy import Engine, select
 
+from kvgov.db.engine import utcnow
+from kvgov.db.models import Chain, JournalMark, table
 from kvgov.errors import LedgerError
 from kvgov.ledger.batch import Head, read_head
 from kvgov.ledger.chain import key_fingerprint
-from kvgov.ledger.db import utcnow
 from kvgov.ledger.events import Appended, Event
 from kvgov.ledger.journal import Journal, decode_event
-from kvgov.ledger.models import Chain, JournalMark, table
 from kvgov.ledger.writing.acks import log_unwritten
 from kvgov.ledger.writing.schedule import Item
 from kvgov.ledger.writing.stats import WriterStats

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from kvgov.keys.keyring import Keyring
     from kvgov.ledger.events import EventSink
-    from kvgov.proxy.purge.service import PurgeService
+    from kvgov.services.purge.service import PurgeService
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ def create_control_app(plane: ControlPlane) -> FastAPI:
 
     api = plane.ledger is not None
     if plane.ledger is not None:  # the compliance API
-        from kvgov.proxy.api.v1 import include_sidecar_api
+        from kvgov.proxy.api.compliance import include_sidecar_api
 
         include_sidecar_api(app, settings, plane.ledger.engine, plane.ledger.sink)
         app.state.kvgov_keyring = plane.keyring  # /v1/keys rotates this one

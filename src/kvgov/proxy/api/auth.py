@@ -1,7 +1,7 @@
 """Who is calling the control plane, and what they may see.
 
 Bearer tokens (``Authorization: Bearer kvgov_...``) are looked up by their SHA-256 in the
-``api_tokens`` table (see :mod:`kvgov.ledger.tokens`); the raw token is never stored or logged.
+``api_tokens`` table (see :mod:`kvgov.db.tokens`); the raw token is never stored or logged.
 Each token has a role and optionally a tenant:
 
 - ``auditor`` reads the compliance API; ``admin`` also purges and manages tokens and keys;
@@ -37,10 +37,10 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
+from kvgov.db.engine import make_sessionmaker, utcnow
+from kvgov.db.tokens import TokenRecord, TokenRepository
 from kvgov.errors import AuthError, ForbiddenError, KvgovError
-from kvgov.ledger.db import make_sessionmaker, utcnow
 from kvgov.ledger.events import Event, EventSink
-from kvgov.ledger.tokens import TokenRecord, TokenRepository
 from kvgov.ledger.verify import VerifyReport
 from kvgov.logging import get_logger
 from kvgov.types import EventKind, Role
@@ -335,7 +335,7 @@ def issue_session(
     secret: bytes, token_id: str, *, session_id: str = "", now: float | None = None
 ) -> str:
     """A signed cookie value naming the token, the server-side session
-    (:mod:`kvgov.ledger.sessions`) and an expiry (the raw token is not in it)."""
+    (:mod:`kvgov.db.sessions`) and an expiry (the raw token is not in it)."""
     issued = time.time() if now is None else now
     claims = {"t": token_id, "s": session_id, "exp": int(issued) + SESSION_TTL_S}
     body = _b64(json.dumps(claims).encode())
@@ -352,7 +352,7 @@ def read_session(secret: bytes, value: str, *, now: float | None = None) -> str 
 
 def open_session(ctx: ApiContext, token_id: str) -> str:
     """Start a server-side dashboard session of ``token_id``; returns its id."""
-    from kvgov.ledger.sessions import SessionRepository
+    from kvgov.db.sessions import SessionRepository
 
     with ctx.session() as session:
         session_id = SessionRepository(session).open(token_id, ttl_s=SESSION_TTL_S, now=utcnow())
@@ -362,7 +362,7 @@ def open_session(ctx: ApiContext, token_id: str) -> str:
 
 def session_token(ctx: ApiContext, session_id: str) -> str | None:
     """The token id of an open, unexpired server-side session, else None."""
-    from kvgov.ledger.sessions import SessionRepository
+    from kvgov.db.sessions import SessionRepository
 
     with ctx.session() as session:
         return SessionRepository(session).token_of(session_id, now=utcnow())
@@ -370,7 +370,7 @@ def session_token(ctx: ApiContext, session_id: str) -> str | None:
 
 def close_session(ctx: ApiContext, session_id: str) -> None:
     """Sign-out: the session ends on the server (a kept copy of the cookie opens nothing)."""
-    from kvgov.ledger.sessions import SessionRepository
+    from kvgov.db.sessions import SessionRepository
 
     with ctx.session() as session:
         SessionRepository(session).close(session_id)

@@ -11,7 +11,7 @@ to ``/dashboard/login`` and exchanged for a session cookie. Deliberately there i
 ``?token=`` URL exchange: tokens in URLs end up in access logs, browser history and Referer
 headers. The cookie is HttpOnly, ``SameSite=Strict``, scoped to ``/dashboard``, ``Secure`` over
 HTTPS, expires after 8 hours, and holds only an HMAC-signed token id and session id (never the
-token). The session lives on the server (``dashboard_sessions``, :mod:`kvgov.ledger.sessions`,
+token). The session lives on the server (``dashboard_sessions``, :mod:`kvgov.db.sessions`,
 only a hash of its id): sign-out deletes it, so a copy of the cookie opens nothing afterwards;
 it also ends at its expiry and with the token's revocation. The ``/v1`` API ignores the
 cookie, so it gives no cross-site request power. Pages are sent with a strict
@@ -32,8 +32,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
+from kvgov.db import queries_admin as qa
 from kvgov.errors import AuthError, KvgovError
-from kvgov.ledger import queries_admin as qa
 from kvgov.ledger import queries_api as q
 from kvgov.proxy.api.auth import (
     SESSION_COOKIE,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgov.ledger.models import TENANT
+from kvgov.db.models import TENANT
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.policy.interfaces import Decision, EntryFacts, PolicyInput
 from kvgov.proxy.dataplane.index import EntryMeta

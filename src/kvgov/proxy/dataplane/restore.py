@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE
-from kvgov.ledger.models import CacheEntry
-from kvgov.ledger.models import Sidecar as SidecarRow
+from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE
+from kvgov.db.models import CacheEntry
+from kvgov.db.models import Sidecar as SidecarRow
 from kvgov.proxy.dataplane.index import EntryIndex, EntryMeta
 from kvgov.types import EntryState
 

@@ -23,9 +23,9 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvgov.proxy.purge.build import make_service, writer_checkpointer
-from kvgov.proxy.purge.executor import PurgeExecutor
-from kvgov.proxy.purge.ports import EngineEviction, KeyringShredder
+from kvgov.services.purge.build import make_service, writer_checkpointer
+from kvgov.services.purge.executor import PurgeExecutor
+from kvgov.services.purge.ports import EngineEviction, KeyringShredder
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -98,8 +98,8 @@ class PurgeWiring:
 
 async def attach_purge(w: PurgeWiring) -> PurgeExecutor:
     """Build and start the sidecar's purge executor."""
+    from kvgov.db.engine import make_sessionmaker
     from kvgov.ledger.chain import load_signing_key
-    from kvgov.ledger.db import make_sessionmaker
 
     engines = SidecarEngines(w.index, w.server)
     service = make_service(

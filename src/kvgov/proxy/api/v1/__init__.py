@@ -1,22 +1,14 @@
-"""The ``/v1`` compliance API and the dashboard, mounted on the control-plane app.
+"""The ``/v1`` compliance API routes and their OpenAPI description.
 
-The application factory calls :func:`include_v1` once with an :class:`ApiContext`; nothing is
-built at import time. It mounts every read route, purges and keys included; ``POST
-/v1/purges`` needs the purge service and is mounted by
+:func:`kvgov.proxy.api.compliance.include_v1` mounts them (with the dashboard, which reads
+through these routes' helpers; keeping the mounting there keeps ``v1`` and ``dashboard`` out of
+an import circle). ``POST /v1/purges`` needs the purge service and is mounted by
 :func:`kvgov.proxy.api.v1.purges.include_purges`.
 """
 
 from __future__ import annotations
 
-import secrets
-
-from fastapi import APIRouter, FastAPI
-from sqlalchemy import Engine
-
-from kvgov.config import Settings
-from kvgov.ledger.events import EventSink
-from kvgov.proxy.api.auth import ApiContext
-from kvgov.proxy.api.problems import install_problem_handlers
+from fastapi import APIRouter
 
 API_DESCRIPTION = """\
 Read the kvgov ledger: cache entries, request provenance, user footprints, policy decisions,
@@ -54,37 +46,3 @@ def v1_router() -> APIRouter:
     router.include_router(tokens.router)
     router.include_router(tenants.router)
     return router
-
-
-def include_v1(app: FastAPI, ctx: ApiContext) -> None:
-    """Mount ``/v1`` and ``/dashboard`` on ``app`` and answer its errors as problem+json."""
-    from kvgov.proxy.api import dashboard
-
-    app.state.kvgov_api = ctx
-    install_problem_handlers(app)
-    app.include_router(v1_router())
-    dashboard.mount(app)
-    app.description = (app.description or "") + API_DESCRIPTION
-    app.openapi_tags = [*(app.openapi_tags or []), *OPENAPI_TAGS]
-    app.openapi_schema = None
-
-
-def include_sidecar_api(app: FastAPI, settings: Settings, engine: Engine, sink: EventSink) -> None:
-    """What the control-plane factory calls: the compliance API over the sidecar's ledger
-    engine and writer, pseudonymising with the ledger's key (``kvgov init`` creates it)."""
-    from kvgov.ledger.pseudonym import Pseudonymizer
-    from kvgov.ledger.trust import trusted_keys
-
-    trusted_keys(settings)  # a malformed or unreadable trusted key stops start-up
-    own_chain = getattr(sink, "chain_id", None)
-    ctx = ApiContext(
-        settings=settings,
-        engine=engine,
-        sink=sink,
-        pseudonymizer=Pseudonymizer.from_file(settings.pseudonym_key_path),
-        # dashboard sessions end when the process restarts (sign in again)
-        session_secret=secrets.token_bytes(32),
-        # read again at each verification (a rotated ConfigMap is picked up)
-        expected_chains=(own_chain,) if isinstance(own_chain, str) else (),
-    )
-    include_v1(app, ctx)

@@ -10,8 +10,8 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
+from kvgov.db.engine import utcnow
 from kvgov.ledger import queries_api as q
-from kvgov.ledger.db import utcnow
 from kvgov.ledger.verify import VerifyReport
 from kvgov.proxy.api.auth import Context, DbSession, Reader
 from kvgov.proxy.api.pagination import (

@@ -7,9 +7,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
+from kvgov.db.models import CacheEntry
 from kvgov.errors import InvalidInputError, NotFoundError
 from kvgov.ledger import queries_api as q
-from kvgov.ledger.models import CacheEntry
 from kvgov.proxy.api.auth import Context, DbSession, Reader
 from kvgov.proxy.api.pagination import (
     DEFAULT_LIMIT,
@@ -38,6 +38,7 @@ from kvgov.proxy.api.v1.schemas import (
     Provenance,
     ProvenanceItem,
 )
+from kvgov.services.provenance import served_to
 from kvgov.types import EntryState, Sensitivity
 
 router = APIRouter(tags=["cache data"])
@@ -228,7 +229,7 @@ def user_footprint(
         session, tenant=tenant, user=pseudonym, after=time_key(cursor), limit=limit + 1
     )
     page = rows[:limit]
-    reuse = q.reused_by(session, [r.key_digest for r in page])
+    reuse = served_to(session, [r.key_digest for r in page])
     items = [
         FootprintEntry(**entry_out(r).model_dump(), reused_by=reuse.get(r.key_digest, []))
         for r in page

@@ -3,7 +3,7 @@
 ``GET /v1/keys`` lists key versions (ids, versions, state, usage, creation and destruction
 times; never key material, not even wrapped) to auditors and admins; ``POST /v1/keys/rotate``
 lets an admin start a new version for a tenant's key or a user's key, recorded in the ledger
-exactly as the CLI records it (:mod:`kvgov.proxy.keys_service`). User ids are pseudonymised on
+exactly as the CLI records it (:mod:`kvgov.services.keys`). User ids are pseudonymised on
 arrival. There is no shred route: a shred without deleting the ciphertext and the engines'
 copies is half an erasure, so over REST keys are shredded only by a purge (``POST
 /v1/purges``), which does all of it and signs a receipt.
@@ -18,11 +18,10 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvgov.db import queries_admin as qa
+from kvgov.db.models import DataKey
 from kvgov.errors import InvalidInputError, KeyManagementError, StartupError
 from kvgov.keys.ids import KeyInfo
-from kvgov.ledger import queries_admin as qa
-from kvgov.ledger.models import DataKey
-from kvgov.proxy import keys_service
 from kvgov.proxy.api.auth import Admin, ApiContext, Context, DbSession, Reader
 from kvgov.proxy.api.pagination import (
     DEFAULT_LIMIT,
@@ -34,6 +33,7 @@ from kvgov.proxy.api.pagination import (
 )
 from kvgov.proxy.api.problems import UnavailableError, problem_responses
 from kvgov.proxy.api.v1.params import SAFE_TEXT, TenantQuery, UserQuery
+from kvgov.services import keys as keys_service
 from kvgov.types import KeyState
 
 router = APIRouter(tags=["keys"])
@@ -112,8 +112,8 @@ def _keyring(request: Request, ctx: ApiContext) -> _ApiKeyring:
     """The sidecar's keyring when the app has one, else one built from the settings once."""
     ring = getattr(request.app.state, "kvgov_keyring", None) or ctx.keyring
     if ring is None:
+        from kvgov.db.keystore import SqlKeyStore
         from kvgov.keys.keyring import Keyring
-        from kvgov.ledger.keystore import SqlKeyStore
 
         try:
             ring = Keyring.from_settings(ctx.settings, SqlKeyStore(ctx.engine))

@@ -17,8 +17,9 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvgov.db import purge_jobs as jobs
+from kvgov.db import queries_admin as qa
 from kvgov.errors import NotFoundError
-from kvgov.ledger import queries_admin as qa
 from kvgov.proxy.api.auth import Context, DbSession, Reader
 from kvgov.proxy.api.pagination import (
     DEFAULT_LIMIT,
@@ -31,8 +32,7 @@ from kvgov.proxy.api.pagination import (
 from kvgov.proxy.api.problems import problem_responses
 from kvgov.proxy.api.v1.params import SinceQuery, TenantQuery, UntilQuery, utc
 from kvgov.proxy.api.v1.purges import PurgeJobOut, job_out
-from kvgov.proxy.purge import jobs
-from kvgov.proxy.purge.receipts import verify_receipt
+from kvgov.services.purge.receipts import verify_receipt
 from kvgov.types import PurgeKind, PurgeState
 
 router = APIRouter(tags=["purges"])

@@ -18,11 +18,12 @@ from fastapi import APIRouter, FastAPI, Request, status
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvgov.db.purge_views import JobView, PurgeRequest
 from kvgov.proxy.api.auth import Admin
 from kvgov.proxy.api.problems import problem_responses
 from kvgov.proxy.api.v1.params import SAFE_TEXT
-from kvgov.proxy.purge.model import JobView, PurgeRequest
-from kvgov.proxy.purge.service import PurgeService
+from kvgov.services.purge.documents import PurgePlan
+from kvgov.services.purge.service import PurgeService
 
 router = APIRouter(tags=["purges"])
 
@@ -117,7 +118,7 @@ def _service(request: Request) -> PurgeService:
     status_code=status.HTTP_202_ACCEPTED,
     response_model=PurgeJobOut,
     responses={
-        200: {"description": "Dry run: what would be deleted"},
+        200: {"description": "Dry run: what would be deleted", "model": PurgePlan},
         **problem_responses(401, 403, 422),
     },
 )
@@ -128,7 +129,8 @@ async def create_purge(body: PurgeCreate, principal: Admin, request: Request) ->
         tenant=body.tenant, user=body.user, dry_run=body.dry_run, requested_by=principal.id
     )
     if body.dry_run:
-        return JSONResponse(await service.plan(req), status_code=status.HTTP_200_OK)
+        plan = await service.plan(req)
+        return JSONResponse(plan.model_dump(mode="json"), status_code=status.HTTP_200_OK)
     job = await service.create(req)
     wake: Callable[[], None] | None = getattr(request.app.state, "kvgov_purge_wake", None)
     if wake is not None:
@@ -139,7 +141,7 @@ async def create_purge(body: PurgeCreate, principal: Admin, request: Request) ->
 def include_purges(
     app: FastAPI, service: PurgeService, *, wake: Callable[[], None] | None = None
 ) -> None:
-    """Mount the purge routes (after :func:`kvgov.proxy.api.v1.include_v1`)."""
+    """Mount the purge routes (after :func:`kvgov.proxy.api.compliance.include_v1`)."""
     app.state.kvgov_purge = service
     app.state.kvgov_purge_wake = wake
     app.include_router(router, prefix="/v1")

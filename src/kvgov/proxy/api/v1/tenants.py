@@ -15,9 +15,9 @@ from fastapi import APIRouter, Path
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvgov.db.tenants import MAX_RETENTION_S, TENANT_ID, TenantRecord, TenantRepository
 from kvgov.errors import NotFoundError
 from kvgov.ledger.events import Event
-from kvgov.ledger.tenants import MAX_RETENTION_S, TENANT_ID, TenantRecord, TenantRepository
 from kvgov.proxy.api.auth import Admin, Context, Reader
 from kvgov.proxy.api.problems import problem_responses
 from kvgov.types import EventKind

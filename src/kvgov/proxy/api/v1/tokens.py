@@ -12,13 +12,13 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Response, status
 from fastapi.concurrency import run_in_threadpool
 
+from kvgov.db.tokens import TokenRecord, TokenRepository, new_token_id
 from kvgov.errors import NotFoundError
-from kvgov.ledger.events import Event
-from kvgov.ledger.tokens import TokenRecord, TokenRepository, new_token_id
-from kvgov.proxy.api.auth import Context, GlobalAdmin, Principal
+from kvgov.proxy.api.auth import Context, GlobalAdmin
 from kvgov.proxy.api.problems import problem_responses
 from kvgov.proxy.api.v1.schemas import TokenCreate, TokenCreated, TokenOut
-from kvgov.types import EventKind, Role
+from kvgov.services.tokens import token_event
+from kvgov.types import EventKind
 
 router = APIRouter(tags=["tokens"])
 
@@ -42,17 +42,6 @@ def token_out(record: TokenRecord) -> TokenOut:
         created_at=record.created_at,
         revoked_at=record.revoked_at,
         last_used_at=record.last_used_at,
-    )
-
-
-def _token_event(
-    kind: EventKind, token_id: str, role: Role, tenant: str | None, principal: Principal
-) -> Event:
-    return Event(
-        kind=kind,
-        tenant=tenant,
-        principal=principal.id,
-        attrs={"token_id": token_id, "role": role.value},
     )
 
 
@@ -82,7 +71,7 @@ async def list_tokens(principal: GlobalAdmin, ctx: Context) -> list[TokenOut]:
 async def create_token(body: TokenCreate, principal: GlobalAdmin, ctx: Context) -> TokenCreated:
     token_id = new_token_id()
     await ctx.sink.append(
-        _token_event(EventKind.TOKEN_CREATED, token_id, body.role, body.tenant, principal)
+        token_event(EventKind.TOKEN_CREATED, token_id, body.role, body.tenant, principal.id)
     )
 
     def run() -> tuple[TokenRecord, str]:
@@ -119,7 +108,7 @@ async def revoke_token(token_id: TokenIdPath, principal: GlobalAdmin, ctx: Conte
     if found is None:
         raise NotFoundError(f"no token with id {token_id!r}")
     await ctx.sink.append(
-        _token_event(EventKind.TOKEN_REVOKED, found.id, found.role, found.tenant, principal)
+        token_event(EventKind.TOKEN_REVOKED, found.id, found.role, found.tenant, principal.id)
     )
     await run_in_threadpool(run)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -4,7 +4,7 @@
 has passed (``expires_at``) and every live entry older than its tenant's
 ``tenants.retention_s`` (set with ``kvgov tenant retention`` or ``PUT
 /v1/tenants/{tenant}/retention``), deletes them from the given tiers with
-:func:`~kvgov.proxy.purge.deletion.delete_entries` (verified absent) and records ``kv:expired``
+:func:`~kvgov.services.purge.deletion.delete_entries` (verified absent) and records ``kv:expired``
 events (``reason`` ``ttl`` or ``retention``) that mark them ``expired``. It is idempotent and
 bounded per call (``limit``).
 
@@ -25,11 +25,11 @@ from datetime import datetime, timedelta
 from sqlalchemy import and_, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from kvgov.db.models import CacheEntry, Tenant
 from kvgov.ledger.events import EventSink
-from kvgov.ledger.models import CacheEntry, Tenant
-from kvgov.proxy.purge.deletion import delete_entries
-from kvgov.proxy.purge.ports import LocalIndex, TierSet
-from kvgov.proxy.purge.scope import ScopedEntry
+from kvgov.services.purge.deletion import delete_entries
+from kvgov.services.purge.ports import LocalIndex, TierSet
+from kvgov.services.purge.scope import ScopedEntry
 from kvgov.types import EntryState, EventKind
 
 

@@ -5,7 +5,7 @@ psycopg 3). ``upgrade`` runs the Alembic migrations under ``migrations/`` progra
 checkout's, or the copy a wheel installs under ``<prefix>/share/kvgov``) under a migration lock,
 so that many processes may run it at once; ``migrate`` is ``kvgov db upgrade`` (the owner
 role's URL, then the runtime role's grants), which a development sidecar and ``kvgov init`` also
-run. A production sidecar never migrates (``kvgov.ledger.roles.check_schema``).
+run. A production sidecar never migrates (``kvgov.db.roles.check_schema``).
 
 Column types shared by the models live here too: :class:`UTCDateTime` stores UTC and always
 returns timezone-aware datetimes (SQLite has no time zones), :class:`StrEnumType` stores a
@@ -260,7 +260,7 @@ def upgrade(
     is held (:func:`migration_connection`), so one process applies each revision and the others
     wait, then find nothing to do. Migrations run in one transaction; then, in it and still
     under the lock, ``runtime_role`` (if any, Postgres) gets the runtime privileges
-    (:func:`kvgov.ledger.grants.apply_grants`)."""
+    (:func:`kvgov.db.grants.apply_grants`)."""
     from alembic import command
 
     try:
@@ -271,7 +271,7 @@ def upgrade(
             command.upgrade(cfg, revision)
             after = revision_of(conn)
             if runtime_role and conn.dialect.name == "postgresql":
-                from kvgov.ledger.grants import apply_grants
+                from kvgov.db.grants import apply_grants
 
                 apply_grants(conn, runtime_role)
     except KvgovError:

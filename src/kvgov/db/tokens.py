@@ -20,9 +20,9 @@ from datetime import datetime
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from kvgov.db.engine import utcnow
+from kvgov.db.models import ApiToken
 from kvgov.errors import NotFoundError
-from kvgov.ledger.db import utcnow
-from kvgov.ledger.models import ApiToken
 from kvgov.types import Role
 
 TOKEN_PREFIX = "kvgov_"  # noqa: S105 - a prefix, not a secret

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from kvgov.errors import LedgerBackpressureError, TierError
 from kvgov.ledger.events import Appended, EntryChange, Event, EventSink, JSONValue
-from kvgov.proxy.purge.ports import TierSet, TierSweep
-from kvgov.proxy.purge.scope import ScopedEntry
+from kvgov.services.purge.ports import TierSet, TierSweep
+from kvgov.services.purge.scope import ScopedEntry
 from kvgov.types import EntryState, EventKind, Outcome
 
 

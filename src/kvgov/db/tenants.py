@@ -2,7 +2,7 @@
 
 A tenant's ``retention_s`` bounds how long any of its entries stays cached, whatever TTL the
 policy gave at put: the sidecars' sweepers delete older entries from every tier through the
-purge's deletion path (:mod:`kvgov.proxy.purge.retention`). Operators set it with ``kvgov
+purge's deletion path (:mod:`kvgov.services.purge.retention`). Operators set it with ``kvgov
 tenant retention`` or ``PUT /v1/tenants/{tenant}/retention``; each change is a ledger event
 (``tenant:retention:set``) recorded before the row is written.
 
@@ -19,9 +19,9 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from kvgov.db.engine import utcnow
+from kvgov.db.models import TENANT, Tenant
 from kvgov.errors import InvalidInputError
-from kvgov.ledger.db import utcnow
-from kvgov.ledger.models import TENANT, Tenant
 
 #: a tenant id as the cache keys' ``tenant%`` tag may carry it
 TENANT_ID = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{TENANT - 1}}}$")

@@ -22,7 +22,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-RECEIPT_FORMAT = "kvgov-purge-receipt/1"
+from kvgov.services.purge.documents import RECEIPT_FORMAT, Receipt
+
 ALG = "Ed25519"
 
 
@@ -41,16 +42,17 @@ def key_id(public: bytes) -> str:
     return hashlib.sha256(public).hexdigest()[:32]
 
 
-def sign_receipt(receipt: Mapping[str, Any], key: Ed25519PrivateKey) -> dict[str, Any]:
-    """Wrap ``receipt`` with its Ed25519 signature."""
+def sign_receipt(receipt: Receipt, key: Ed25519PrivateKey) -> dict[str, Any]:
+    """Wrap ``receipt``'s document with its Ed25519 signature over the canonical bytes."""
     public = raw_public_key(key.public_key())
+    document = receipt.document()
     return {
-        "receipt": dict(receipt),
+        "receipt": document,
         "signature": {
             "alg": ALG,
             "key_id": key_id(public),
             "public_key": base64.b64encode(public).decode("ascii"),
-            "value": base64.b64encode(key.sign(canonical(receipt))).decode("ascii"),
+            "value": base64.b64encode(key.sign(canonical(document))).decode("ascii"),
         },
     }
 

@@ -16,10 +16,10 @@ import logging
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from kvgov.db import purge_jobs as jobs
+from kvgov.db.engine import utcnow
 from kvgov.errors import KvgovError
-from kvgov.ledger.db import utcnow
-from kvgov.proxy.purge import jobs
-from kvgov.proxy.purge.service import PurgeService
+from kvgov.services.purge.service import PurgeService
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import func, select, tuple_
 from sqlalchemy.orm import Session
 
-from kvgov.ledger.models import DataKey, PurgeJob, PurgeReceipt, PurgeStep
+from kvgov.db.models import DataKey, PurgeJob, PurgeReceipt, PurgeStep
 from kvgov.types import KeyState, PurgeKind, PurgeState
 
 # -- purges -----------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 The CLI, the REST API and each sidecar's background executor all use this one class. Creating a
 job writes the job, its steps and a ``purge:requested`` event; executing claims one step at a
-time (see :mod:`kvgov.proxy.purge.jobs`) and, when the final ``ledger`` step has run, builds the
+time (see :mod:`kvgov.db.purge_jobs`) and, when the final ``ledger`` step has run, builds the
 receipt from every step's recorded detail, signs it with the ledger's Ed25519 key and stores it
 with the job's final state in the same transaction.
 """
@@ -21,11 +21,9 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
-from kvgov.errors import KvgovError, PurgeError
-from kvgov.ledger.db import utcnow
-from kvgov.ledger.events import Event
-from kvgov.proxy.purge import jobs, scope
-from kvgov.proxy.purge.model import (
+from kvgov.db import purge_jobs as jobs
+from kvgov.db.engine import utcnow
+from kvgov.db.purge_views import (
     JobView,
     PurgeRequest,
     StepName,
@@ -33,9 +31,13 @@ from kvgov.proxy.purge.model import (
     final_state,
     plan_steps,
 )
-from kvgov.proxy.purge.ports import Checkpointer
-from kvgov.proxy.purge.receipts import RECEIPT_FORMAT, sign_receipt
-from kvgov.proxy.purge.steps import StepContext, run_step
+from kvgov.errors import KvgovError, PurgeError
+from kvgov.ledger.events import Event
+from kvgov.services.purge import scope
+from kvgov.services.purge.documents import KeyDestroyed, LedgerOutcome, PurgePlan, Receipt
+from kvgov.services.purge.ports import Checkpointer
+from kvgov.services.purge.receipts import sign_receipt
+from kvgov.services.purge.steps import StepContext, run_step
 from kvgov.types import EventKind, Outcome, PurgeState
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,7 @@ class PurgeService:
 
     # -- plan / create ---------------------------------------------------------------------
 
-    async def plan(self, req: PurgeRequest) -> dict[str, Any]:
+    async def plan(self, req: PurgeRequest) -> PurgePlan:
         """What a purge would delete, changing nothing (``--dry-run``)."""
         subject = self.subject_of(req)
 
@@ -87,20 +89,19 @@ class PurgeService:
         by_state: dict[str, int] = {}
         for e in entries:
             by_state[str(e.state)] = by_state.get(str(e.state), 0) + 1
-        return {
-            "dry_run": True,
-            "kind": str(req.kind),
-            "tenant": req.tenant,
-            "subject": subject,
-            "entries_in_scope": len(entries),
-            "entries_by_state": by_state,
-            "bytes_in_scope": sum(e.size or 0 for e in entries),
-            "present_in_reachable_tiers": present,
-            "keys_to_destroy": [{"key_id": k, "version": v} for k, v in keys],
-            "payloads_to_erase": found["payloads"],
-            "sidecars": found["sidecars"],
-            "vllm_engines": list(self.settings.purge.vllm_engines),
-        }
+        return PurgePlan(
+            kind=str(req.kind),
+            tenant=req.tenant,
+            subject=subject,
+            entries_in_scope=len(entries),
+            entries_by_state=by_state,
+            bytes_in_scope=sum(e.size or 0 for e in entries),
+            present_in_reachable_tiers=present,
+            keys_to_destroy=tuple(KeyDestroyed(key_id=k, version=v) for k, v in keys),
+            payloads_to_erase=found["payloads"],
+            sidecars=tuple(found["sidecars"]),
+            vllm_engines=tuple(self.settings.purge.vllm_engines),
+        )
 
     async def create(self, req: PurgeRequest) -> JobView:
         if req.dry_run:
@@ -229,8 +230,8 @@ class PurgeService:
             signed = sign_receipt(receipt, self._signing_key)
             result = {
                 "state": str(final),
-                "tiers": receipt["tiers"],
-                "incomplete": receipt["incomplete"],
+                "tiers": receipt.tiers,
+                "incomplete": list(receipt.incomplete),
             }
             jobs.finish_job(
                 s,
@@ -246,7 +247,7 @@ class PurgeService:
         log.info("purge.finished", extra={"purge_id": job_id})
 
 
-def build_receipt(job: JobView, state: PurgeState, *, finished_at: str) -> dict[str, Any]:
+def build_receipt(job: JobView, state: PurgeState, *, finished_at: str) -> Receipt:
     """The receipt document (unsigned) from the job's recorded steps."""
     tiers: dict[str, int] = {}
     keys: list[dict[str, Any]] = []
@@ -258,7 +259,7 @@ def build_receipt(job: JobView, state: PurgeState, *, finished_at: str) -> dict[
     entries_in_scope = 0
     newly_purged = 0
     verified = True
-    ledger: dict[str, Any] = {}
+    ledger: LedgerOutcome | None = None
     for step in job.steps:
         d = step.detail
         if step.state is not PurgeState.COMPLETED and step.name is not StepName.LEDGER:
@@ -284,43 +285,46 @@ def build_receipt(job: JobView, state: PurgeState, *, finished_at: str) -> dict[
         elif step.name is StepName.GPU:
             gpu.extend(d.get("results") or [])
         elif step.name is StepName.LEDGER:
-            ledger = {
-                "payloads_erased": d.get("payloads_erased", 0),
-                "users_erased": d.get("users_erased", 0),
-                "erasure_event": d.get("erasure_event"),
-                "payload_event": d.get("payload_event"),
-                "checkpoint": d.get("checkpoint"),
-            }
+            ledger = LedgerOutcome.model_validate(
+                {
+                    "payloads_erased": d.get("payloads_erased", 0),
+                    "users_erased": d.get("users_erased", 0),
+                    "erasure_event": d.get("erasure_event"),
+                    "payload_event": d.get("payload_event"),
+                    "checkpoint": d.get("checkpoint"),
+                }
+            )
             if step.state is not PurgeState.COMPLETED:
                 incomplete.append(f"ledger: {d.get('error') or 'did not complete'}")
     for e in unreachable:
         if e["engine"] and not any(str(e["engine"]) in line for line in incomplete):
             incomplete.append(f"engine {e['engine']} did not acknowledge: {e['error']}")
-    return {
-        "format": RECEIPT_FORMAT,
-        "purge_id": job.id,
-        "state": str(state),
-        "kind": str(job.kind),
-        "tenant": job.tenant,
-        "subject": job.subject,
-        "scope": {
+    return Receipt.model_validate(
+        {
+            "purge_id": job.id,
+            "state": str(state),
+            "kind": str(job.kind),
             "tenant": job.tenant,
             "subject": job.subject,
-            "rule": "every entry of the tenant"
-            if job.subject is None
-            else "entries of the tenant owned by, scoped to, or put by the subject",
-        },
-        "requested_by": job.requested_by,
-        "requested_at": job.created_at.isoformat(),
-        "finished_at": finished_at,
-        "entries_in_scope": entries_in_scope,
-        "entries_purged": newly_purged,
-        "tiers": tiers,
-        "tiers_verified_absent": verified,
-        "keys_destroyed": keys,
-        "engines": {"acknowledged": sorted(set(acked)), "unreachable": unreachable},
-        "gpu_reset": gpu,
-        "sidecars": sorted(set(sidecars_done)),
-        "ledger": ledger,
-        "incomplete": incomplete,
-    }
+            "scope": {
+                "tenant": job.tenant,
+                "subject": job.subject,
+                "rule": "every entry of the tenant"
+                if job.subject is None
+                else "entries of the tenant owned by, scoped to, or put by the subject",
+            },
+            "requested_by": job.requested_by,
+            "requested_at": job.created_at.isoformat(),
+            "finished_at": finished_at,
+            "entries_in_scope": entries_in_scope,
+            "entries_purged": newly_purged,
+            "tiers": tiers,
+            "tiers_verified_absent": verified,
+            "keys_destroyed": keys,
+            "engines": {"acknowledged": sorted(set(acked)), "unreachable": unreachable},
+            "gpu_reset": gpu,
+            "sidecars": sorted(set(sidecars_done)),
+            "ledger": ledger,
+            "incomplete": incomplete,
+        }
+    )

@@ -15,9 +15,8 @@ from typing import Any
 from sqlalchemy import ColumnElement, or_, select, update
 from sqlalchemy.orm import Session
 
-from kvgov.errors import NotFoundError
-from kvgov.ledger.models import PurgeJob, PurgeReceipt, PurgeStep, Sidecar
-from kvgov.proxy.purge.model import (
+from kvgov.db.models import PurgeJob, PurgeReceipt, PurgeStep, Sidecar
+from kvgov.db.purge_views import (
     MAX_ATTEMPTS,
     TERMINAL_STEP_STATES,
     JobView,
@@ -27,6 +26,7 @@ from kvgov.proxy.purge.model import (
     StepView,
     ledger_step_ready,
 )
+from kvgov.errors import NotFoundError
 from kvgov.types import PurgeKind, PurgeState
 
 _OPEN = (PurgeState.PENDING, PurgeState.RUNNING)

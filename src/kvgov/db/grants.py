@@ -1,6 +1,6 @@
 """The runtime role's grants, table by table (Postgres): what ``kvgov db upgrade`` applies under
 the migration lock and ``kvgov db grants`` prints for a DBA. Why each grant: ``docs/database.md``.
-Checks of a running role against them: :mod:`kvgov.ledger.roles`.
+Checks of a running role against them: :mod:`kvgov.db.roles`.
 """
 
 from __future__ import annotations

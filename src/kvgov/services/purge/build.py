@@ -5,7 +5,7 @@ chain of its own, so it never races a sidecar's writer on the same chain), the d
 (shredding needs no KEK), the tiers of ``tiers.chain`` other than the in-process memory tier
 (filesystem and Redis are shared with the sidecar of the same configuration), and the vLLM
 engines of ``purge.vllm_engines``. Engine connections exist only inside a sidecar
-(:mod:`kvgov.proxy.purge.engines`).
+(:mod:`kvgov.services.purge.engines`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from kvgov.config import Settings
 from kvgov.connectors.tiers.base import Tier
+from kvgov.db.models import Checkpoint
 from kvgov.ledger.events import EventSink
-from kvgov.ledger.models import Checkpoint
-from kvgov.proxy.purge.ports import (
+from kvgov.services.purge.ports import (
     Checkpointer,
     CheckpointInfo,
     EngineEvictor,
@@ -34,8 +34,8 @@ from kvgov.proxy.purge.ports import (
     StoreShredder,
     TierSet,
 )
-from kvgov.proxy.purge.service import PurgeService
-from kvgov.proxy.purge.steps import StepContext
+from kvgov.services.purge.service import PurgeService
+from kvgov.services.purge.steps import StepContext
 
 
 def writer_checkpointer(writer: _Checkpointing, engine: Engine, chain_id: str) -> Checkpointer:
@@ -123,9 +123,9 @@ async def shared_tiers(settings: Settings) -> list[Tier]:
 @asynccontextmanager
 async def cli_service(settings: Settings, *, writer: bool = True) -> AsyncIterator[PurgeService]:
     """A service for ``kvgov purge``: its own ledger writer chain, shared tiers, no engines."""
+    from kvgov.db.engine import make_engine, make_sessionmaker
+    from kvgov.db.keystore import SqlKeyStore
     from kvgov.ledger.chain import load_signing_key
-    from kvgov.ledger.db import make_engine, make_sessionmaker
-    from kvgov.ledger.keystore import SqlKeyStore
     from kvgov.ledger.pseudonym import Pseudonymizer
     from kvgov.ledger.writer import LedgerWriter
 

@@ -17,13 +17,13 @@ from typing import Any, TypeVar
 from sqlalchemy.orm import Session, sessionmaker
 
 from kvgov.config import Settings
-from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE
+from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE
+from kvgov.db.purge_views import JobView, StepName, StepView
 from kvgov.ledger.events import Appended, Event, EventSink
-from kvgov.proxy.purge import scope
-from kvgov.proxy.purge.deletion import delete_entries, emit_all
-from kvgov.proxy.purge.gpu import reset_prefix_caches
-from kvgov.proxy.purge.model import JobView, StepName, StepView
-from kvgov.proxy.purge.ports import EngineEvictor, KeyShredder, LocalIndex, TierSet
+from kvgov.services.purge import scope
+from kvgov.services.purge.deletion import delete_entries, emit_all
+from kvgov.services.purge.gpu import reset_prefix_caches
+from kvgov.services.purge.ports import EngineEvictor, KeyShredder, LocalIndex, TierSet
 from kvgov.types import EntryState, EventKind, Outcome, PurgeState
 
 log = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ async def _gpu(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
 
 async def _ledger(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
     """Erase the payload and record the erasure; the receipt is built by the service."""
-    from kvgov.ledger.db import utcnow
+    from kvgov.db.engine import utcnow
 
     def erase(s: Session) -> tuple[int, int]:
         now = utcnow()

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from kvgov.ledger.models import DashboardSession
+from kvgov.db.models import DashboardSession
 
 _MAX_ID_CHARS = 128
 

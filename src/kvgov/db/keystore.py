@@ -14,8 +14,8 @@ from typing import Any
 from sqlalchemy import Engine, Row, select, update
 from sqlalchemy.exc import IntegrityError
 
-from kvgov.ledger.db import SQLITE_BEGIN_IMMEDIATE, utcnow
-from kvgov.ledger.models import DataKey, table
+from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE, utcnow
+from kvgov.db.models import DataKey, table
 from kvgov.types import KeyState, WrappedKey
 
 

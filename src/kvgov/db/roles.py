@@ -3,7 +3,7 @@
 Migrations run as the owner of the schema; sidecars and the CLI connect as a runtime role that
 can read and append but can never alter a table, drop or disable a trigger, truncate, or
 update or delete a row of the chained tables (``docs/database.md``).
-:data:`kvgov.ledger.grants.RUNTIME_PRIVILEGES` is that role's whole allowance: UPDATE only where
+:data:`kvgov.db.grants.RUNTIME_PRIVILEGES` is that role's whole allowance: UPDATE only where
 the code updates, DELETE nowhere (kvgov never deletes a row). ``kvgov db upgrade`` applies it
 after migrating (``grants.apply_grants``, under the migration lock) and ``kvgov db grants``
 prints it for a DBA; a production sidecar checks its own role against it before it serves
@@ -17,8 +17,7 @@ from sqlalchemy import Connection, text
 from sqlalchemy.exc import ProgrammingError, SQLAlchemyError
 
 from kvgov.config import Settings
-from kvgov.errors import ConfigError, LedgerError, StartupError
-from kvgov.ledger.db import (
+from kvgov.db.engine import (
     MigrationLimits,
     error_reason,
     head_revision,
@@ -28,7 +27,8 @@ from kvgov.ledger.db import (
     redact_url,
     revision_of,
 )
-from kvgov.ledger.grants import RUNTIME_PRIVILEGES, apply_grants
+from kvgov.db.grants import RUNTIME_PRIVILEGES, apply_grants
+from kvgov.errors import ConfigError, LedgerError, StartupError
 from kvgov.logging import get_logger
 
 log = get_logger(__name__)

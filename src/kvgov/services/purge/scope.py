@@ -16,7 +16,7 @@ from datetime import datetime
 from sqlalchemy import ColumnElement, and_, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from kvgov.ledger.models import CacheEntry, EventPayload, LedgerEvent, UserRef
+from kvgov.db.models import CacheEntry, EventPayload, LedgerEvent, UserRef
 from kvgov.ledger.repository import user_entries
 from kvgov.types import EntryState, EventKind
 

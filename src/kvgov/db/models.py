@@ -11,7 +11,7 @@ Two kinds of table live here:
 
 Nothing personal is chained: user columns hold keyed-HMAC pseudonyms, cache keys are keyed
 digests, and erasable details live in ``event_payloads`` whose salted digest alone is chained.
-Every timestamp is a timezone-aware UTC :class:`~kvgov.ledger.db.UTCDateTime`.
+Every timestamp is a timezone-aware UTC :class:`~kvgov.db.engine.UTCDateTime`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from kvgov.ledger.db import ExactJSON, JSONType, StrEnumType, UTCDateTime
+from kvgov.db.engine import ExactJSON, JSONType, StrEnumType, UTCDateTime
 from kvgov.types import (
     EntryState,
     KeyState,
