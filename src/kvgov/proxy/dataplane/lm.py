@@ -31,6 +31,7 @@ from typing import Any
 
 from kvgov.errors import ConfigError, KvgovError
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse
+from kvgov.proxy.dataplane.door import Door
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.limits import ConnectionLimits, Watchdog
 from kvgov.proxy.dataplane.pipeline import Pipeline
@@ -112,7 +113,7 @@ class LmConnection(StreamProtocol):
         self.server = server
         self._handling = False
         #: this connection's way into the pipeline
-        self.door = server.pipeline.door(self.listener, server.identity.principal)
+        self.door = Door(server.pipeline, self.listener, server.identity.principal)
         self._admitted = False
 
     @property

@@ -41,7 +41,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvgov.connectors.tiers.base import copy_into
 from kvgov.connectors.tiers.chain import TierChain
@@ -78,9 +78,6 @@ from kvgov.proxy.dataplane.unsafe import NullEventSink, PlaintextSealer
 from kvgov.types import EntryState, EventKind, Operation, Outcome, Scope
 from kvgov.wire.itemmeta import check_item_meta
 from kvgov.wire.messages import RequestContext
-
-if TYPE_CHECKING:
-    from kvgov.proxy.dataplane.door import Door
 
 __all__ = ["Allowed", "Denied", "Found", "GetPlan", "Kept", "Pipeline", "PutPlan", "StoredPut"]
 
@@ -158,12 +155,6 @@ class Pipeline:
         # Protocol walks its attributes: once here, not per event)
         self._lazy_sink = sink if isinstance(sink, LazyEventSink) else None
         self._queued_sink = sink if isinstance(sink, QueuedEventSink) else None
-
-    def door(self, listener: str, principal: str | None = None) -> Door:
-        """A connection's way in (:class:`~kvgov.proxy.dataplane.door.Door`)."""
-        from kvgov.proxy.dataplane.door import Door
-
-        return Door(self, listener, principal)
 
     # -- policy & ledger -----------------------------------------------------------------------
 

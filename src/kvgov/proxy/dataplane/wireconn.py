@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from kvgov.errors import KvgovError
 from kvgov.proxy.dataplane.buffers import Lease
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse, start_opening
-from kvgov.proxy.dataplane.door import SLICE, Ack, PutSession
+from kvgov.proxy.dataplane.door import SLICE, Ack, Door, PutSession
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.wire.codec import (
     HEADER_SIZE,
@@ -87,7 +87,7 @@ class WireConnection(StreamProtocol):
         self.identity: Identity | None = None
         self._handling = False
         #: this connection's way into the pipeline
-        self.door = server.pipeline.door(self.listener)
+        self.door = Door(server.pipeline, self.listener)
         #: PUT frames received and not yet replied to, oldest first (they finish in order);
         #: one task replies to them (started when one arrives, gone when none is left)
         self._pending: deque[_PutJob] = deque()
