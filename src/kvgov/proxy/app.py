@@ -39,8 +39,9 @@ from kvgov.proxy.dataplane.limits import ConnectionLimits, DenialGate, SummaryLo
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
 from kvgov.proxy.dataplane.pipeline import Pipeline
 from kvgov.proxy.dataplane.plans import inline_crypto_bytes, usable_cpus
-from kvgov.proxy.dataplane.server import ServerConfig, WireServer
+from kvgov.proxy.dataplane.server import WireServer
 from kvgov.proxy.dataplane.unsafe import NullEventSink, PlaintextSealer
+from kvgov.proxy.dataplane.wireconn import ServerConfig
 from kvgov.types import Environment, EventKind, Outcome
 
 if TYPE_CHECKING:

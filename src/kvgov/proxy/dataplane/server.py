@@ -14,11 +14,8 @@ import os
 import socket
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from pydantic import SecretStr
 
 from kvgov.policy.interfaces import PolicyInput
 from kvgov.proxy.dataplane.identity import Identity
@@ -28,11 +25,11 @@ from kvgov.proxy.dataplane.wireconn import (
     MAX_BATCH,
     MAX_PIPELINED_PUTS,
     EngineEvictResult,
+    ServerConfig,
     WireConnection,
 )
 from kvgov.types import Operation
 from kvgov.wire.codec import ErrorCode, WireError
-from kvgov.wire.digest import KeyDigester
 
 __all__ = [
     "MAX_BATCH",
@@ -44,26 +41,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvgov.dataplane.server")
-
-
-@dataclass(slots=True)
-class ServerConfig:
-    sidecar_id: str
-    version: str
-    max_frame_bytes: int
-    engine_tokens: Mapping[str, SecretStr] = field(default_factory=dict)
-    #: accept any engine id without a token (development only)
-    allow_anonymous: bool = True
-    #: the key-digest key's digester, given to engines on their control connection's HELLO
-    #: reply (after authentication) so they can match EVICT digests; None: EVICT cannot match
-    digester: KeyDigester | None = field(default=None, repr=False)
-    #: keys (EXISTS, GET, REMOVE) or items (PUT) one frame may carry (at most MAX_BATCH)
-    max_frame_items: int = MAX_BATCH
-    #: seconds from connect to a completed HELLO
-    hello_timeout_s: float = 10.0
-    #: seconds for a frame's bytes to arrive once it has begun (a PUT's: once its buffers are
-    #: taken), and for a GET's hits to be taken by the reader
-    frame_timeout_s: float = 30.0
 
 
 class WireServer:

@@ -24,13 +24,17 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+from pydantic import SecretStr
 
 from kvgov.errors import KvgovError
 from kvgov.proxy.dataplane.buffers import Lease
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse, start_opening
 from kvgov.proxy.dataplane.door import SLICE, Ack, Door, PutSession
 from kvgov.proxy.dataplane.identity import Identity
+from kvgov.proxy.dataplane.limits import ConnectionLimits
+from kvgov.proxy.dataplane.pipeline import Pipeline
 from kvgov.wire.codec import (
     HEADER_SIZE,
     PROTOCOL_VERSION,
@@ -44,16 +48,49 @@ from kvgov.wire.codec import (
     error_meta,
     key_list,
 )
+from kvgov.wire.digest import KeyDigester
 from kvgov.wire.messages import MAX_EVICT_DIGESTS, RequestContext, evict_meta, parse_put_items
-
-if TYPE_CHECKING:
-    from kvgov.proxy.dataplane.server import WireServer
 
 log = logging.getLogger("kvgov.dataplane.server")
 
 MAX_BATCH = 4096
 #: PUT frames per connection whose replies wait for their ledger commit
 MAX_PIPELINED_PUTS = 32
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    sidecar_id: str
+    version: str
+    max_frame_bytes: int
+    engine_tokens: Mapping[str, SecretStr] = field(default_factory=dict)
+    #: accept any engine id without a token (development only)
+    allow_anonymous: bool = True
+    #: the key-digest key's digester, given to engines on their control connection's HELLO
+    #: reply (after authentication) so they can match EVICT digests; None: EVICT cannot match
+    digester: KeyDigester | None = field(default=None, repr=False)
+    #: keys (EXISTS, GET, REMOVE) or items (PUT) one frame may carry (at most MAX_BATCH)
+    max_frame_items: int = MAX_BATCH
+    #: seconds from connect to a completed HELLO
+    hello_timeout_s: float = 10.0
+    #: seconds for a frame's bytes to arrive once it has begun (a PUT's: once its buffers are
+    #: taken), and for a GET's hits to be taken by the reader
+    frame_timeout_s: float = 30.0
+
+
+class Hub(Protocol):
+    """What a connection needs of the server that accepted it
+    (:class:`~kvgov.proxy.dataplane.server.WireServer`): its settings, pipeline and caps, the
+    sets of live and control connections, and engine authentication."""
+
+    pipeline: Pipeline
+    config: ServerConfig
+    limits: ConnectionLimits
+    connections: set[WireConnection]
+    controls: set[WireConnection]
+    draining: bool
+
+    def authenticate(self, meta: Mapping[str, Any], conn: WireConnection) -> Identity: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +116,7 @@ class _PutJob:
 class WireConnection(StreamProtocol):
     listener = "kvgov"
 
-    def __init__(self, server: WireServer, *, unix: bool) -> None:
+    def __init__(self, server: Hub, *, unix: bool) -> None:
         super().__init__()
         self.server = server
         self.unix = unix
