@@ -226,9 +226,9 @@ class _Holder(StreamProtocol):
         windows = [memoryview(self.value)[i : i + MIB] for i in range(0, len(self.value), MIB)]
         plan = cast(
             "GetPlan",
-            type("P", (), {"length": len(self.value), "reader": None, "windows": windows})(),
+            type("P", (), {"length": len(self.value), "windows": windows})(),
         )
-        send = asyncio.ensure_future(self.send_plan(plan, self.pool, self.pool))
+        send = asyncio.ensure_future(self.send_plan(plan, self.pool))
         await asyncio.sleep(0.2)  # the peer is not reading: the thread waits on a full socket
         assert not send.done()
         self.write(b"MARKER")  # held back until the hit is out

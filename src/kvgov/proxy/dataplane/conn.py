@@ -11,9 +11,9 @@ Small replies go out with :meth:`StreamProtocol.send_view`: while the transport 
 the socket takes straight from the caller's view (Python 3.11's transport would copy whatever
 the kernel does not take at once into a growing ``bytearray``); when the socket is full, only a
 small piece goes through the transport, which waits for the socket, and the send resumes once
-it is flushed. Large hits go out from a sender thread (:meth:`StreamProtocol.send_plan`) that
-writes each group of segments as soon as the crypto pool has opened it; up to
-``dataplane.inline_crypto_bytes`` (every size on two CPUs or fewer) hits go out from the loop.
+it is flushed. A hit's segments are opened and authenticated by the pipeline before it is
+announced; large hits then go out from a sender thread (:meth:`StreamProtocol.send_plan`), and
+up to ``dataplane.inline_crypto_bytes`` (every size on two CPUs or fewer) from the loop.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ import math
 import os
 import select
 from collections.abc import Coroutine
-from concurrent.futures import Executor, Future
-from dataclasses import dataclass
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
-from kvgov.proxy.dataplane.plans import INLINE_CRYPTO_BYTES, open_segments, segments_per_job
+from kvgov.proxy.dataplane.plans import INLINE_CRYPTO_BYTES
 from kvgov.wire.codec import widen_unix_send_buffer
 
 if TYPE_CHECKING:
@@ -288,68 +287,34 @@ class StreamProtocol(asyncio.BufferedProtocol):
             raise ConnectionClosed
 
     async def send_plan(
-        self,
-        plan: GetPlan,
-        executor: Executor,
-        sender: Executor,
-        opening: Opening | None = None,
-        *,
-        inline_bytes: int = INLINE_CRYPTO_BYTES,
+        self, plan: GetPlan, sender: Executor, *, inline_bytes: int = INLINE_CRYPTO_BYTES
     ) -> None:
-        """Stream a hit. One up to ``inline_bytes`` is written on the event loop: opened there,
-        segment by segment (each is authenticated before any of its bytes go out), or, when
-        ``opening`` was started ahead for it (:func:`start_opening`), in the crypto pool while
-        the hit before it was being sent. A larger one is
-        opened in the crypto pool (``executor``; ``opening``: already queued by
-        :func:`start_opening`), a few segments per job, all jobs queued at once (so the pool's
-        threads open them side by side), while a ``sender`` thread writes each group to the
-        socket as soon as it is open, waiting on the socket with the GIL released (what
-        ``lmcache_server``'s blocking ``sendall`` does): no event-loop round per socketful, and
-        opening overlaps sending. Writes the loop makes meanwhile (other replies) are held back
-        and follow the hit (:meth:`write`)."""
-        t = self.transport
-        if opening is None and plan.length > inline_bytes:
-            opening = start_opening(plan, executor, inline_bytes)
-        if opening is not None and opening.on_loop:
-            try:
-                for group, opened in zip(opening.groups, opening.jobs, strict=True):
-                    if opened is not None:
-                        if not opened.done():
-                            await asyncio.wrap_future(opened)
-                        opened.result()
-                    for _, window in group:
-                        await self.send_view(window)
-            finally:
-                await opening.settled()
-            return
-        if opening is None:
-            reader = plan.reader
-            for i, window in enumerate(plan.windows):
-                if reader is not None:
-                    reader.open_segment(i, window)
+        """Stream a hit whose segments the pipeline already opened and authenticated. One up to
+        ``inline_bytes`` is written on the event loop. A larger one is written by a ``sender``
+        thread, waiting on the socket with the GIL released (what ``lmcache_server``'s blocking
+        ``sendall`` does): no event-loop round per socketful. Writes the loop makes meanwhile
+        (other replies) are held back and follow the hit (:meth:`write`)."""
+        if plan.length <= inline_bytes:
+            for window in plan.windows:
                 await self.send_view(window)
             return
+        t = self.transport
+        if t is None or self._fd < 0 or self._closed:
+            raise ConnectionClosed
+        await self._until_flushed(t)  # what is queued (the reply head) goes first
+        if t.get_write_buffer_size():
+            await self.drain()
+        if self._wfd < 0:
+            self._wfd = os.dup(self._fd)
+        job = asyncio.get_running_loop().run_in_executor(sender, _write_windows, self, plan.windows)
+        self._wjob = job
         try:
-            if t is None or self._fd < 0 or self._closed:
-                raise ConnectionClosed
-            await self._until_flushed(t)  # what is queued (the reply head) goes first
-            if t.get_write_buffer_size():
-                await self.drain()
-            if self._wfd < 0:
-                self._wfd = os.dup(self._fd)
-            job = asyncio.get_running_loop().run_in_executor(
-                sender, _write_groups, self, opening.groups, opening.jobs
-            )
-            self._wjob = job
-            try:
-                await job
-            finally:
-                self._wjob = None
-                held, self._held = self._held, []
-                for data in held:
-                    self.write(data)
+            await job
         finally:
-            await opening.settled()  # the buffer is released after this: no job may use it
+            self._wjob = None
+            held, self._held = self._held, []
+            for data in held:
+                self.write(data)
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -402,81 +367,25 @@ class StreamProtocol(asyncio.BufferedProtocol):
             fut.set_exception(ConnectionClosed())
 
 
-@dataclass(slots=True)
-class Opening:
-    """A large hit's segments being opened in the crypto pool, one job per group (None where
-    the hit is plaintext: nothing to open)."""
-
-    groups: list[list[tuple[int, memoryview]]]
-    jobs: list[Future[None] | None]
-    #: a hit up to the inline size, opened ahead in the pool and written by the event loop
-    on_loop: bool = False
-
-    async def settled(self) -> None:
-        """Wait until no job uses the hit's buffer any more (failures are the writer's to
-        raise; here they are only retrieved)."""
-        running = [asyncio.wrap_future(f) for f in self.jobs if f is not None and not f.done()]
-        if running:
-            await asyncio.wait(running)
-        for f in self.jobs:
-            if f is not None and not f.cancelled():
-                f.exception()
-
-
-def start_opening(
-    plan: GetPlan,
-    executor: Executor,
-    inline_bytes: int = INLINE_CRYPTO_BYTES,
-    *,
-    ahead: bool = False,
-) -> Opening | None:
-    """Queue the opening of a hit in the crypto pool, a few segments per job: a hit larger
-    than ``inline_bytes``, or, ``ahead``, a sealed hit of any size that waits for another hit
-    to be sent first (the pool opens it meanwhile; the loop then only writes it: measured on
-    two CPUs, governed 4 MiB GET frames +14-16%). None otherwise: the hit is opened on the
-    loop as it is sent.
-    Whoever starts an opening must pass it to :meth:`StreamProtocol.send_plan` or await its
-    :meth:`Opening.settled` before the hit's buffer is released."""
-    on_loop = plan.length <= inline_bytes
-    if on_loop and not (ahead and plan.reader is not None):
-        return None
-    indexed = list(enumerate(plan.windows))
-    reader = plan.reader
-    step = segments_per_job(reader.header.segment_size) if reader is not None else len(indexed)
-    groups = [indexed[i : i + step] for i in range(0, len(indexed), step)]
-    jobs: list[Future[None] | None] = [
-        executor.submit(open_segments, reader, g) if reader is not None else None for g in groups
-    ]
-    return Opening(groups, jobs, on_loop)
-
-
-def _write_groups(
-    conn: StreamProtocol,
-    groups: list[list[tuple[int, memoryview]]],
-    opened: list[Future[None] | None],
-) -> None:
-    """A sender-thread job: wait until each group is open (None: plaintext), then write its
-    windows to the connection's socket, waiting on the socket (GIL released) while it is full.
-    Raises the first open failure, or ConnectionClosed."""
+def _write_windows(conn: StreamProtocol, windows: list[memoryview]) -> None:
+    """A sender-thread job: write ``windows`` to the connection's socket, waiting on the socket
+    (GIL released) while it is full. Raises ConnectionClosed."""
     fd = conn._wfd
     poller = select.poll()
     poller.register(fd, select.POLLOUT)
-    for group, job in zip(groups, opened, strict=True):
-        if job is not None:
-            job.result()
-        for _, window in group:
-            view = window.cast("B") if window.format != "B" or window.ndim != 1 else window
-            while view.nbytes:
-                if conn._closed:
-                    raise ConnectionClosed
-                try:
-                    n = os.write(fd, view)
-                except (BlockingIOError, InterruptedError):
-                    n = 0
-                except OSError:
-                    raise ConnectionClosed from None
-                view = view[n:]
-                if view.nbytes and not n:
-                    for _, ev in poller.poll(100):
-                        if ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
-                            raise ConnectionClosed
+    for window in windows:
+        view = window.cast("B") if window.format != "B" or window.ndim != 1 else window
+        while view.nbytes:
+            if conn._closed:
+                raise ConnectionClosed
+            try:
+                n = os.write(fd, view)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError:
+                raise ConnectionClosed from None
+            view = view[n:]
+            if view.nbytes and not n:
+                for _, ev in poller.poll(100):
+                    if ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                        raise ConnectionClosed

@@ -30,7 +30,6 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvgov.errors import KvgovError
 from kvgov.proxy.dataplane.buffers import Lease, size_class
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.limits import DenialBudget
@@ -124,11 +123,6 @@ class Door:
         self._unstoring: set[asyncio.Task[None]] = set()
 
     # -- what the listener needs to receive and send -------------------------------------------
-
-    @property
-    def crypto(self) -> Executor:
-        """The crypto pool (opening a large hit ahead of sending it)."""
-        return self._executor
 
     @property
     def sender(self) -> Executor:
@@ -331,11 +325,6 @@ class Door:
         """The hit's bytes were handed to the socket: record and count it."""
         self._count("get", "hit")
         await self._pipeline.served(plan)
-
-    async def failed(self, plan: GetPlan, error: KvgovError) -> None:
-        """The hit could not be sent whole (corrupt at rest, key shredded meanwhile)."""
-        self._count("get", "error")
-        await self._pipeline.unserved(plan, error)
 
     # -- exists / remove -----------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
-from kvgov.errors import ConfigError, KvgovError
+from kvgov.errors import ConfigError
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse
 from kvgov.proxy.dataplane.door import Door
 from kvgov.proxy.dataplane.identity import Identity
@@ -238,11 +238,8 @@ class LmConnection(StreamProtocol):
             fmt, dtype, shape, location = to_lm(plan.item_meta)
             self.reply(OK, length=plan.length, fmt=fmt, dtype=dtype, shape=shape, location=location)
             self.arm(self.server.frame_timeout_s, "reply")  # the hit's buffer is held meanwhile
-            try:
-                await self.send_plan(plan, door.crypto, door.sender, inline_bytes=door.inline_bytes)
-            except KvgovError as exc:  # corrupt at rest: the promised bytes cannot come
-                await door.failed(plan, exc)
-                raise ConnectionClosed from exc
+            # opened and authenticated before it was announced: only its bytes go out now
+            await self.send_plan(plan, door.sender, inline_bytes=door.inline_bytes)
             self.disarm()
             await door.sent(plan)
         finally:

@@ -652,11 +652,6 @@ class Pipeline:
         self._get_bytes.inc(plan.length)
         await self._record_get(plan.who, plan, plan.decision)
 
-    async def unserved(self, plan: GetPlan, error: KvgovError) -> None:
-        """A hit failed while being sent (its key shredded meanwhile, corrupt at rest): the
-        promised bytes cannot come; drop the value (:meth:`drop_unreadable`)."""
-        await self.drop_unreadable(plan.who, error)
-
     async def _record_get(
         self,
         who: Who,
@@ -728,9 +723,7 @@ class Pipeline:
                 await self._open_all(reader, windows, header.plain_len)
             if src is not None:
                 src.release()
-            plan = GetPlan(
-                who, lease, envelope.plain_len, envelope.meta, None, windows, None, decision
-            )
+            plan = GetPlan(who, lease, envelope.plain_len, envelope.meta, windows, decision)
             return plan, None
         except CorruptValueError as exc:
             if src is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgov.connectors.tiers.base import BorrowedValue, Reserved
+from kvgov.connectors.tiers.base import Reserved
 from kvgov.keys.sealed import SealReader, SealWriter
 from kvgov.policy.interfaces import Decision
 from kvgov.proxy.dataplane.buffers import Lease
@@ -211,24 +211,17 @@ class Found:
 
 @dataclass(slots=True)
 class GetPlan:
-    """A hit ready to stream: open its windows (:func:`open_segments`), send them.
-
-    The reader opens each segment from where the sealed value lies (the pooled buffer, or a
-    memory tier's own buffer lent under a read guard, ``source``) into its window in the
-    lease. :meth:`release` when done with it."""
+    """A hit ready to stream: every segment already opened and authenticated into its window
+    in the lease (:meth:`~kvgov.proxy.dataplane.pipeline.Pipeline.load`). :meth:`release`
+    when done with it."""
 
     who: Who
     lease: Lease
     length: int
     item_meta: Mapping[str, Any]
-    reader: SealReader | None
     windows: list[memoryview]
-    source: BorrowedValue | None = None
     #: the decision that admitted the read (recorded with the ``kv:get`` once it was sent)
     decision: Decision | None = None
 
     def release(self) -> None:
-        if self.source is not None:
-            self.source.release()
-            self.source = None
         self.lease.release()

@@ -28,9 +28,8 @@ from typing import Any, Protocol
 
 from pydantic import SecretStr
 
-from kvgov.errors import KvgovError
 from kvgov.proxy.dataplane.buffers import Lease
-from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse, start_opening
+from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse
 from kvgov.proxy.dataplane.door import SLICE, Ack, Door, PutSession
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.limits import ConnectionLimits
@@ -421,28 +420,10 @@ class WireConnection(StreamProtocol):
             if total:  # the reader must take the hits in time (they hold buffers)
                 self.arm(self.server.config.frame_timeout_s, "reply")
             # every hit was opened and authenticated before it was announced (a bad one is a
-            # miss above); a plan that still carries a reader would be opened here, one ahead
-            # of the hit being sent
-            hits = [h for h in plans if h is not None]
-            crypto, inline = door.crypto, door.inline_bytes
-            ahead = start_opening(hits[0], crypto, inline) if hits else None
-            try:
-                for i, hit in enumerate(hits):
-                    current = ahead
-                    ahead = (
-                        start_opening(hits[i + 1], crypto, inline, ahead=True)
-                        if i + 1 < len(hits)
-                        else None
-                    )
-                    try:
-                        await self.send_plan(hit, crypto, door.sender, current, inline_bytes=inline)
-                    except KvgovError as exc:  # corrupt at rest: the promised bytes cannot come
-                        await door.failed(hit, exc)
-                        raise ConnectionClosed from exc
-                    await door.sent(hit)
-            finally:
-                if ahead is not None:
-                    await ahead.settled()
+            # miss above): only its bytes go out now
+            for hit in (h for h in plans if h is not None):
+                await self.send_plan(hit, door.sender, inline_bytes=door.inline_bytes)
+                await door.sent(hit)
             if total:
                 self.disarm()
         finally:
