@@ -59,8 +59,9 @@ SIZES = (1 * MIB, 4 * MIB, 32 * MIB)
 UNSAFE_NULL_COLLABORATORS: dict[str, Any] = {"sealer": "unsafe-plaintext", "events": "unsafe-null"}
 
 
-def settings_for(tmp: Path, db_url: str, *, governance: bool) -> Any:
-    """A development sidecar; ``governance=False``: with the named null collaborators."""
+def settings_for(tmp: Path, db_url: str, *, governance: bool, tier_mib: int = 2048) -> Any:
+    """A development sidecar with a ``tier_mib`` memory tier; ``governance=False``: with the
+    named null collaborators."""
     from kvgov.config import Settings
 
     off: dict[str, Any] = {} if governance else UNSAFE_NULL_COLLABORATORS
@@ -75,20 +76,25 @@ def settings_for(tmp: Path, db_url: str, *, governance: bool) -> Any:
             "lm_engine_id": "lm-demo",
             "lm_tenants": ["demo"],
             "buffer_pool_bytes": 512 * MIB,
+            # one engine per sidecar, as in a pod: it may use the whole pool (the default
+            # share, 0.25, is for sidecars several engines share; 4 x 33 MiB would not fit)
+            "buffer_pool_engine_share": 1.0,
             **off,
         },
-        tiers={"chain": ["memory"], "memory_max_bytes": 2048 * MIB},
+        tiers={"chain": ["memory"], "memory_max_bytes": tier_mib * MIB},
     )
 
 
-def serve(data_dir: Path, db_url: str, governance: bool) -> None:
+def serve(data_dir: Path, db_url: str, governance: bool, tier_mib: int) -> None:
     """Child process: run one sidecar, print ``READY <wire port> <lm port>``, stop on SIGTERM."""
     from kvgov.proxy.app import build_sidecar
 
     async def run() -> None:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        sidecar = await build_sidecar(settings_for(data_dir, db_url, governance=governance))
+        sidecar = await build_sidecar(
+            settings_for(data_dir, db_url, governance=governance, tier_mib=tier_mib)
+        )
         await sidecar.start()
         print(f"READY {sidecar.server.tcp_port} {sidecar.lm_server.port}", flush=True)
         await stop.wait()
@@ -99,10 +105,11 @@ def serve(data_dir: Path, db_url: str, governance: bool) -> None:
 
 @contextmanager
 def sidecar_process(
-    data_dir: Path, db_url: str, *, governance: bool
+    data_dir: Path, db_url: str, *, governance: bool, tier_mib: int = 2048
 ) -> Iterator[tuple[int, int, int]]:
     """A sidecar in its own process; yields its (kvgov wire port, lm:// port, pid)."""
     cmd = [sys.executable, __file__, "--serve", str(data_dir), "--db", db_url]
+    cmd += ["--tier-mib", str(tier_mib)]
     if governance:
         cmd.append("--governed")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
@@ -332,9 +339,10 @@ def main() -> None:
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--db", help=argparse.SUPPRESS)
     parser.add_argument("--governed", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tier-mib", type=int, default=2048, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve is not None:
-        serve(args.serve, args.db, args.governed)
+        serve(args.serve, args.db, args.governed, args.tier_mib)
         return
     sizes = [m * MIB for m in args.sizes]
     if args.only == "floor":
