@@ -106,3 +106,15 @@ def test_evict_metadata_carries_digests_and_drops_anything_else() -> None:
     assert parse_evict({"digests": [KEY_A, d.upper(), d[:-1], 7, None, d]}) == [d]
     assert parse_evict({"keys": [KEY_A]}) == []
     assert parse_evict({"digests": "not a list"}) == []
+
+
+@pytest.mark.parametrize("key_len", [16, 32, 64, 65, 200])
+@pytest.mark.parametrize("cache_key", ["", KEY_A, "m@1@0@ff@bfloat16@tenant%t@user%ü" * 5])
+def test_digest_is_rfc2104_hmac_sha256_of_the_domain_and_key(key_len: int, cache_key: str) -> None:
+    """The precomputed inner/outer states give exactly the standard library's HMAC, for keys
+    shorter than, equal to and longer than SHA-256's block (hashed first, as RFC 2104 says)."""
+    key = bytes((7 * i + key_len) % 256 for i in range(key_len))
+    expected = hmac.new(key, b"kvgov/cache-key/v1\x00" + cache_key.encode(), hashlib.sha256)
+    digester = KeyDigester(key)
+    assert digester.digest(cache_key) == expected.hexdigest()
+    assert digester.digest(cache_key) == expected.hexdigest()  # the keyed states stay unchanged
