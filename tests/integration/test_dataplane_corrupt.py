@@ -159,6 +159,37 @@ async def test_wire_hit_corrupt_at_rest_is_a_miss_and_drops_the_entry(
     await _one_unreadable_delete_recorded(sidecar, bad)
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("where", [0.25, 0.75], ids=["first-half", "second-half"])
+async def test_a_large_hit_opened_in_two_halves_is_a_miss_if_either_half_was_corrupted(
+    sidecar: Sidecar, where: float
+) -> None:
+    """A hit of SPLIT_OPEN_BYTES or more opened on the event loop is opened half there and
+    half in the crypto pool at once: a flipped byte in either half is a miss and drops it."""
+    from kvgov.proxy.dataplane.pipeline import SPLIT_OPEN_BYTES
+
+    size = SPLIT_OPEN_BYTES + MIB + 11
+    bad, good = _key(f"bighalf{where}"), _key(f"bigok{where}")
+    value, other = os.urandom(size), os.urandom(size)
+    client = _client(sidecar)
+    try:
+        for key, v in ((good, other), (bad, value)):
+            assert (await _run(client.put, key, v, CTX)).ok
+        path = _stored_file(sidecar, bad)
+        data = bytearray(path.read_bytes())
+        data[int(len(data) * where)] ^= 0x5A  # ciphertext of a segment in that half
+        path.write_bytes(bytes(data))
+
+        assert await _run(client.get, bad, CTX) is None
+        assert sidecar.pipeline.index.get(sidecar.pipeline.pseudonymizer.key_digest(bad)) is None
+        got = await _run(client.get, good, CTX)
+        assert got is not None
+        assert got[0] == other
+    finally:
+        client.close()
+    await _one_unreadable_delete_recorded(sidecar, bad)
+
+
 def _lm_key(h: int) -> bytes:
     return f"bench@1@0@{h:x}@bfloat16@tenant%demo".encode().ljust(150)
 

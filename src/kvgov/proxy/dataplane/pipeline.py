@@ -39,7 +39,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -82,6 +82,10 @@ from kvgov.wire.messages import RequestContext
 __all__ = ["Allowed", "Denied", "Found", "GetPlan", "Kept", "Pipeline", "PutPlan", "StoredPut"]
 
 log = logging.getLogger("kvgov.dataplane")
+
+#: a hit at least this large, opened on the event loop, is opened half there and half in the
+#: crypto pool at once (see :meth:`Pipeline._open_all`)
+SPLIT_OPEN_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -747,16 +751,31 @@ class Pipeline:
         """Open every segment into its window: here up to ``inline_crypto_bytes``, else in the
         crypto pool, a few segments per job, side by side. Raises the first failure once no
         job touches the windows any more (a cancelled caller waits for them too)."""
-        if length <= self.inline_crypto_bytes:
-            for i, window in enumerate(windows):
-                reader.open_segment(i, window)
-            return
-        step = segments_per_job(reader.header.segment_size)
         indexed = list(enumerate(windows))
-        jobs = [
-            self.executor.submit(open_segments, reader, indexed[i : i + step])
-            for i in range(0, len(indexed), step)
-        ]
+        if length <= self.inline_crypto_bytes:
+            if length < SPLIT_OPEN_BYTES or len(indexed) < 2:
+                open_segments(reader, indexed)
+                return
+            # a large value: the pool opens its second half while this thread opens the first
+            # (AES-GCM releases the GIL: two cores, half the wait before the hit is announced)
+            half = len(indexed) // 2
+            jobs = [self.executor.submit(open_segments, reader, indexed[half:])]
+            try:
+                open_segments(reader, indexed[:half])
+            except BaseException:
+                await self._settle_jobs(jobs)
+                raise
+        else:
+            step = segments_per_job(reader.header.segment_size)
+            jobs = [
+                self.executor.submit(open_segments, reader, indexed[i : i + step])
+                for i in range(0, len(indexed), step)
+            ]
+        await self._settle_jobs(jobs)
+
+    async def _settle_jobs(self, jobs: list[Future[None]]) -> None:
+        """Wait for every job (a cancelled caller waits for those started too); raise the
+        first failure."""
         waiting = [asyncio.wrap_future(job) for job in jobs]
         try:
             await asyncio.wait(waiting)
