@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, or_, select, update
 from sqlalchemy.orm import Session
 
-from kvgov.db.models import PurgeJob, PurgeReceipt, PurgeStep, Sidecar
+from kvgov.db.models import PurgeJob, PurgeReceipt, PurgeStep
 from kvgov.db.purge_views import (
     MAX_ATTEMPTS,
     TERMINAL_STEP_STATES,
@@ -30,20 +30,6 @@ from kvgov.errors import NotFoundError
 from kvgov.types import PurgeKind, PurgeState
 
 _OPEN = (PurgeState.PENDING, PurgeState.RUNNING)
-
-
-def live_sidecars(s: Session, *, now: datetime, max_age_s: float) -> list[str]:
-    """Sidecars that reported within ``max_age_s``: each gets its own tiers/engines steps."""
-    since = now - timedelta(seconds=max_age_s)
-    return list(s.scalars(select(Sidecar.id).where(Sidecar.last_seen_at >= since)))
-
-
-def heartbeat(s: Session, sidecar_id: str, *, now: datetime, chain_id: str | None) -> None:
-    row = s.get(Sidecar, sidecar_id)
-    if row is None:
-        s.add(Sidecar(id=sidecar_id, chain_id=chain_id, started_at=now, last_seen_at=now))
-    else:
-        row.last_seen_at = now
 
 
 def insert_job(

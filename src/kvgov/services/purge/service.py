@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
 from kvgov.db import purge_jobs as jobs
+from kvgov.db import sidecars
 from kvgov.db.engine import utcnow
 from kvgov.db.purge_views import (
     JobView,
@@ -77,7 +78,7 @@ class PurgeService:
             return {
                 "entries": entries,
                 "payloads": scope.erasable_payloads(s, req.tenant, subject),
-                "sidecars": jobs.live_sidecars(
+                "sidecars": sidecars.live_sidecars(
                     s, now=utcnow(), max_age_s=self.settings.purge.sidecar_live_s
                 ),
             }
@@ -111,8 +112,8 @@ class PurgeService:
 
         def insert(s: Session) -> JobView:
             now = utcnow()
-            sidecars = jobs.live_sidecars(s, now=now, max_age_s=self.settings.purge.sidecar_live_s)
-            jobs.insert_job(s, job_id, req, subject, plan_steps(sidecars), now=now)
+            live = sidecars.live_sidecars(s, now=now, max_age_s=self.settings.purge.sidecar_live_s)
+            jobs.insert_job(s, job_id, req, subject, plan_steps(live), now=now)
             return jobs.load_job(s, job_id)
 
         job = await self.ctx.db(insert)
