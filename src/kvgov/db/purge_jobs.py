@@ -195,6 +195,7 @@ def _mark_unreachable(s: Session, job_id: str, *, now: datetime) -> None:
 def finish_step(
     s: Session, step_id: int, state: PurgeState, detail: dict[str, Any], *, now: datetime
 ) -> None:
+    """Record a step's final state and its detail (the JSON of its typed detail)."""
     row = s.get(PurgeStep, step_id, with_for_update=True)
     if row is None:  # pragma: no cover - foreign key
         raise NotFoundError(f"no purge step {step_id}")
