@@ -5,6 +5,8 @@ transaction. Claiming uses ``SELECT ... FOR UPDATE SKIP LOCKED`` on Postgres, so
 sidecars sharing one database never take the same step; SQLite serialises writers itself
 (``BEGIN IMMEDIATE``). A claim commits ``running`` at once; a step left ``running`` by a process
 that died is taken again once its lease has expired (or at once by its own sidecar restarting).
+A step's ``detail`` is stored and read as plain JSON here; its typed model is the service's
+(:mod:`kvgov.services.purge.documents`). Which sidecars are live is :mod:`kvgov.db.sidecars`.
 """
 
 from __future__ import annotations
