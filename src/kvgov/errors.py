@@ -139,6 +139,18 @@ class NotFoundError(KvgovError):
     code = "not_found"
 
 
+class AmbiguousRequestError(KvgovError):
+    """A request id that several tenants used, asked for without a tenant (request ids are
+    scoped by tenant); the API answers 409, the CLI exits 2 asking for ``--tenant``."""
+
+    code = "ambiguous_request"
+
+    def __init__(self, message: str, *, tenants: tuple[str | None, ...] = ()) -> None:
+        super().__init__(message)
+        #: the tenants that used the id (None: requests that carried no tenant)
+        self.tenants = tenants
+
+
 class InvalidInputError(KvgovError):
     """Input well-formed for its schema but invalid (a bad cursor, a missing companion
     parameter, a retention period out of range); the API answers 422."""

@@ -175,19 +175,35 @@ async def test_provenance_lists_chunks_in_served_order_with_their_creators(
     assert chunks[0]["created"]["created_at"].startswith("2026-11-20T09:02:00")
     assert chunks[1]["created"]["created_at"].startswith("2026-11-20T09:01:00")
     _assert_no_raw_ids(world, r.text)
+    # one answer, one shape: the CLI prints the very document the API returns
+    cli = await world.cli("provenance", "req-a2", "--json")
+    assert cli.exit_code == 0, cli.output
+    assert json.loads(cli.stdout) == body
+    scoped = await client.get("/v1/requests/req-a2/provenance", params={"tenant": "acme"})
+    cli = await world.cli("provenance", "req-a2", "--tenant", "acme", "--json")
+    assert json.loads(cli.stdout) == scoped.json() == body
 
 
-async def test_provenance_of_a_request_that_reused_nothing_is_empty(client: httpx.AsyncClient):
+async def test_provenance_of_a_request_that_reused_nothing_is_empty(
+    world: ApiWorld, client: httpx.AsyncClient
+):
     r = await client.get("/v1/requests/req-g3/provenance")
     assert r.status_code == 200
     assert r.json()["chunks"] == []
+    cli = await world.cli("provenance", "req-g3", "--json")
+    assert cli.exit_code == 1  # the CLI says "nothing loaded" by its exit code, same document
+    assert json.loads(cli.stdout) == r.json()
 
 
-async def test_provenance_of_an_unknown_request_is_404(client: httpx.AsyncClient):
+async def test_provenance_of_an_unknown_request_is_404(world: ApiWorld, client: httpx.AsyncClient):
     r = await client.get("/v1/requests/req-nope/provenance")
     assert r.status_code == 404
     assert r.headers["content-type"] == "application/problem+json"
     assert r.json()["code"] == "not_found"
+    cli = await world.cli("provenance", "req-nope", "--json")
+    assert cli.exit_code == 1
+    assert cli.stdout == ""
+    assert "no request 'req-nope'" in cli.stderr
 
 
 # -- footprint ---------------------------------------------------------------------------------
@@ -212,6 +228,22 @@ async def test_footprint_shows_what_is_cached_where_until_when_and_reuse(
     assert by_digest[d["a3"]]["reused_by"] == []
     assert by_digest[d["a1"]]["expires_at"].startswith("2026-11-21T09:01:00")
     _assert_no_raw_ids(world, r.text)
+    # `kvgov provenance --user` answers from the same query: the same pseudonym and, for each
+    # chunk the user created, the same reused_by (the footprint also lists chunks scoped to or
+    # put by the user, and pages; the CLI adds per-request counts: docs/api.md)
+    cli = await world.cli(
+        "provenance", "--user", "alice@acme.example", "--tenant", "acme", "--json"
+    )
+    assert cli.exit_code == 0, cli.output
+    reuse = json.loads(cli.stdout)
+    assert (reuse["tenant"], reuse["user"]) == ("acme", body["user"])
+    assert {e["key_digest"]: e["reused_by"] for e in reuse["entries"]} == {
+        k: i["reused_by"] for k, i in by_digest.items()
+    }
+    assert reuse["requests"] == [
+        {"request_id": "req-a2", "chunks": 2},
+        {"request_id": "req-a3", "chunks": 1},
+    ]
 
 
 async def test_footprint_pages(world: ApiWorld, client: httpx.AsyncClient):

@@ -2,7 +2,8 @@
 ledger with purges run by the real purge service (receipts signed with the ledger's key file).
 
 The receipt downloaded from the API is checked by the real ``kvgov purge verify-receipt``;
-a receipt altered in the database shows as not verified and the CLI refuses it.
+a receipt altered in the database shows as not verified and the CLI refuses it. A job, its steps
+and their details are one document: ``kvgov purge status ID --json`` prints what the API returns.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 from sqlalchemy import update
+from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
 from kvgov.cli.main import build_app
+from kvgov.db import purge_jobs as jobs
+from kvgov.db.engine import utcnow
 from kvgov.db.models import PurgeReceipt, table
 from kvgov.db.purge_views import PurgeRequest
 from kvgov.ledger.verify import verify
@@ -200,3 +204,41 @@ async def test_missing_jobs_and_receipts_are_404_and_other_tenants_403(
         assert (await client.get(path, headers=scoped)).status_code == 403
     listed = (await client.get("/v1/purges", headers=scoped)).json()["items"]
     assert [p["id"] for p in listed] == [pending.id]
+
+
+async def test_a_job_and_its_step_details_are_one_document_in_the_api_and_the_cli(
+    world: ApiWorld, client: httpx.AsyncClient
+) -> None:
+    auditor = bearer(world.tokens.auditor)
+    r = await client.post(
+        "/v1/keys/rotate",
+        json={"tenant": "acme", "user": "alice@acme.example"},
+        headers=bearer(world.tokens.admin),
+    )
+    assert r.status_code == 200, r.text
+    done = await world.purge("acme", "alice@acme.example")
+    pending = await world.purges.create(PurgeRequest(tenant="globex", requested_by="test"))
+    # an attempt of one of its steps raised: the step is back to pending with the error
+    step = pending.steps[0]
+    with Session(world.engine) as s, s.begin():
+        jobs.fail_step(s, step.id, "TierError: redis down", now=utcnow())
+
+    body = (await client.get(f"/v1/purges/{done.id}", headers=auditor)).json()
+    details = {d["name"]: d["detail"] for d in body["steps"]}
+    assert set(details) == {"keys", "tiers", "gpu", "ledger"}
+    assert all(d["executed_by"] for d in details.values())
+    assert [k["version"] for k in details["keys"]["destroyed"]] == [1]
+    assert details["tiers"]["verified"] is True and "still_present" not in details["tiers"]
+    assert details["ledger"]["erasure_event"]["seq"] > 0
+    cli = await world.cli("purge", "status", done.id, "--json")
+    assert cli.exit_code == 0, cli.output
+    assert json.loads(cli.stdout) == body
+
+    body = (await client.get(f"/v1/purges/{pending.id}", headers=auditor)).json()
+    assert {s["name"]: s["detail"] for s in body["steps"]}[str(step.name)] == {
+        "error": "TierError: redis down"
+    }
+    assert all(s["detail"] == {} for s in body["steps"] if s["name"] != str(step.name))
+    cli = await world.cli("purge", "status", pending.id, "--json")
+    assert cli.exit_code == 0, cli.output
+    assert json.loads(cli.stdout) == body

@@ -24,9 +24,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+from click.testing import Result
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fastapi import FastAPI
 from sqlalchemy import Engine
+from typer.testing import CliRunner
 
 from kvgov.config import Settings
 from kvgov.connectors.tiers.memory import MemoryTier
@@ -37,7 +39,7 @@ from kvgov.db.tokens import TokenRepository
 from kvgov.keys.kek import generate_kek_file
 from kvgov.ledger.chain import generate_signing_key_file, load_signing_key
 from kvgov.ledger.events import Appended, EntryChange, Event
-from kvgov.ledger.pseudonym import Pseudonymizer
+from kvgov.ledger.pseudonym import Pseudonymizer, generate_pseudonym_key_file
 from kvgov.ledger.writer import LedgerWriter
 from kvgov.proxy.api.auth import ApiContext
 from kvgov.proxy.api.compliance import include_v1
@@ -336,8 +338,22 @@ class ApiWorld:
     settings: Settings
     #: the tier the purge service deletes from (what a sidecar's memory tier would hold)
     memory: MemoryTier
+    #: the database the CLI reaches (the same as ``engine``)
+    database_url: str = ""
     #: ids a test module seeded (purge ids, ...), by name
     ids: dict[str, str] = field(default_factory=dict)
+
+    async def cli(self, *args: str) -> Result:
+        """``kvgov ARGS`` on this node's configuration and database (in a thread: commands
+        such as ``purge status`` run their own event loop)."""
+        from kvgov.cli.main import build_app
+
+        env = {
+            "KVGOV_DATABASE_URL": self.database_url,
+            "KVGOV_DATA_DIR": str(self.settings.data_dir),
+        }
+        runner = CliRunner()
+        return await asyncio.to_thread(runner.invoke, build_app(), list(args), env=env)
 
     async def purge(self, tenant: str, user: str | None = None) -> JobView:
         """Create a purge job and run it to the end, receipt included."""
@@ -371,7 +387,9 @@ def api_world(
     seeder = WriterThread(engine, "seed-node", signing_key)  # a chain of a trusted key
     api_writer = WriterThread(engine, "api-node", signing_key)
     try:
-        pseudo = Pseudonymizer(secrets.token_bytes(32))
+        # in its key file too, so that the CLI on this node pseudonymises as the API does
+        generate_pseudonym_key_file(settings.pseudonym_key_path)
+        pseudo = Pseudonymizer.from_file(settings.pseudonym_key_path)
         seeded = seed_ledger(seeder, pseudo) if seed else Seeded({}, {})
         tokens = make_tokens(engine)
         ctx = ApiContext(
@@ -403,6 +421,7 @@ def api_world(
             purges=purges,
             settings=settings,
             memory=memory,
+            database_url=pg_url,
         )
     finally:
         api_writer.close()

@@ -193,7 +193,7 @@ def test_provenance_lists_exactly_the_chunks_loaded_in_order_with_creators(
     out = runner.invoke(build_app(), ["provenance", "req-p3", "--json"], env=sidecar.env)
     assert out.exit_code == 0, out.output
     chunks = json.loads(out.output)["chunks"]
-    assert [(c["created_by_request"], c["created_by_user"]) for c in chunks] == creators
+    assert [(c["created"]["request_id"], c["created"]["user"]) for c in chunks] == creators
     out = runner.invoke(
         build_app(),
         ["provenance", "--user", "carol", "--tenant", "acme", "--json"],

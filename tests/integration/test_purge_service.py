@@ -25,6 +25,7 @@ from kvgov.config import Settings
 from kvgov.connectors.tiers.filesystem import FilesystemTier
 from kvgov.connectors.tiers.memory import MemoryTier
 from kvgov.db import purge_jobs as jobs
+from kvgov.db import sidecars
 from kvgov.db.engine import make_engine, make_sessionmaker, upgrade, utcnow
 from kvgov.db.keystore import SqlKeyStore
 from kvgov.db.models import CacheEntry, EventPayload, LedgerEvent, PurgeJob, Tenant, UserRef
@@ -294,7 +295,7 @@ async def test_tenant_purge_erases_every_user_of_the_tenant(env: Env) -> None:
 async def test_unregistered_work_ends_incomplete_naming_the_sidecar(env: Env) -> None:
     await env.seed("acme", "alice")
     with make_sessionmaker(env.engine).begin() as s:
-        jobs.heartbeat(s, "sidecar-gone", now=utcnow(), chain_id=None)
+        sidecars.heartbeat(s, "sidecar-gone", now=utcnow(), chain_id=None)
     service = env.service(job_timeout_s=1.0)
     job = await service.create(PurgeRequest(tenant="acme", user="alice"))
     labels = {s.label for s in job.steps}
@@ -314,7 +315,7 @@ async def test_sidecars_sharing_the_database_each_take_their_own_steps(env: Env)
     await env.seed("acme", "alice")
     with make_sessionmaker(env.engine).begin() as s:
         for sid in ("sc-a", "sc-b"):
-            jobs.heartbeat(s, sid, now=utcnow(), chain_id=None)
+            sidecars.heartbeat(s, sid, now=utcnow(), chain_id=None)
     a, b = env.service(sidecar_id="sc-a"), env.service(sidecar_id="sc-b")
     job = await a.create(PurgeRequest(tenant="acme", user="alice"))
     await asyncio.gather(a.run_until_idle(), b.run_until_idle(), a.run_until_idle())

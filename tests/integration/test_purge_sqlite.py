@@ -16,7 +16,7 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
-from kvgov.db import purge_jobs as jobs
+from kvgov.db import sidecars
 from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE, make_engine, make_sessionmaker, upgrade, utcnow
 from kvgov.db.models import Sidecar
 from kvgov.services.purge.steps import StepContext
@@ -51,20 +51,20 @@ async def test_read_then_write_waits_for_a_writer_that_commits_in_between(
         def other_writer() -> None:  # the ledger writer's way: BEGIN IMMEDIATE, on its connection
             try:
                 with Session(immediate) as s, s.begin():
-                    jobs.heartbeat(s, "sidecar-b", now=utcnow(), chain_id=None)
+                    sidecars.heartbeat(s, "sidecar-b", now=utcnow(), chain_id=None)
             except BaseException as exc:  # reported below, on the test's thread
                 errors.append(exc)
             finally:
                 other_done.set()
 
         def read_then_write(s: Session) -> list[str]:
-            live = jobs.live_sidecars(s, now=utcnow(), max_age_s=60)  # read: snapshot taken
+            live = sidecars.live_sidecars(s, now=utcnow(), max_age_s=60)  # read: snapshot taken
             t = threading.Thread(target=other_writer)
             t.start()
             # a deferred transaction lets the other writer commit now; an immediate one makes
             # it wait for this transaction's end (busy timeout)
             other_done.wait(0.5)
-            jobs.heartbeat(s, "sidecar-a", now=utcnow(), chain_id=None)  # write
+            sidecars.heartbeat(s, "sidecar-a", now=utcnow(), chain_id=None)  # write
             s.flush()
             return live
 

@@ -2,7 +2,10 @@
 
 The goldens below were produced by the ``dict[str, Any]`` receipt builder this model replaced
 (commit f05169a), from the same job views: a receipt built now must encode to the same canonical
-bytes, and a receipt signed then must still verify and parse.
+bytes, and a receipt signed then must still verify and parse. Since step details are read through
+their models, the views' details hold every key their executor writes (``executed_by``, ``tiers``,
+``keys_forgotten``, ``digests_sent``, ``removed``...), keys the dict builder never read: the
+goldens did not change.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ full = job(
                 "newly_purged": 3,
                 "verified": True,
                 "executed_by": "sidecar:a",
+                "tiers": ["memory", "filesystem"],
+                "keys_forgotten": 1,
             },
             "a",
         ),
@@ -79,7 +84,15 @@ full = job(
             2,
             StepName.TIERS,
             PurgeState.COMPLETED,
-            {"deleted": {"memory": 1}, "entries_in_scope": 2, "newly_purged": 1, "verified": True},
+            {
+                "deleted": {"memory": 1},
+                "entries_in_scope": 2,
+                "newly_purged": 1,
+                "verified": True,
+                "executed_by": "sidecar:b",
+                "tiers": ["memory"],
+                "keys_forgotten": 0,
+            },
             "b",
         ),
         step(
@@ -87,29 +100,40 @@ full = job(
             StepName.KEYS,
             PurgeState.COMPLETED,
             {
+                "executed_by": "cli:root",
                 "destroyed": [
                     {"key_id": "u:acme:abc", "version": 1},
                     {"key_id": "u:acme:abc", "version": 2},
-                ]
+                ],
             },
         ),
         step(
             4,
             StepName.ENGINES,
             PurgeState.COMPLETED,
-            {"acknowledged": ["vllm-2", "vllm-1", "vllm-1"], "unreachable": []},
+            {
+                "executed_by": "sidecar:a",
+                "digests_sent": 3,
+                "acknowledged": ["vllm-2", "vllm-1", "vllm-1"],
+                "removed": {"vllm-1": 2, "vllm-2": 1},
+                "unreachable": [],
+            },
         ),
         step(
             5,
             StepName.GPU,
             PurgeState.COMPLETED,
-            {"results": [{"engine": "http://e1", "ok": True, "status": 200, "error": None}]},
+            {
+                "executed_by": "cli:root",
+                "results": [{"engine": "http://e1", "ok": True, "status": 200, "error": None}],
+            },
         ),
         step(
             6,
             StepName.LEDGER,
             PurgeState.COMPLETED,
             {
+                "executed_by": "cli:root",
                 "payloads_erased": 4,
                 "users_erased": 1,
                 "payload_event": {"chain_id": "c1", "seq": 10},
@@ -138,6 +162,10 @@ partial = job(
                 "newly_purged": 1,
                 "verified": False,
                 "reason": "entries still present after delete: {'memory': 1}",
+                "executed_by": "sidecar:a",
+                "tiers": ["memory"],
+                "keys_forgotten": 0,
+                "still_present": {"memory": 1},
             },
             "a",
         ),
@@ -148,13 +176,16 @@ partial = job(
             {"not_taken": True, "reason": "sidecar b did not report"},
             "b",
         ),
-        step(3, StepName.KEYS, PurgeState.COMPLETED, {"destroyed": []}),
+        step(3, StepName.KEYS, PurgeState.COMPLETED, {"executed_by": "cli", "destroyed": []}),
         step(
             4,
             StepName.ENGINES,
             PurgeState.INCOMPLETE,
             {
+                "executed_by": "sidecar:a",
+                "digests_sent": 2,
                 "acknowledged": [],
+                "removed": {},
                 "unreachable": [
                     {"engine": "vllm-3", "acked": False, "removed": 0, "error": "timeout"}
                 ],
@@ -166,6 +197,7 @@ partial = job(
             StepName.GPU,
             PurgeState.INCOMPLETE,
             {
+                "executed_by": "cli",
                 "results": [
                     {"engine": "http://e2", "ok": False, "status": None, "error": "refused"}
                 ],
@@ -183,7 +215,7 @@ failed = job(
             2,
             StepName.LEDGER,
             PurgeState.FAILED,
-            {"error": "ledger unavailable", "checkpoint": None},
+            {"error": "ledger unavailable"},  # what fail_step leaves
         ),
     ],
 )

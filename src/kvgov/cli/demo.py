@@ -190,22 +190,27 @@ def _ids(
 
 def _print_provenance(sidecar: _SidecarThread, request_id: str, tenant: str) -> bool:
     from kvgov.db.engine import make_sessionmaker
-    from kvgov.services.provenance import provenance
+    from kvgov.errors import NotFoundError
+    from kvgov.services.provenance import request_provenance
 
     writer, engine = sidecar.ledger()
     sidecar.call(writer.flush())
     with make_sessionmaker(engine)() as session:
-        rows = provenance(session, request_id, tenant)
-        for i, row in enumerate(rows):
-            e = row.entry
-            if e is None:
-                continue
-            echo(
-                f"   chunk #{i} {str(row.key_digest)[:12]}: created by {e.created_request_id} "
-                f"(user {str(e.owner)[:10]}..., {e.created_at:%H:%M:%S}), "
-                f"policy {e.policy_revision}"
-            )
-    return len(rows) == 2
+        try:
+            answer = request_provenance(session, request_id, tenant)
+        except NotFoundError:
+            echo(f"   the ledger has no request {request_id}")
+            return False
+    for chunk in answer.chunks:
+        made = chunk.created
+        if made is None:
+            continue
+        echo(
+            f"   chunk #{chunk.position} {str(chunk.key_digest)[:12]}: created by "
+            f"{made.request_id} (user {str(made.user)[:10]}..., {made.created_at:%H:%M:%S}), "
+            f"policy {made.policy_revision}"
+        )
+    return len(answer.chunks) == 2
 
 
 def _purge(sidecar: _SidecarThread, tenant: str, user: str) -> bool:

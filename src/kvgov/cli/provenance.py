@@ -2,15 +2,18 @@
 
 ``kvgov provenance REQUEST_ID [--tenant T]`` lists the chunks the request loaded, in the order
 they were served (request ids are scoped by tenant: an id several tenants used needs
-``--tenant``), each with its creator (request, user pseudonym, time) and the policy revision that
-admitted it. ``kvgov provenance --user U --tenant T`` answers the reverse: which requests reused
-chunks that user U created. Raw user ids are pseudonymised with the sidecar's key before the
-query; the ledger never holds them.
+``--tenant``, exit 2), each with its creator (request, user pseudonym, time) and the policy
+revision that admitted it; ``--json`` prints the
+:class:`~kvgov.services.provenance.RequestProvenance` that ``GET /v1/requests/{id}/provenance``
+returns, field for field. Exit 1 when the request is unknown or loaded no cached chunk.
+``kvgov provenance --user U --tenant T`` answers the reverse: which requests reused chunks that
+user U created (:class:`~kvgov.services.provenance.UserReuse`). Raw user ids are pseudonymised
+with the sidecar's key before the query; the ledger never holds them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -20,6 +23,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from kvgov.config import Settings
+    from kvgov.services.provenance import RequestProvenance, UserReuse
 
 
 def register(app: typer.Typer) -> None:
@@ -51,75 +55,66 @@ def register(app: typer.Typer) -> None:
             raise fail("kvgov: --user needs --tenant", 2)
         s = settings(ctx)
         engine = make_engine(s.database_url)
+        answer: RequestProvenance | UserReuse
         try:
             with make_sessionmaker(engine)() as session:
                 if request_id is not None:
-                    data = _forward(session, request_id, tenant)
+                    answer = _forward(session, request_id, tenant)
+                    loaded_nothing = not answer.chunks
                 else:
-                    data = _reverse(session, s, tenant or "", user or "")
+                    answer = _reverse(session, s, tenant or "", user or "")
+                    loaded_nothing = False
         finally:
             engine.dispose()
         if as_json:
-            emit_json(data)
+            emit_json(answer.model_dump(mode="json"))
         else:
-            _print(data)
-        if request_id is not None and not data["chunks"]:
+            _print(answer)
+        if loaded_nothing:
             raise typer.Exit(EXIT_FAILED)
 
 
-def _forward(session: Session, request_id: str, tenant: str | None) -> dict[str, Any]:
-    from kvgov.services.provenance import provenance, request_tenants
+def _forward(session: Session, request_id: str, tenant: str | None) -> RequestProvenance:
+    from kvgov.errors import AmbiguousRequestError, NotFoundError
+    from kvgov.services.provenance import request_provenance
 
-    tenants = request_tenants(session, request_id)
-    if tenant is None and len(tenants) > 1:
-        used = ", ".join(t or "(none)" for t in tenants)
-        raise fail(f"kvgov: request id {request_id!r} was used by tenants {used}: give --tenant", 2)
-    if tenant is None and tenants:
-        tenant = tenants[0]
-    chunks = []
-    for i, row in enumerate(provenance(session, request_id, tenant)):
-        entry = row.entry
-        chunks.append(
-            {
-                "position": i,
-                "key_digest": row.key_digest,
-                "served_at": row.served_at.isoformat(),
-                "tier": row.tier,
-                "bytes": row.nbytes,
-                "created_by_request": entry.created_request_id if entry else None,
-                "created_by_user": entry.owner if entry else None,
-                "created_at": entry.created_at.isoformat() if entry else None,
-                "tenant": entry.tenant if entry else None,
-                "sensitivity": str(entry.sensitivity) if entry and entry.sensitivity else None,
-                "policy_revision": entry.policy_revision if entry else None,
-                "state": str(entry.state) if entry else None,
-            }
-        )
-    return {"request_id": request_id, "tenant": tenant, "chunks": chunks}
+    try:
+        return request_provenance(session, request_id, tenant)
+    except AmbiguousRequestError as exc:
+        used = ", ".join(t or "(none)" for t in exc.tenants)
+        raise fail(
+            f"kvgov: request id {request_id!r} was used by tenants {used}: give --tenant", 2
+        ) from exc
+    except NotFoundError as exc:
+        raise fail(f"kvgov: {exc.message}", EXIT_FAILED) from exc
 
 
-def _reverse(session: Session, s: Settings, tenant: str, user: str) -> dict[str, Any]:
+def _reverse(session: Session, s: Settings, tenant: str, user: str) -> UserReuse:
     from kvgov.ledger.pseudonym import Pseudonymizer
     from kvgov.services.provenance import user_reuse
 
     pseudonym = Pseudonymizer.from_file(s.pseudonym_key_path).user(tenant, user)
-    return user_reuse(session, tenant, pseudonym).model_dump(mode="json")
+    return user_reuse(session, tenant, pseudonym)
 
 
-def _print(data: dict[str, Any]) -> None:
-    if "chunks" in data:
-        chunks = data["chunks"]
+def _print(answer: RequestProvenance | UserReuse) -> None:
+    from kvgov.services.provenance import RequestProvenance
+
+    if isinstance(answer, RequestProvenance):
         echo(
-            f"request {data['request_id']} of tenant {data['tenant']}: "
-            f"{len(chunks)} cached chunk(s) loaded"
+            f"request {answer.request_id} of tenant {answer.tenant}: "
+            f"{len(answer.chunks)} cached chunk(s) loaded"
         )
-        for c in chunks:
+        for c in answer.chunks:
+            made = c.created
             echo(
-                f"  #{c['position']} {str(c['key_digest'])[:16]}  from request "
-                f"{c['created_by_request']} by user {str(c['created_by_user'])[:12]} at "
-                f"{c['created_at']}  [{c['sensitivity']}, policy {c['policy_revision']}]"
+                f"  #{c.position} {str(c.key_digest)[:16]}  from request "
+                f"{made.request_id if made else None} by user "
+                f"{str(made.user if made else None)[:12]} at "
+                f"{made.created_at.isoformat() if made else None}  "
+                f"[{c.sensitivity}, policy {made.policy_revision if made else None}]"
             )
         return
-    echo(f"user {data['user'][:12]} in {data['tenant']}: chunks reused by")
-    for r in data["requests"]:
-        echo(f"  {r['request_id']}: {r['chunks']} chunk(s)")
+    echo(f"user {answer.user[:12]} in {answer.tenant}: chunks reused by")
+    for r in answer.requests:
+        echo(f"  {r.request_id}: {r.chunks} chunk(s)")

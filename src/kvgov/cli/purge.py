@@ -132,6 +132,7 @@ async def _purge(
     cfg: Settings, req: PurgeRequest, *, wait: bool, as_json: bool, out: Path | None
 ) -> int:
     from kvgov.services.purge.build import cli_service
+    from kvgov.services.purge.documents import job_document
 
     async with cli_service(cfg) as service:
         if req.dry_run:
@@ -144,7 +145,7 @@ async def _purge(
         job = await service.create(req)
         if not wait:
             if as_json:
-                emit_json(job.to_dict())
+                emit_json(job_document(job).model_dump(mode="json"))
             else:
                 typer.echo(f"purge {job.id} created ({job.state}); `kvgov purge status {job.id}`")
             return EXIT_OK
@@ -161,12 +162,15 @@ async def _status(cfg: Settings, purge_id: str, *, as_json: bool) -> int:
 
 
 def _report(job: JobView, *, as_json: bool, out: Path | None) -> int:
+    """Print the job: with ``--json`` its :class:`PurgeJobDocument` (what ``GET /v1/purges/{id}``
+    answers), else its receipt in words."""
+    from kvgov.services.purge.documents import job_document
     from kvgov.types import PurgeState
 
     if out is not None and job.receipt is not None:
         out.write_text(json.dumps(job.receipt, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if as_json:
-        emit_json(job.to_dict())
+        emit_json(job_document(job).model_dump(mode="json"))
     else:
         typer.echo(f"purge {job.id}: {job.state}")
         from kvgov.services.purge.documents import Receipt

@@ -5,6 +5,8 @@ transaction. Claiming uses ``SELECT ... FOR UPDATE SKIP LOCKED`` on Postgres, so
 sidecars sharing one database never take the same step; SQLite serialises writers itself
 (``BEGIN IMMEDIATE``). A claim commits ``running`` at once; a step left ``running`` by a process
 that died is taken again once its lease has expired (or at once by its own sidecar restarting).
+A step's ``detail`` is stored and read as plain JSON here; its typed model is the service's
+(:mod:`kvgov.services.purge.documents`). Which sidecars are live is :mod:`kvgov.db.sidecars`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, or_, select, update
 from sqlalchemy.orm import Session
 
-from kvgov.db.models import PurgeJob, PurgeReceipt, PurgeStep, Sidecar
+from kvgov.db.models import PurgeJob, PurgeReceipt, PurgeStep
 from kvgov.db.purge_views import (
     MAX_ATTEMPTS,
     TERMINAL_STEP_STATES,
@@ -30,20 +32,6 @@ from kvgov.errors import NotFoundError
 from kvgov.types import PurgeKind, PurgeState
 
 _OPEN = (PurgeState.PENDING, PurgeState.RUNNING)
-
-
-def live_sidecars(s: Session, *, now: datetime, max_age_s: float) -> list[str]:
-    """Sidecars that reported within ``max_age_s``: each gets its own tiers/engines steps."""
-    since = now - timedelta(seconds=max_age_s)
-    return list(s.scalars(select(Sidecar.id).where(Sidecar.last_seen_at >= since)))
-
-
-def heartbeat(s: Session, sidecar_id: str, *, now: datetime, chain_id: str | None) -> None:
-    row = s.get(Sidecar, sidecar_id)
-    if row is None:
-        s.add(Sidecar(id=sidecar_id, chain_id=chain_id, started_at=now, last_seen_at=now))
-    else:
-        row.last_seen_at = now
 
 
 def insert_job(
@@ -209,6 +197,7 @@ def _mark_unreachable(s: Session, job_id: str, *, now: datetime) -> None:
 def finish_step(
     s: Session, step_id: int, state: PurgeState, detail: dict[str, Any], *, now: datetime
 ) -> None:
+    """Record a step's final state and its detail (the JSON of its typed detail)."""
     row = s.get(PurgeStep, step_id, with_for_update=True)
     if row is None:  # pragma: no cover - foreign key
         raise NotFoundError(f"no purge step {step_id}")

@@ -59,7 +59,8 @@ class StepPlan:
 
 @dataclass(frozen=True, slots=True)
 class StepView:
-    """One step as stored."""
+    """One step as stored. ``detail`` is the stored JSON; its typed reading is
+    :func:`kvgov.services.purge.documents.read_detail`."""
 
     id: int
     name: StepName
@@ -100,34 +101,6 @@ class JobView:
     @property
     def finished(self) -> bool:
         return self.state in (PurgeState.COMPLETED, PurgeState.INCOMPLETE, PurgeState.FAILED)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "kind": str(self.kind),
-            "tenant": self.tenant,
-            "subject": self.subject,
-            "state": str(self.state),
-            "dry_run": self.dry_run,
-            "requested_by": self.requested_by,
-            "created_at": self.created_at.isoformat(),
-            "updated_at": self.updated_at.isoformat(),
-            "finished_at": self.finished_at.isoformat() if self.finished_at else None,
-            "result": self.result,
-            "steps": [
-                {
-                    "name": str(s.name),
-                    "sidecar_id": s.sidecar_id,
-                    "state": str(s.state),
-                    "attempts": s.attempts,
-                    "detail": s.detail,
-                    "started_at": s.started_at.isoformat() if s.started_at else None,
-                    "finished_at": s.finished_at.isoformat() if s.finished_at else None,
-                }
-                for s in self.steps
-            ],
-            "receipt": self.receipt,
-        }
 
 
 def plan_steps(live_sidecars: list[str]) -> list[StepPlan]:

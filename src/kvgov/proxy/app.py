@@ -357,14 +357,14 @@ def touch_sidecar(engine: Engine, sidecar_id: str, chain_id: str) -> None:
     """One heartbeat (blocking: run it in a thread); this function owns the transaction."""
     from sqlalchemy.orm import Session
 
-    from kvgov.db import purge_jobs as jobs
+    from kvgov.db import sidecars
     from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE, utcnow
 
     with Session(engine) as session, session.begin():
         # read-then-write: on SQLite take the write lock up front, or a writer committing in
         # between makes the upgrade fail at once with "database is locked"
         session.connection(execution_options={SQLITE_BEGIN_IMMEDIATE: True})
-        jobs.heartbeat(session, sidecar_id, now=utcnow(), chain_id=chain_id)
+        sidecars.heartbeat(session, sidecar_id, now=utcnow(), chain_id=chain_id)
 
 
 async def build_sidecar(

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvgov.errors import (
+    AmbiguousRequestError,
     AuthError,
     ForbiddenError,
     IntegrityError,
@@ -65,12 +66,6 @@ class Problem(BaseModel):
     instance: str | None = Field(default=None, description="the request path")
     code: str
     errors: list[FieldError] | None = None
-
-
-class AmbiguousRequestError(KvgovError):
-    """A request id that several tenants used, asked for without a tenant; answered as 409."""
-
-    code = "ambiguous_request"
 
 
 class UnavailableError(KvgovError):

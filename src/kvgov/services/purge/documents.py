@@ -1,4 +1,4 @@
-"""Typed compliance documents of the purge: the receipt and its parts.
+"""Typed compliance documents of the purge: the receipt, the dry-run plan, step details, jobs.
 
 A :class:`Receipt` is what ``kvgov purge`` prints, ``/v1/purges/{id}/receipt`` returns and the
 ledger's key signs. The signature covers :meth:`Receipt.document` in canonical JSON
@@ -6,13 +6,29 @@ ledger's key signs. The signature covers :meth:`Receipt.document` in canonical J
 earlier ``dict`` builder produced (``tests/unit/test_purge_receipt_documents.py`` holds goldens),
 so receipts signed before these models still verify and parse. Models are frozen and refuse
 unknown fields; a field added here changes the signed format and needs a new ``format``.
+
+Each step executor returns its detail as a model (:class:`TiersDetail`, :class:`KeysDetail`,
+:class:`EnginesDetail`, :class:`GpuDetail`, :class:`LedgerDetail`, all :class:`StepDetail`
+with ``executed_by``); ``purge_steps.detail`` stores its ``model_dump(mode="json")``, the JSON
+the earlier ``dict`` details had, key for key (an optional key is left out while unset, as
+before). A stored detail is read back with :func:`read_detail`: the step's model once its
+executor finished it (``executed_by`` is there), else a bare :class:`StepDetail` (pending
+``{}``, a retried ``error``, ``not_taken`` with its ``reason``). :class:`PurgeJobDocument` is one
+job with its typed steps, the one shape ``GET /v1/purges/{id}`` and ``kvgov purge status --json``
+print.
 """
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvgov.db.purge_views import JobView, StepName
+from kvgov.ledger.events import JSONValue
+from kvgov.types import PurgeKind, PurgeState
 
 RECEIPT_FORMAT: Final = "kvgov-purge-receipt/1"
 
@@ -126,3 +142,249 @@ class PurgePlan(_Document):
     payloads_to_erase: int
     sidecars: tuple[str, ...]
     vllm_engines: tuple[str, ...]
+
+
+# -- step details ------------------------------------------------------------------------------
+
+
+def _unset(value: object) -> bool:
+    return value is None
+
+
+#: who ran a finished step: ``sidecar:<id>`` or the CLI's principal
+ExecutedBy = Annotated[str, Field(description="the principal whose executor ran the step")]
+
+
+class StepDetail(_Document):
+    """What any step's stored detail may say. Alone, the detail of a step no executor finished:
+    ``{}`` (pending), ``error`` (an attempt raised: retried, or ``failed``), ``not_taken`` with
+    its ``reason`` (the job timed out before an executor took it). Unset keys are not written."""
+
+    executed_by: str | None = Field(
+        default=None, exclude_if=_unset, description="the principal whose executor ran the step"
+    )
+    reason: str | None = Field(
+        default=None, exclude_if=_unset, description="why the step is not completed"
+    )
+    error: str | None = Field(
+        default=None, exclude_if=_unset, description="the error of the last attempt that raised"
+    )
+    not_taken: bool | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="true: no executor finished the step before the job timed out",
+    )
+
+    def summary(self) -> dict[str, JSONValue]:
+        """The chained part of the step's ``purge:step`` event: counts and names, no digests."""
+        return {}
+
+
+class TiersDetail(StepDetail):
+    """``tiers`` / ``tiers@S``: the subject's entries deleted from every tier reached."""
+
+    executed_by: ExecutedBy
+    tiers: tuple[str, ...] = Field(description="the tiers this executor reached")
+    deleted: dict[str, int] = Field(description="objects deleted per tier")
+    entries_in_scope: int
+    newly_purged: int = Field(description="entries this step moved to purged")
+    verified: bool = Field(description="every tier answered that none of the entries is left")
+    keys_forgotten: int = Field(description="in-memory data key copies this sidecar dropped")
+    still_present: dict[str, int] | None = Field(
+        default=None, exclude_if=_unset, description="entries a tier still held after delete"
+    )
+
+    def summary(self) -> dict[str, JSONValue]:
+        return {
+            "deleted": dict(self.deleted),
+            "entries_in_scope": self.entries_in_scope,
+            "newly_purged": self.newly_purged,
+            "verified": self.verified,
+        }
+
+
+class KeysDetail(StepDetail):
+    """``keys``: the data key versions crypto-shredded."""
+
+    executed_by: ExecutedBy
+    destroyed: tuple[KeyDestroyed, ...]
+
+    def summary(self) -> dict[str, JSONValue]:
+        return {"keys_destroyed": len(self.destroyed)}
+
+
+class EngineAnswer(_Document):
+    """One engine connection's answer to EVICT (``acked`` with no ``error`` is a success)."""
+
+    engine: str
+    acked: bool
+    removed: int = Field(description="entries the engine removed from its local tiers")
+    error: str | None
+
+
+class EnginesDetail(StepDetail):
+    """``engines@S``: EVICT sent to the engines of sidecar S that may hold the tenant's data."""
+
+    executed_by: ExecutedBy
+    digests_sent: int | None = Field(
+        default=None, exclude_if=_unset, description="distinct key digests sent in EVICT"
+    )
+    #: rows written before EVICT went by digest (7b47158) counted the entries instead
+    keys_known: int | None = Field(
+        default=None, exclude_if=_unset, description="entries known (details before digests)"
+    )
+    acknowledged: tuple[str, ...] = Field(description="engines that evicted")
+    removed: dict[str, int] = Field(description="entries removed per engine")
+    unreachable: tuple[EngineAnswer, ...] = Field(
+        description="engines that did not answer, or answered with an error"
+    )
+
+    def summary(self) -> dict[str, JSONValue]:
+        return {
+            "acknowledged": list(self.acknowledged),
+            "unreachable": [u.engine for u in self.unreachable],
+        }
+
+
+class GpuDetail(StepDetail):
+    """``gpu``: each configured vLLM engine's answer to ``POST /reset_prefix_cache``."""
+
+    executed_by: ExecutedBy
+    results: tuple[GpuReset, ...]
+
+
+class LedgerDetail(StepDetail):
+    """``ledger``: the subject's payloads erased, the erasure recorded and checkpointed."""
+
+    executed_by: ExecutedBy
+    payloads_erased: int
+    users_erased: int
+    payload_event: EventRef
+    erasure_event: EventRef
+    #: signed after the erasure event is durable (null: no checkpointer, or it signed nothing)
+    checkpoint: CheckpointRef | None = None
+
+
+#: the model of each step's detail once its executor finished it
+DETAIL_MODELS: Final[Mapping[StepName, type[StepDetail]]] = {
+    StepName.TIERS: TiersDetail,
+    StepName.KEYS: KeysDetail,
+    StepName.ENGINES: EnginesDetail,
+    StepName.GPU: GpuDetail,
+    StepName.LEDGER: LedgerDetail,
+}
+
+#: any stored detail; each JSON object fits exactly one member (required keys, no extra keys)
+AnyStepDetail = TiersDetail | KeysDetail | EnginesDetail | GpuDetail | LedgerDetail | StepDetail
+
+
+def read_detail(name: StepName, stored: Mapping[str, object] | None) -> StepDetail:
+    """A stored ``purge_steps.detail`` as its model (see the module docstring)."""
+    data = dict(stored or {})
+    model = DETAIL_MODELS[name] if "executed_by" in data else StepDetail
+    return model.model_validate(data)
+
+
+# -- jobs --------------------------------------------------------------------------------------
+
+_JOB_ID = "0b7d4f0e-6a3c-4d8e-9b61-2f1c5a7e9d30"
+
+
+class PurgeStepDocument(_Document):
+    """One step of a purge job: where it runs, its state and what it did."""
+
+    name: StepName
+    sidecar_id: str | None = Field(description="the sidecar whose step it is (null: any executor)")
+    state: PurgeState
+    attempts: int
+    detail: AnyStepDetail = Field(description="what the step did, or why it did not")
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class PurgeJobDocument(_Document):
+    """A purge job with its steps and, once finished, its signed receipt."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "id": _JOB_ID,
+                    "kind": "user",
+                    "tenant": "acme",
+                    "subject": "3f9c2a51b0d84e6f9a7c11d2e8b45a90",
+                    "state": "completed",
+                    "dry_run": False,
+                    "requested_by": "token:5b0c8a8e",
+                    "created_at": "2026-11-21T10:15:02Z",
+                    "updated_at": "2026-11-21T10:15:04Z",
+                    "finished_at": "2026-11-21T10:15:04Z",
+                    "result": {"state": "completed", "tiers": {"memory": 12}, "incomplete": []},
+                    "steps": [
+                        {
+                            "name": "keys",
+                            "sidecar_id": None,
+                            "state": "completed",
+                            "attempts": 1,
+                            "detail": {
+                                "executed_by": "sidecar:node-1",
+                                "destroyed": [
+                                    {
+                                        "key_id": "u:acme:3f9c2a51b0d84e6f9a7c11d2e8b45a90",
+                                        "version": 1,
+                                    }
+                                ],
+                            },
+                            "started_at": "2026-11-21T10:15:02Z",
+                            "finished_at": "2026-11-21T10:15:02Z",
+                        }
+                    ],
+                    "receipt": None,
+                }
+            ]
+        }
+    )
+
+    id: str
+    kind: PurgeKind
+    tenant: str
+    subject: str | None = Field(description="pseudonym of the erased user")
+    state: PurgeState
+    dry_run: bool
+    requested_by: str
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+    result: dict[str, Any] | None
+    steps: tuple[PurgeStepDocument, ...]
+    receipt: dict[str, Any] | None = Field(description="the signed receipt once finished")
+
+
+def job_document(job: JobView) -> PurgeJobDocument:
+    """The job as the API and the CLI show it, each step's detail read through its model."""
+    return PurgeJobDocument(
+        id=job.id,
+        kind=job.kind,
+        tenant=job.tenant,
+        subject=job.subject,
+        state=job.state,
+        dry_run=job.dry_run,
+        requested_by=job.requested_by,
+        created_at=job.created_at,
+        updated_at=job.updated_at,
+        finished_at=job.finished_at,
+        result=job.result,
+        steps=tuple(
+            PurgeStepDocument(
+                name=s.name,
+                sidecar_id=s.sidecar_id,
+                state=s.state,
+                attempts=s.attempts,
+                detail=read_detail(s.name, s.detail),
+                started_at=s.started_at,
+                finished_at=s.finished_at,
+            )
+            for s in job.steps
+        ),
+        receipt=job.receipt,
+    )

@@ -17,6 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from kvgov.db import purge_jobs as jobs
+from kvgov.db import sidecars
 from kvgov.db.engine import utcnow
 from kvgov.errors import KvgovError
 from kvgov.services.purge.service import PurgeService
@@ -44,7 +45,7 @@ class PurgeExecutor:
 
     async def start(self) -> None:
         def register(s: Session) -> int:
-            jobs.heartbeat(s, self.sidecar_id, now=utcnow(), chain_id=self.chain_id)
+            sidecars.heartbeat(s, self.sidecar_id, now=utcnow(), chain_id=self.chain_id)
             return jobs.release_own_steps(s, self.sidecar_id)
 
         released = await self.service.ctx.db(register)
@@ -73,7 +74,7 @@ class PurgeExecutor:
         while not self._stopping:
             try:
                 await self.service.ctx.db(
-                    lambda s: jobs.heartbeat(
+                    lambda s: sidecars.heartbeat(
                         s, self.sidecar_id, now=utcnow(), chain_id=self.chain_id
                     )
                 )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 
@@ -23,9 +22,6 @@ class GpuResetResult:
     ok: bool
     status: int | None
     error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"engine": self.engine, "ok": self.ok, "status": self.status, "error": self.error}
 
 
 async def reset_prefix_caches(urls: list[str], *, timeout_s: float) -> list[GpuResetResult]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvgov.connectors.tiers.base import Tier
 from kvgov.types import KeyState
@@ -168,14 +168,6 @@ class EngineEviction:
     acked: bool
     removed: int = 0
     error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "engine": self.engine,
-            "acked": self.acked,
-            "removed": self.removed,
-            "error": self.error,
-        }
 
 
 class EngineEvictor(Protocol):

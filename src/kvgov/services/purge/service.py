@@ -2,9 +2,10 @@
 
 The CLI, the REST API and each sidecar's background executor all use this one class. Creating a
 job writes the job, its steps and a ``purge:requested`` event; executing claims one step at a
-time (see :mod:`kvgov.db.purge_jobs`) and, when the final ``ledger`` step has run, builds the
-receipt from every step's recorded detail, signs it with the ledger's Ed25519 key and stores it
-with the job's final state in the same transaction.
+time (see :mod:`kvgov.db.purge_jobs`), stores each step's typed detail as its JSON and, when the
+final ``ledger`` step has run, builds the receipt from every step's detail read back through its
+model (:func:`~kvgov.services.purge.documents.read_detail`), signs it with the ledger's Ed25519
+key and stores it with the job's final state in the same transaction.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
 from kvgov.db import purge_jobs as jobs
+from kvgov.db import sidecars
 from kvgov.db.engine import utcnow
 from kvgov.db.purge_views import (
     JobView,
@@ -34,7 +36,24 @@ from kvgov.db.purge_views import (
 from kvgov.errors import KvgovError, PurgeError
 from kvgov.ledger.events import Event
 from kvgov.services.purge import scope
-from kvgov.services.purge.documents import KeyDestroyed, LedgerOutcome, PurgePlan, Receipt
+from kvgov.services.purge.documents import (
+    CheckpointRef,
+    EngineFailure,
+    EnginesDetail,
+    EnginesOutcome,
+    GpuDetail,
+    GpuReset,
+    KeyDestroyed,
+    KeysDetail,
+    LedgerDetail,
+    LedgerOutcome,
+    PurgePlan,
+    Receipt,
+    ReceiptScope,
+    StepDetail,
+    TiersDetail,
+    read_detail,
+)
 from kvgov.services.purge.ports import Checkpointer
 from kvgov.services.purge.receipts import sign_receipt
 from kvgov.services.purge.steps import StepContext, run_step
@@ -77,7 +96,7 @@ class PurgeService:
             return {
                 "entries": entries,
                 "payloads": scope.erasable_payloads(s, req.tenant, subject),
-                "sidecars": jobs.live_sidecars(
+                "sidecars": sidecars.live_sidecars(
                     s, now=utcnow(), max_age_s=self.settings.purge.sidecar_live_s
                 ),
             }
@@ -111,8 +130,8 @@ class PurgeService:
 
         def insert(s: Session) -> JobView:
             now = utcnow()
-            sidecars = jobs.live_sidecars(s, now=now, max_age_s=self.settings.purge.sidecar_live_s)
-            jobs.insert_job(s, job_id, req, subject, plan_steps(sidecars), now=now)
+            live = sidecars.live_sidecars(s, now=now, max_age_s=self.settings.purge.sidecar_live_s)
+            jobs.insert_job(s, job_id, req, subject, plan_steps(live), now=now)
             return jobs.load_job(s, job_id)
 
         job = await self.ctx.db(insert)
@@ -179,7 +198,8 @@ class PurgeService:
         if step.name is StepName.LEDGER:
             await self._finish(job.id, step, (state, detail))
         else:
-            await self.ctx.db(lambda s: jobs.finish_step(s, step.id, state, detail, now=utcnow()))
+            stored = detail.model_dump(mode="json")
+            await self.ctx.db(lambda s: jobs.finish_step(s, step.id, state, stored, now=utcnow()))
         log.info("purge.step.done", extra={"purge_id": job.id, "step": str(step.name)})
         return step
 
@@ -205,25 +225,27 @@ class PurgeService:
     # -- the receipt -----------------------------------------------------------------------
 
     async def _finish(
-        self, job_id: str, ledger_step: StepView, outcome: tuple[PurgeState, dict[str, Any]] | None
+        self, job_id: str, ledger_step: StepView, outcome: tuple[PurgeState, StepDetail] | None
     ) -> None:
         checkpoint = None
         if outcome is not None and self._checkpoint is not None:
             info = await self._checkpoint()
             if info is not None:
-                checkpoint = {
-                    "chain_id": info.chain_id,
-                    "seq": info.seq,
-                    "head_hash": info.head_hash,
-                    "signature": info.signature,
-                }
+                checkpoint = CheckpointRef(
+                    chain_id=info.chain_id,
+                    seq=info.seq,
+                    head_hash=info.head_hash,
+                    signature=info.signature,
+                )
 
         def write(s: Session) -> None:
             now = utcnow()
             if outcome is not None:
                 state, detail = outcome
-                detail = {**detail, "checkpoint": checkpoint}
-                jobs.finish_step(s, ledger_step.id, state, detail, now=now)
+                if isinstance(detail, LedgerDetail):
+                    detail = detail.model_copy(update={"checkpoint": checkpoint})
+                stored = detail.model_dump(mode="json")
+                jobs.finish_step(s, ledger_step.id, state, stored, now=now)
             job = jobs.load_job(s, job_id)
             final = final_state(job.steps) if outcome is not None else PurgeState.FAILED
             receipt = build_receipt(job, final, finished_at=now.isoformat())
@@ -248,12 +270,12 @@ class PurgeService:
 
 
 def build_receipt(job: JobView, state: PurgeState, *, finished_at: str) -> Receipt:
-    """The receipt document (unsigned) from the job's recorded steps."""
+    """The receipt document (unsigned) from the job's steps, each detail read as its model."""
     tiers: dict[str, int] = {}
-    keys: list[dict[str, Any]] = []
+    keys: list[KeyDestroyed] = []
     acked: list[str] = []
-    unreachable: list[dict[str, Any]] = []
-    gpu: list[dict[str, Any]] = []
+    unreachable: list[EngineFailure] = []
+    gpu: list[GpuReset] = []
     incomplete: list[str] = []
     sidecars_done: list[str] = []
     entries_in_scope = 0
@@ -261,70 +283,69 @@ def build_receipt(job: JobView, state: PurgeState, *, finished_at: str) -> Recei
     verified = True
     ledger: LedgerOutcome | None = None
     for step in job.steps:
-        d = step.detail
-        if step.state is not PurgeState.COMPLETED and step.name is not StepName.LEDGER:
-            why = d.get("reason") or d.get("error") or "did not complete"
-            incomplete.append(f"{step.label}: {why}")
-        if d.get("not_taken") is True and step.sidecar_id:
-            unreachable.append({"engine": f"sidecar:{step.sidecar_id}", "error": d.get("reason")})
+        d = read_detail(step.name, step.detail)
+        done = step.state is PurgeState.COMPLETED
+        if not done and step.name is not StepName.LEDGER:
+            incomplete.append(f"{step.label}: {d.reason or d.error or 'did not complete'}")
+        if d.not_taken is True and step.sidecar_id:
+            unreachable.append(EngineFailure(engine=f"sidecar:{step.sidecar_id}", error=d.reason))
         if step.name is StepName.TIERS:
-            for name, n in (d.get("deleted") or {}).items():
-                tiers[name] = tiers.get(name, 0) + int(n)
-            entries_in_scope = max(entries_in_scope, int(d.get("entries_in_scope", 0)))
-            newly_purged = max(newly_purged, int(d.get("newly_purged", 0)))
-            verified = verified and bool(d.get("verified", step.state is PurgeState.COMPLETED))
-            if step.sidecar_id and step.state is PurgeState.COMPLETED:
+            if isinstance(d, TiersDetail):
+                for name, n in d.deleted.items():
+                    tiers[name] = tiers.get(name, 0) + n
+                entries_in_scope = max(entries_in_scope, d.entries_in_scope)
+                newly_purged = max(newly_purged, d.newly_purged)
+            verified = verified and (d.verified if isinstance(d, TiersDetail) else done)
+            if step.sidecar_id and done:
                 sidecars_done.append(step.sidecar_id)
-        elif step.name is StepName.KEYS:
-            keys.extend(d.get("destroyed") or [])
-        elif step.name is StepName.ENGINES:
-            acked.extend(d.get("acknowledged") or [])
-            for u in d.get("unreachable") or []:
-                if isinstance(u, dict):
-                    unreachable.append({"engine": u.get("engine"), "error": u.get("error")})
-        elif step.name is StepName.GPU:
-            gpu.extend(d.get("results") or [])
+        elif isinstance(d, KeysDetail):
+            keys.extend(d.destroyed)
+        elif isinstance(d, EnginesDetail):
+            acked.extend(d.acknowledged)
+            unreachable.extend(EngineFailure(engine=u.engine, error=u.error) for u in d.unreachable)
+        elif isinstance(d, GpuDetail):
+            gpu.extend(d.results)
         elif step.name is StepName.LEDGER:
-            ledger = LedgerOutcome.model_validate(
-                {
-                    "payloads_erased": d.get("payloads_erased", 0),
-                    "users_erased": d.get("users_erased", 0),
-                    "erasure_event": d.get("erasure_event"),
-                    "payload_event": d.get("payload_event"),
-                    "checkpoint": d.get("checkpoint"),
-                }
-            )
-            if step.state is not PurgeState.COMPLETED:
-                incomplete.append(f"ledger: {d.get('error') or 'did not complete'}")
+            ledger = LedgerOutcome()
+            if isinstance(d, LedgerDetail):
+                ledger = LedgerOutcome(
+                    payloads_erased=d.payloads_erased,
+                    users_erased=d.users_erased,
+                    erasure_event=d.erasure_event,
+                    payload_event=d.payload_event,
+                    checkpoint=d.checkpoint,
+                )
+            if not done:
+                incomplete.append(f"ledger: {d.error or 'did not complete'}")
     for e in unreachable:
-        if e["engine"] and not any(str(e["engine"]) in line for line in incomplete):
-            incomplete.append(f"engine {e['engine']} did not acknowledge: {e['error']}")
-    return Receipt.model_validate(
-        {
-            "purge_id": job.id,
-            "state": str(state),
-            "kind": str(job.kind),
-            "tenant": job.tenant,
-            "subject": job.subject,
-            "scope": {
-                "tenant": job.tenant,
-                "subject": job.subject,
-                "rule": "every entry of the tenant"
-                if job.subject is None
-                else "entries of the tenant owned by, scoped to, or put by the subject",
-            },
-            "requested_by": job.requested_by,
-            "requested_at": job.created_at.isoformat(),
-            "finished_at": finished_at,
-            "entries_in_scope": entries_in_scope,
-            "entries_purged": newly_purged,
-            "tiers": tiers,
-            "tiers_verified_absent": verified,
-            "keys_destroyed": keys,
-            "engines": {"acknowledged": sorted(set(acked)), "unreachable": unreachable},
-            "gpu_reset": gpu,
-            "sidecars": sorted(set(sidecars_done)),
-            "ledger": ledger,
-            "incomplete": incomplete,
-        }
+        if e.engine and not any(e.engine in line for line in incomplete):
+            incomplete.append(f"engine {e.engine} did not acknowledge: {e.error}")
+    return Receipt(
+        purge_id=job.id,
+        state=str(state),
+        kind=str(job.kind),
+        tenant=job.tenant,
+        subject=job.subject,
+        scope=ReceiptScope(
+            tenant=job.tenant,
+            subject=job.subject,
+            rule="every entry of the tenant"
+            if job.subject is None
+            else "entries of the tenant owned by, scoped to, or put by the subject",
+        ),
+        requested_by=job.requested_by,
+        requested_at=job.created_at.isoformat(),
+        finished_at=finished_at,
+        entries_in_scope=entries_in_scope,
+        entries_purged=newly_purged,
+        tiers=tiers,
+        tiers_verified_absent=verified,
+        keys_destroyed=tuple(keys),
+        engines=EnginesOutcome(
+            acknowledged=tuple(sorted(set(acked))), unreachable=tuple(unreachable)
+        ),
+        gpu_reset=tuple(gpu),
+        sidecars=tuple(sorted(set(sidecars_done))),
+        ledger=ledger,
+        incomplete=tuple(incomplete),
     )

@@ -1,9 +1,10 @@
 """The purge step executors. Each is idempotent: running it again finds nothing left to do.
 
-An executor returns the step's final state and a JSON detail (what it did, counts, who did not
-answer). It raises only for errors worth a retry (a tier backend failing, the database going
-away); the caller then puts the step back to pending, or marks it failed after
-``MAX_ATTEMPTS``.
+An executor returns the step's final state and its typed detail (what it did, counts, who did
+not answer: one model per step in :mod:`kvgov.services.purge.documents`, stored as its JSON;
+its ``summary()`` is the chained part of the ``purge:step`` event). It raises only for errors
+worth a retry (a tier backend failing, the database going away); the caller then puts the step
+back to pending, or marks it failed after ``MAX_ATTEMPTS``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -22,6 +23,18 @@ from kvgov.db.purge_views import JobView, StepName, StepView
 from kvgov.ledger.events import Appended, Event, EventSink
 from kvgov.services.purge import scope
 from kvgov.services.purge.deletion import delete_entries, emit_all
+from kvgov.services.purge.documents import (
+    EngineAnswer,
+    EnginesDetail,
+    EventRef,
+    GpuDetail,
+    GpuReset,
+    KeyDestroyed,
+    KeysDetail,
+    LedgerDetail,
+    StepDetail,
+    TiersDetail,
+)
 from kvgov.services.purge.gpu import reset_prefix_caches
 from kvgov.services.purge.ports import EngineEvictor, KeyShredder, LocalIndex, TierSet
 from kvgov.types import EntryState, EventKind, Outcome, PurgeState
@@ -29,7 +42,7 @@ from kvgov.types import EntryState, EventKind, Outcome, PurgeState
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-StepOutcome = tuple[PurgeState, dict[str, Any]]
+StepOutcome = tuple[PurgeState, StepDetail]
 
 
 @dataclass
@@ -70,7 +83,6 @@ class StepContext:
 async def run_step(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
     runner = _RUNNERS[step.name]
     state, detail = await runner(ctx, job, step)
-    detail["executed_by"] = ctx.principal
     await ctx.emit(
         [
             Event(
@@ -85,23 +97,12 @@ async def run_step(ctx: StepContext, job: JobView, step: StepView) -> StepOutcom
                     "step": str(step.name),
                     "sidecar_id": step.sidecar_id,
                     "attempt": step.attempts,
-                    "summary": _summary(detail),
+                    "summary": detail.summary(),
                 },
             )
         ]
     )
     return state, detail
-
-
-def _summary(detail: dict[str, Any]) -> dict[str, Any]:
-    """The chained part of a step event: counts and names, no lists of digests."""
-    keep = ("deleted", "entries_in_scope", "newly_purged", "verified", "acknowledged")
-    out: dict[str, Any] = {k: detail[k] for k in keep if k in detail}
-    if "destroyed" in detail:
-        out["keys_destroyed"] = len(detail["destroyed"])
-    if "unreachable" in detail and isinstance(detail["unreachable"], list):
-        out["unreachable"] = [u.get("engine") for u in detail["unreachable"]]
-    return out
 
 
 async def _tiers(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
@@ -124,19 +125,19 @@ async def _tiers(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
         # drop this sidecar's in-memory copies of the subject's data keys (idempotent)
         forgotten = len(await asyncio.to_thread(ctx.shredder.shred, job.tenant, job.subject))
     sweep = result.sweep
-    detail: dict[str, Any] = {
-        "tiers": ctx.tiers.names,
-        "deleted": sweep.deleted,
-        "entries_in_scope": len(entries),
-        "newly_purged": len([e for e in entries if e.state is not EntryState.PURGED]),
-        "verified": sweep.verified,
-        "keys_forgotten": forgotten,
-    }
-    if sweep.still_present:
-        detail["still_present"] = {k: len(v) for k, v in sweep.still_present.items()}
-        detail["reason"] = f"entries still present after delete: {detail['still_present']}"
-        return PurgeState.INCOMPLETE, detail
-    return PurgeState.COMPLETED, detail
+    still = {k: len(v) for k, v in sweep.still_present.items()}
+    detail = TiersDetail(
+        executed_by=ctx.principal,
+        tiers=tuple(ctx.tiers.names),
+        deleted=sweep.deleted,
+        entries_in_scope=len(entries),
+        newly_purged=len([e for e in entries if e.state is not EntryState.PURGED]),
+        verified=sweep.verified,
+        keys_forgotten=forgotten,
+        still_present=still or None,
+        reason=f"entries still present after delete: {still}" if still else None,
+    )
+    return (PurgeState.INCOMPLETE if still else PurgeState.COMPLETED), detail
 
 
 async def _keys(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
@@ -155,9 +156,10 @@ async def _keys(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
             for k in destroyed
         ]
     )
-    return PurgeState.COMPLETED, {
-        "destroyed": [{"key_id": k.key_id, "version": k.version} for k in destroyed]
-    }
+    return PurgeState.COMPLETED, KeysDetail(
+        executed_by=ctx.principal,
+        destroyed=tuple(KeyDestroyed(key_id=k.key_id, version=k.version) for k in destroyed),
+    )
 
 
 async def _engines(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
@@ -170,34 +172,40 @@ async def _engines(ctx: StepContext, job: JobView, step: StepView) -> StepOutcom
         holders,
     )
     # an ACK that reports an error (the engine could not look or could not match) did not evict
-    acked = [r.to_dict() for r in results if r.acked and r.error is None]
-    missing = [r.to_dict() for r in results if not r.acked or r.error is not None]
+    answers = [
+        EngineAnswer(engine=r.engine, acked=r.acked, removed=r.removed, error=r.error)
+        for r in results
+    ]
+    acked = [a for a in answers if a.acked and a.error is None]
+    missing = tuple(a for a in answers if not a.acked or a.error is not None)
     removed: dict[str, int] = {}
-    for r in acked:  # two connections of one engine id add up
-        removed[r["engine"]] = removed.get(r["engine"], 0) + int(r["removed"])
-    detail: dict[str, Any] = {
-        "digests_sent": len({e.key_digest for e in entries}),
-        "acknowledged": sorted({r["engine"] for r in acked}),
-        "removed": removed,
-        "unreachable": missing,
-    }
-    if missing:
-        names = ", ".join(f"{r['engine']} ({r['error']})" for r in missing)
-        detail["reason"] = "no successful EVICT acknowledgement from " + names
-        return PurgeState.INCOMPLETE, detail
-    return PurgeState.COMPLETED, detail
+    for a in acked:  # two connections of one engine id add up
+        removed[a.engine] = removed.get(a.engine, 0) + a.removed
+    names = ", ".join(f"{a.engine} ({a.error})" for a in missing)
+    detail = EnginesDetail(
+        executed_by=ctx.principal,
+        digests_sent=len({e.key_digest for e in entries}),
+        acknowledged=tuple(sorted({a.engine for a in acked})),
+        removed=removed,
+        unreachable=missing,
+        reason="no successful EVICT acknowledgement from " + names if missing else None,
+    )
+    return (PurgeState.INCOMPLETE if missing else PurgeState.COMPLETED), detail
 
 
 async def _gpu(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
     results = await reset_prefix_caches(
         list(ctx.settings.purge.vllm_engines), timeout_s=ctx.settings.purge.http_timeout_s
     )
-    detail: dict[str, Any] = {"results": [r.to_dict() for r in results]}
     failed = [f"{r.engine} ({r.status or r.error})" for r in results if not r.ok]
-    if failed:
-        detail["reason"] = "GPU prefix cache not reset on " + ", ".join(failed)
-        return PurgeState.INCOMPLETE, detail
-    return PurgeState.COMPLETED, detail
+    detail = GpuDetail(
+        executed_by=ctx.principal,
+        results=tuple(
+            GpuReset(engine=r.engine, ok=r.ok, status=r.status, error=r.error) for r in results
+        ),
+        reason="GPU prefix cache not reset on " + ", ".join(failed) if failed else None,
+    )
+    return (PurgeState.INCOMPLETE if failed else PurgeState.COMPLETED), detail
 
 
 async def _ledger(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
@@ -233,12 +241,13 @@ async def _ledger(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome
             ),
         ]
     )
-    return PurgeState.COMPLETED, {
-        "payloads_erased": payloads,
-        "users_erased": users,
-        "payload_event": {"chain_id": erased.chain_id, "seq": erased.seq},
-        "erasure_event": {"chain_id": purged.chain_id, "seq": purged.seq},
-    }
+    return PurgeState.COMPLETED, LedgerDetail(
+        executed_by=ctx.principal,
+        payloads_erased=payloads,
+        users_erased=users,
+        payload_event=EventRef(chain_id=erased.chain_id, seq=erased.seq),
+        erasure_event=EventRef(chain_id=purged.chain_id, seq=purged.seq),
+    )
 
 
 _RUNNERS: dict[StepName, Callable[[StepContext, JobView, StepView], Awaitable[StepOutcome]]] = {

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 
 from kvgov.db.models import CacheEntry
-from kvgov.errors import InvalidInputError, NotFoundError
+from kvgov.errors import InvalidInputError
 from kvgov.ledger import queries_api as q
 from kvgov.proxy.api.auth import Context, DbSession, Reader
 from kvgov.proxy.api.pagination import (
@@ -19,7 +19,7 @@ from kvgov.proxy.api.pagination import (
     next_link,
     time_key,
 )
-from kvgov.proxy.api.problems import AmbiguousRequestError, problem_responses
+from kvgov.proxy.api.problems import problem_responses
 from kvgov.proxy.api.v1.params import (
     RequestIdPath,
     RequiredTenantQuery,
@@ -30,15 +30,9 @@ from kvgov.proxy.api.v1.params import (
     UserQuery,
     utc,
 )
-from kvgov.proxy.api.v1.schemas import (
-    Creation,
-    Entry,
-    Footprint,
-    FootprintEntry,
-    Provenance,
-    ProvenanceItem,
-)
-from kvgov.services.provenance import served_to
+from kvgov.proxy.api.v1.schemas import Entry, Footprint, FootprintEntry
+from kvgov.services import provenance
+from kvgov.services.provenance import RequestProvenance
 from kvgov.types import EntryState, Sensitivity
 
 router = APIRouter(tags=["cache data"])
@@ -142,9 +136,9 @@ def list_entries(
         "who created each one: the creating request, the user's pseudonym, the time and the "
         "policy revision. Request ids are scoped by tenant: a tenant-scoped token sees its "
         "tenant's request R only; without `tenant`, an id several tenants used is 409 "
-        "`ambiguous_request`."
+        "`ambiguous_request`. `kvgov provenance R --json` prints the same document."
     ),
-    response_model=Provenance,
+    response_model=RequestProvenance,
     responses=problem_responses(401, 403, 404, 409, 422),
 )
 def request_provenance(
@@ -153,51 +147,9 @@ def request_provenance(
     principal: Reader,
     session: DbSession,
     tenant: TenantQuery = None,
-) -> Provenance:
-    wanted = principal.tenant_filter(tenant)
-    tenants = q.request_tenants(session, request_id)
-    if wanted is not None and wanted not in tenants:
-        raise NotFoundError(f"the ledger has no request {request_id!r} in tenant {wanted!r}")
-    if wanted is None and len(tenants) > 1:
-        raise AmbiguousRequestError(
-            f"{len(tenants)} tenants used request id {request_id!r}: name one with ?tenant="
-        )
-    if not tenants:
-        raise NotFoundError(f"the ledger has no request {request_id!r}")
-    tenant = wanted if wanted is not None else tenants[0]
-    req = q.get_request(session, request_id, tenant)
-    chunks = []
-    for position, row in enumerate(q.provenance(session, request_id, tenant)):
-        entry = row.entry
-        chunks.append(
-            ProvenanceItem(
-                position=position,
-                key_digest=row.key_digest,
-                served_at=row.served_at,
-                tier=row.tier,
-                nbytes=row.nbytes,
-                chain_id=row.chain_id,
-                seq=row.seq,
-                tenant=entry.tenant if entry else tenant,
-                sensitivity=entry.sensitivity if entry else None,
-                state=entry.state if entry else None,
-                created=None
-                if entry is None
-                else Creation(
-                    request_id=entry.created_request_id,
-                    user=entry.owner,
-                    created_at=entry.created_at,
-                    policy_revision=entry.policy_revision,
-                    decision_id=entry.decision_id,
-                ),
-            )
-        )
-    return Provenance(
-        request_id=request_id,
-        tenant=tenant,
-        user=req.actor if req is not None else None,
-        chunks=chunks,
-    )
+) -> RequestProvenance:
+    # 404 for a request the tenant never used, 409 for an id several tenants used
+    return provenance.request_provenance(session, request_id, principal.tenant_filter(tenant))
 
 
 @router.get(
@@ -229,7 +181,7 @@ def user_footprint(
         session, tenant=tenant, user=pseudonym, after=time_key(cursor), limit=limit + 1
     )
     page = rows[:limit]
-    reuse = served_to(session, [r.key_digest for r in page])
+    reuse = provenance.served_to(session, [r.key_digest for r in page])
     items = [
         FootprintEntry(**entry_out(r).model_dump(), reused_by=reuse.get(r.key_digest, []))
         for r in page

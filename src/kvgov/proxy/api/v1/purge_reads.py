@@ -31,7 +31,7 @@ from kvgov.proxy.api.pagination import (
 )
 from kvgov.proxy.api.problems import problem_responses
 from kvgov.proxy.api.v1.params import SinceQuery, TenantQuery, UntilQuery, utc
-from kvgov.proxy.api.v1.purges import PurgeJobOut, job_out
+from kvgov.services.purge.documents import PurgeJobDocument, job_document
 from kvgov.services.purge.receipts import verify_receipt
 from kvgov.types import PurgeKind, PurgeState
 
@@ -279,14 +279,18 @@ def list_purges(
 @router.get(
     "/purges/{purge_id}",
     summary="A purge job",
-    description="The job, its steps and, once finished, its signed receipt. Auditors and admins.",
-    response_model=PurgeJobOut,
+    description=(
+        "The job, its steps (each step's `detail` says what it did, or why it did not) and, "
+        "once finished, its signed receipt; `kvgov purge status ID --json` prints the same "
+        "document. Auditors and admins."
+    ),
+    response_model=PurgeJobDocument,
     responses=problem_responses(401, 403, 404, 422),
 )
-def get_purge(*, purge_id: PurgeIdPath, principal: Reader, session: DbSession) -> PurgeJobOut:
+def get_purge(*, purge_id: PurgeIdPath, principal: Reader, session: DbSession) -> PurgeJobDocument:
     job = jobs.load_job(session, purge_id)
     principal.check_tenant(job.tenant)
-    return job_out(job)
+    return job_document(job)
 
 
 @router.get(

@@ -11,23 +11,20 @@ receipt; auditors too) are in :mod:`kvgov.proxy.api.v1.purge_reads` and need no 
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, status
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvgov.db.purge_views import JobView, PurgeRequest
+from kvgov.db.purge_views import PurgeRequest
 from kvgov.proxy.api.auth import Admin
 from kvgov.proxy.api.problems import problem_responses
 from kvgov.proxy.api.v1.params import SAFE_TEXT
-from kvgov.services.purge.documents import PurgePlan
+from kvgov.services.purge.documents import PurgeJobDocument, PurgePlan, job_document
 from kvgov.services.purge.service import PurgeService
 
 router = APIRouter(tags=["purges"])
-
-_JOB_ID = "0b7d4f0e-6a3c-4d8e-9b61-2f1c5a7e9d30"
 
 
 class PurgeCreate(BaseModel):
@@ -49,59 +46,6 @@ class PurgeCreate(BaseModel):
     dry_run: bool = Field(default=False, description="report what would be deleted, change nothing")
 
 
-class PurgeStepOut(BaseModel):
-    name: str
-    sidecar_id: str | None
-    state: str
-    attempts: int
-    detail: dict[str, Any]
-    started_at: datetime | None
-    finished_at: datetime | None
-
-
-class PurgeJobOut(BaseModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {
-                    "id": _JOB_ID,
-                    "kind": "user",
-                    "tenant": "acme",
-                    "subject": "3f9c2a51b0d84e6f9a7c11d2e8b45a90",
-                    "state": "completed",
-                    "dry_run": False,
-                    "requested_by": "token:5b0c8a8e",
-                    "created_at": "2026-11-21T10:15:02Z",
-                    "updated_at": "2026-11-21T10:15:04Z",
-                    "finished_at": "2026-11-21T10:15:04Z",
-                    "result": {"state": "completed", "tiers": {"memory": 12}, "incomplete": []},
-                    "steps": [],
-                    "receipt": None,
-                }
-            ]
-        }
-    )
-
-    id: str
-    kind: str
-    tenant: str
-    subject: str | None = Field(description="pseudonym of the erased user")
-    state: str
-    dry_run: bool
-    requested_by: str
-    created_at: datetime
-    updated_at: datetime
-    finished_at: datetime | None
-    result: dict[str, Any] | None
-    steps: list[PurgeStepOut]
-    receipt: dict[str, Any] | None = Field(description="the signed receipt once finished")
-
-
-def job_out(job: JobView) -> PurgeJobOut:
-    data = job.to_dict()
-    return PurgeJobOut.model_validate(data)
-
-
 def _service(request: Request) -> PurgeService:
     service = getattr(request.app.state, "kvgov_purge", None)
     if not isinstance(service, PurgeService):
@@ -116,7 +60,7 @@ def _service(request: Request) -> PurgeService:
     "what would be deleted (200) and change nothing. Admins only; a tenant-scoped admin may "
     "purge only its tenant. Keys are crypto-shredded only this way over REST.",
     status_code=status.HTTP_202_ACCEPTED,
-    response_model=PurgeJobOut,
+    response_model=PurgeJobDocument,
     responses={
         200: {"description": "Dry run: what would be deleted", "model": PurgePlan},
         **problem_responses(401, 403, 422),
@@ -135,7 +79,7 @@ async def create_purge(body: PurgeCreate, principal: Admin, request: Request) ->
     wake: Callable[[], None] | None = getattr(request.app.state, "kvgov_purge_wake", None)
     if wake is not None:
         wake()
-    return job_out(job)
+    return job_document(job)
 
 
 def include_purges(

@@ -67,68 +67,6 @@ class Entry(BaseModel):
     policy_revision: str | None
 
 
-class Creation(BaseModel):
-    """Who created a cached chunk."""
-
-    request_id: str | None
-    user: str | None = Field(description="pseudonym of the creating user")
-    created_at: datetime
-    policy_revision: str | None
-    decision_id: str | None
-
-
-class ProvenanceItem(BaseModel):
-    position: int = Field(description="0-based order in which the chunk was served")
-    key_digest: str | None
-    served_at: datetime
-    tier: str | None = Field(description="tier the chunk was read from")
-    nbytes: int | None
-    chain_id: str
-    seq: int = Field(description="ledger position of the serving event")
-    tenant: str | None
-    sensitivity: Sensitivity | None
-    state: EntryState | None = Field(description="the entry's state now (null if unindexed)")
-    created: Creation | None
-
-
-class Provenance(BaseModel):
-    """Which cached chunks fed a request, in order, and who created each."""
-
-    model_config = _example(
-        {
-            "request_id": "req-9d21",
-            "tenant": "acme",
-            "user": _PSEUDO,
-            "chunks": [
-                {
-                    "position": 0,
-                    "key_digest": _DIGEST,
-                    "served_at": "2026-11-21T10:20:40.002000Z",
-                    "tier": "memory",
-                    "nbytes": 4194304,
-                    "chain_id": "node-a",
-                    "seq": 1042,
-                    "tenant": "acme",
-                    "sensitivity": "internal",
-                    "state": "live",
-                    "created": {
-                        "request_id": "req-7f3a",
-                        "user": _PSEUDO,
-                        "created_at": _T0,
-                        "policy_revision": "bundle-2026.11.20",
-                        "decision_id": "d-1c9e",
-                    },
-                }
-            ],
-        }
-    )
-
-    request_id: str
-    tenant: str | None
-    user: str | None = Field(description="pseudonym of the requesting user")
-    chunks: list[ProvenanceItem]
-
-
 class FootprintEntry(Entry):
     reused_by: list[str] = Field(description="request ids this chunk was served to")
 
