@@ -15,7 +15,9 @@
 3. The floor (``bench/floor.py``): the same transport with no kvgov code, plain vs with AES-GCM
    beside the copies: the least any governed path can add here, to read the ratios of 1. against.
    Measured first, in the same run; the ``/floor`` columns of 1. and 2. are governed GB/s as a
-   fraction of the floor's sealed (put) and opened (get) GB/s at that size.
+   fraction of the floor's sealed (put) and opened (get) GB/s at that size. The CPU table
+   sets the governed sidecar's CPU per operation beside the floor server's CPU per sealed put
+   and opened get: what receiving and sealing (sending and opening) cost with no kvgov code.
 
 Every server runs in its own process (like ``lmcache_server``), so no side shares the client's
 GIL. Tier chain on both kvgov sidecars: ``memory`` only (2 GiB: every size's chunks fit);
@@ -452,10 +454,18 @@ def main() -> None:
                     print(
                         f"{'chunk':>7} {'put gov':>17} {'put off':>17}"
                         f" {'get gov':>17} {'get off':>17}"
+                        "  sidecar put gov / floor sealed, get gov / floor opened"
                     )
                     for size, *cells in cpu_rows:
                         text = " ".join(f"{c[0]:5.2f}/{c[1]:4.2f}/{c[2]:5.2f}" for c in cells)
-                        print(f"{size // MIB:>5}MiB {text}", flush=True)
+                        f = floors.get(size, {})
+                        vs = (
+                            f"  {cells[0][0]:5.2f}/{f['put-sealed cpu']:5.2f}"
+                            f" {cells[2][0]:5.2f}/{f['get-sealed cpu']:5.2f}"
+                            if "put-sealed cpu" in f
+                            else ""
+                        )
+                        print(f"{size // MIB:>5}MiB {text}{vs}", flush=True)
                     print(
                         "while the tier fills (fresh buffers, every page faulted in), put CPU"
                         " per operation, ms, sidecar: "

@@ -15,7 +15,9 @@ Raw sockets, one server process per side (like the sidecars), one blocking clien
 
 The sealed/plain time ratio is the least any governed data path can add to the same transport
 here: on a 2-core machine encryption competes with the copies into and out of the kernel for
-the same cores. ``python bench/floor.py [--mib 128] [--repeat 3]`` prints GB/s and the ratios.
+the same cores. ``python bench/floor.py [--mib 128] [--repeat 3]`` prints GB/s and the ratios,
+and the server's CPU per chunk (ms, from ``/proc``: every thread, kernel time included): the CPU
+a sealed put or an opened get costs on this transport before any governance.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import struct
 import threading
 import time
 from multiprocessing.queues import Queue
+from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -133,8 +136,15 @@ def _serve(mode: str, size: int, ready: Queue[Any]) -> None:
         listener.close()
 
 
-def _client(mode: str, port: int, size: int, n: int) -> float:
-    """GB/s for ``n`` chunks of ``size`` bytes (one warm-up chunk first)."""
+def _server_cpu(pid: int) -> float:
+    """CPU seconds the server process used so far (utime + stime, every thread)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _client(mode: str, port: int, size: int, n: int, pid: int) -> tuple[float, float]:
+    """GB/s and the server's CPU ms per chunk for ``n`` chunks of ``size`` bytes (one warm-up
+    chunk first)."""
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     data = memoryview(os.urandom(size))
@@ -156,34 +166,44 @@ def _client(mode: str, port: int, size: int, n: int) -> float:
     run = puts if mode.startswith("put") else gets
     try:
         run(1)
+        cpu = _server_cpu(pid)
         start = time.perf_counter()
         run(n)
-        return size * n / (time.perf_counter() - start) / 1e9
+        elapsed = time.perf_counter() - start
+        return size * n / elapsed / 1e9, 1000 * (_server_cpu(pid) - cpu) / n
     finally:
         sock.close()
 
 
-def measure(mode: str, size: int, n: int) -> float:
+def measure(mode: str, size: int, n: int) -> tuple[float, float]:
     ctx = mp.get_context("spawn")
     ready: Queue[Any] = ctx.Queue()
     proc = ctx.Process(target=_serve, args=(mode, size, ready), daemon=True)
     proc.start()
     try:
-        return _client(mode, ready.get(timeout=30), size, n)
+        port = ready.get(timeout=30)
+        assert proc.pid is not None
+        return _client(mode, port, size, n, proc.pid)
     finally:
         proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
 
 
+MODES = ("put-plain", "put-sealed", "get-plain", "get-sealed")
+
+
 def floor(size: int, budget_mib: int, repeat: int) -> dict[str, float]:
-    """Median GB/s per mode, the modes interleaved ``repeat`` times."""
+    """Median GB/s per mode and (``<mode> cpu``) the server's median CPU ms per chunk, the modes
+    interleaved ``repeat`` times."""
     n = max(8, budget_mib * MIB // size)
-    runs: dict[str, list[float]] = {}
+    runs: dict[str, list[tuple[float, float]]] = {}
     for _ in range(repeat):
-        for mode in ("put-plain", "put-sealed", "get-plain", "get-sealed"):
+        for mode in MODES:
             runs.setdefault(mode, []).append(measure(mode, size, n))
-    return {mode: statistics.median(v) for mode, v in runs.items()}
+    out = {mode: statistics.median(r[0] for r in v) for mode, v in runs.items()}
+    out.update({f"{mode} cpu": statistics.median(r[1] for r in v) for mode, v in runs.items()})
+    return out
 
 
 def print_floor(sizes: list[int], budget_mib: int, repeat: int) -> dict[int, dict[str, float]]:
@@ -194,13 +214,16 @@ def print_floor(sizes: list[int], budget_mib: int, repeat: int) -> dict[int, dic
     print(
         f"{'chunk':>7} {'put plain':>9} {'sealed':>7} {'ratio':>6}"
         f" {'get plain':>9} {'opened':>7} {'ratio':>6}"
+        "   server CPU ms/chunk: put plain/sealed, get plain/opened"
     )
     for size in sizes:
         f = out[size] = floor(size, budget_mib, repeat)
         print(
             f"{size // MIB:>5}MiB {f['put-plain']:9.2f} {f['put-sealed']:7.2f}"
             f" {f['put-plain'] / f['put-sealed']:5.2f}x {f['get-plain']:9.2f}"
-            f" {f['get-sealed']:7.2f} {f['get-plain'] / f['get-sealed']:5.2f}x",
+            f" {f['get-sealed']:7.2f} {f['get-plain'] / f['get-sealed']:5.2f}x"
+            f"   {f['put-plain cpu']:6.2f}/{f['put-sealed cpu']:6.2f}"
+            f" {f['get-plain cpu']:6.2f}/{f['get-sealed cpu']:6.2f}",
             flush=True,
         )
     return out
