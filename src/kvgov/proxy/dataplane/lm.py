@@ -31,10 +31,9 @@ from typing import Any
 
 from kvgov.errors import ConfigError
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse
-from kvgov.proxy.dataplane.door import Door
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.limits import ConnectionLimits, Watchdog
-from kvgov.proxy.dataplane.pipeline import Pipeline
+from kvgov.proxy.dataplane.pipeline import Door, Pipeline
 from kvgov.wire.itemmeta import from_lm, to_lm
 from kvgov.wire.messages import EMPTY_CONTEXT as EMPTY
 
