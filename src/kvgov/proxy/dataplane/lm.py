@@ -13,7 +13,7 @@ the PUT as ``bad_item_meta``, recorded), stored with the entry (the dtype by its
 kvgov wire stores it) and returned by GET (the name mapped back to LMCache's int). A stored
 value that fails its checks is a miss (``FAIL``), never a dropped connection.
 
-A PUT is sealed and stored by its door's storer task (:mod:`kvgov.proxy.dataplane.door`)
+A PUT is sealed and stored by its door's storer task (:mod:`kvgov.proxy.dataplane.pipeline`)
 while the next request is read (PUTs of a connection are stored in request order, a run of
 ready ones in one pass of the event loop, and any other request first waits until they are
 stored, so it sees them); its ledger event is group-committed in the background (at most

@@ -61,7 +61,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from kvgov.connectors.tiers.base import copy_into
@@ -90,8 +90,9 @@ from kvgov.proxy.dataplane.plans import (
     open_value,
     segments_per_job,
 )
-from kvgov.proxy.dataplane.records import Recorder, entry_gone, evict_event, op_event, put_event
+from kvgov.proxy.dataplane.records import Recorder, entry_gone, op_event, put_event
 from kvgov.proxy.dataplane.unsafe import NullEventSink, PlaintextSealer
+from kvgov.proxy.dataplane.upkeep import evicted
 from kvgov.types import EntryState, EventKind, Operation, Outcome, Scope
 from kvgov.wire.itemmeta import check_item_meta
 from kvgov.wire.messages import RequestContext
@@ -242,7 +243,7 @@ class Door:
                 continue
             await asyncio.wait(list(self._unsettled), return_when=asyncio.FIRST_COMPLETED)
 
-    # -- put -----------------------------------------------------------------------------------
+    # -- put: 1-2 admit and plan, 4 commit, 5-6 store and record in order, 7 settle/ack ---------
 
     async def put(
         self,
@@ -341,7 +342,7 @@ class Door:
         if not fut.done():
             fut.set_result(ack)
 
-    # -- get -----------------------------------------------------------------------------------
+    # -- get: admit and find, load (Pipeline), sent -> served ----------------------------------
 
     async def get(self, identity: Identity, key: str, ctx: RequestContext) -> GetPlan | None:
         """One key's hit, authenticated and ready to send, or None (a miss or a denial)."""
@@ -514,7 +515,7 @@ class Pipeline:
             and self.policy.revision.policy != "unsafe-allow-all"
         )
 
-    # -- put -----------------------------------------------------------------------------------
+    # -- put: 1-2 admit and plan (put), 5-6 store and record (store_put) ------------------------
 
     def lease_bound(self, length: int, item_meta: Mapping[str, Any] | None = None) -> int:
         """An upper bound on the pooled buffer a put of ``length`` bytes takes (its envelope
@@ -931,39 +932,11 @@ class Pipeline:
     def tier_evicted(self, tier: str, digest: str, nbytes: int) -> None:
         """A tier dropped ``digest`` to make room (its ``on_evict`` hook, called on the loop):
         update the index and record ``kv:evict`` with the entry-index change."""
-        entry = self.index.get(digest)
-        if entry is None or tier not in entry.tiers:
-            return
-        remaining = tuple(t for t in entry.tiers if t != tier)
-        if remaining:
-            self.index.set(digest, replace(entry, tiers=remaining))
-        else:
-            self.index.pop(digest)
-        event = evict_event(digest, entry, tier, remaining)
-        self.recorder.note(event, "dataplane.evict.unrecorded")
+        event = evicted(self.index, tier, digest)
+        if event is not None:
+            self.recorder.note(event, "dataplane.evict.unrecorded")
 
     async def recorded(self, timeout_s: float = 10.0) -> None:
         """Wait (at most ``timeout_s``) for the events being recorded in the background
         (denial summaries of closed connections, ...): before the ledger writer closes."""
         await self.recorder.recorded(timeout_s)
-
-    async def expired(self) -> list[tuple[str, str | None]]:
-        """The entries past their TTL that this process knows of (its index, and what its tiers
-        just dropped themselves), with their tenants: the retention sweeper deletes, verifies
-        and records them through the one deletion path."""
-        now = self.clock()
-        digests = set(self.index.expired(now))
-        digests.update(await self.tiers.sweep(now))
-        out = []
-        for digest in sorted(digests):
-            entry = self.index.get(digest)
-            out.append((digest, entry.tenant if entry is not None else None))
-        return out
-
-    async def sweep(self) -> int:
-        """Without a ledger (benchmarks): drop what is past its TTL, unrecorded."""
-        due = await self.expired()
-        for digest, _ in due:
-            self.index.pop(digest)
-            await self.tiers.delete(digest)
-        return len(due)
