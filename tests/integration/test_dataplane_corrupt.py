@@ -166,7 +166,7 @@ async def test_a_large_hit_opened_in_two_halves_is_a_miss_if_either_half_was_cor
 ) -> None:
     """A hit of SPLIT_OPEN_BYTES or more opened on the event loop is opened half there and
     half in the crypto pool at once: a flipped byte in either half is a miss and drops it."""
-    from kvgov.proxy.dataplane.pipeline import SPLIT_OPEN_BYTES
+    from kvgov.proxy.dataplane.plans import SPLIT_OPEN_BYTES
 
     size = SPLIT_OPEN_BYTES + MIB + 11
     bad, good = _key(f"bighalf{where}"), _key(f"bigok{where}")

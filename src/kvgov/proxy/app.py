@@ -41,6 +41,7 @@ from kvgov.proxy.dataplane.pipeline import Pipeline
 from kvgov.proxy.dataplane.plans import inline_crypto_bytes, usable_cpus
 from kvgov.proxy.dataplane.server import WireServer
 from kvgov.proxy.dataplane.unsafe import NullEventSink, PlaintextSealer
+from kvgov.proxy.dataplane.upkeep import expired, sweep
 from kvgov.proxy.dataplane.wireconn import ServerConfig
 from kvgov.types import Environment, EventKind, Outcome
 
@@ -193,7 +194,7 @@ class Sidecar:
         deletion path (deleted from every tier, verified gone, recorded as ``kv:expired``);
         without one (benchmarks), dropped unrecorded."""
         if self.writer is None or self.engine is None:
-            await self.pipeline.sweep()
+            await sweep(self.pipeline.index, self.pipeline.tiers, self.pipeline.clock())
             return
         from kvgov.db.engine import make_sessionmaker
         from kvgov.proxy.purge.sidecar import SidecarEngines
@@ -204,7 +205,9 @@ class Sidecar:
 
         here = [
             (ScopedEntry(digest, EntryState.LIVE, (), None), tenant)
-            for digest, tenant in await self.pipeline.expired()
+            for digest, tenant in await expired(
+                self.pipeline.index, self.pipeline.tiers, self.pipeline.clock()
+            )
         ]
         report = await apply_retention(
             make_sessionmaker(self.engine),

@@ -13,7 +13,7 @@ the PUT as ``bad_item_meta``, recorded), stored with the entry (the dtype by its
 kvgov wire stores it) and returned by GET (the name mapped back to LMCache's int). A stored
 value that fails its checks is a miss (``FAIL``), never a dropped connection.
 
-A PUT is sealed and stored by its door's storer task (:mod:`kvgov.proxy.dataplane.door`)
+A PUT is sealed and stored by its door's storer task (:mod:`kvgov.proxy.dataplane.pipeline`)
 while the next request is read (PUTs of a connection are stored in request order, a run of
 ready ones in one pass of the event loop, and any other request first waits until they are
 stored, so it sees them); its ledger event is group-committed in the background (at most
@@ -31,10 +31,9 @@ from typing import Any
 
 from kvgov.errors import ConfigError
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse
-from kvgov.proxy.dataplane.door import Door
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.limits import ConnectionLimits, Watchdog
-from kvgov.proxy.dataplane.pipeline import Pipeline
+from kvgov.proxy.dataplane.pipeline import Door, Pipeline
 from kvgov.wire.itemmeta import from_lm, to_lm
 from kvgov.wire.messages import EMPTY_CONTEXT as EMPTY
 

@@ -1,35 +1,55 @@
 """The governed pipeline every KV operation goes through, whatever listener it came from.
 
-decode (done by the listener) -> identity (key tags, request context, engine; users
-pseudonymised) -> policy (cached fast path first) -> seal/open (segment by segment, into pooled
-buffers) -> tier store (the policy's tiers and TTL) -> ledger event. Listeners reach it only
-through a per-connection :class:`~kvgov.proxy.dataplane.door.Door`.
+A listener is a codec: it decodes requests, asks its connection's :class:`Door` and encodes
+what the door answers. Everything else a governed operation does is here, once, for both the
+kvgov wire and ``lm://``, and reads top to bottom; the pieces it calls (``admission.py``,
+``plans.py``, the tiers, the entry index, ``records.py``) never call back into it.
 
-:meth:`Pipeline.admit` is identity and policy: ``Allowed | Denied``, a denial counted and
-recorded here, once. A put (:meth:`Pipeline.put`) is admitted and planned before its bytes
-arrive (a put of a key that is live or being stored is :class:`Kept`: acknowledged, its bytes
-discarded): the listener receives each segment straight into the plan's buffer, which seals it
-in place while the next segment is on the wire. :meth:`Pipeline.store_put` then writes the
-tiers, makes the entry visible and queues its ``kv:put`` event; the door acks once that event
-is durable. A put whose event cannot be recorded is removed from every tier again
-(:meth:`Pipeline.unstore`): nothing stays stored unrecorded. A denied put stores nothing; a
-denied get is a miss; every denial is a ``kv:entry:denied`` event. A put item whose metadata is
-not one kvgov stores (:func:`~kvgov.wire.itemmeta.check_item_meta`) is refused the same way
-(``bad_item_meta``). A get is :meth:`Pipeline.find` (a miss is recorded), :meth:`Pipeline.load`
-and, once its bytes were handed to the socket, :meth:`Pipeline.served` (the ``kv:get``).
+A put, in order:
 
-What a tier returns is checked before a hit is announced (:meth:`Pipeline.load`): the value's
-envelope (:mod:`kvgov.keys.sealformat`: length and item metadata, bound into the sealed chunk's
-AAD) and every segment are authenticated and opened into the hit's buffer first, so a value
-edited, truncated, extended, flipped or moved at rest is a miss, never bytes on the wire; it is
-dropped from the index and every tier, recorded (``kv:delete``, reason ``unreadable:<code>``)
-and counted (``kvgov_dataplane_unreadable_total``). A tier's capacity eviction is a
-``kv:evict`` event (:meth:`Pipeline.tier_evicted`). Denials are recorded one event each up to the
-:class:`~kvgov.proxy.dataplane.limits.DenialGate`'s caps (per connection: the door's budget;
-and per second); beyond them one summary event per connection and second says how many
-were suppressed. The policy, the sealer (the keyring) and the event sink are always there; a
-benchmark measuring "governance off" passes the named null ones
-(:mod:`kvgov.proxy.dataplane.unsafe`).
+1. admit: :meth:`Door.put` -> :meth:`Pipeline.put` -> :meth:`Pipeline.admit`
+   (:mod:`~kvgov.proxy.dataplane.admission`: identity, i.e. key tags vs engine and request
+   context, users pseudonymised; then the policy, its cached fast path first). A denial is
+   counted and recorded there, once (``kv:entry:denied``), and stores nothing.
+2. plan, before the bytes arrive (:meth:`Pipeline._plan_put`): item metadata kvgov does not
+   store (:func:`~kvgov.wire.itemmeta.check_item_meta`) is refused (``bad_item_meta``); a key
+   that is live or being stored is :class:`Kept` (acknowledged, its bytes read and dropped,
+   ``kv:put:kept``); the policy's tiers; the buffers and windows
+   (:func:`~kvgov.proxy.dataplane.plans.lay_out`). The door hands back a :class:`PutSession`.
+3. receive/seal: the listener receives each segment into ``session.windows`` and calls
+   ``received(i)``: the plan (:mod:`~kvgov.proxy.dataplane.plans`) seals it in place while
+   the next one is on the wire (a put that stores nothing has ``skip`` bytes to drop).
+4. commit: ``session.commit()`` queues it on its door, whose storer task
+   (:meth:`Door._store_all`) stores committed puts in commit order:
+5. store: :meth:`Pipeline.store_put` writes the tiers the policy allows, with its TTL, and
+   makes the entry visible in the index;
+6. record: its ``kv:put`` (:mod:`~kvgov.proxy.dataplane.records`) is queued for the ledger
+   writer;
+7. settle/ack: :meth:`Door._settle` resolves the ack once that event is durable. A put whose
+   event cannot be recorded is removed from every tier again (:meth:`Pipeline.unstore`) and
+   acks ``error``: nothing stays stored unrecorded.
+
+A get, in order: admit (:meth:`Door.get`, :meth:`Door.get_many` -> :meth:`Pipeline.find` ->
+:meth:`Pipeline.admit`; a denied get is a miss) -> find (the entry index: live, unexpired and
+readable by this requester, judged again by what was recorded at put; a miss is recorded) ->
+load (:meth:`Pipeline.load`: the value read from a tier, its envelope
+(:mod:`kvgov.keys.sealformat`: length and item metadata, bound into the sealed chunk's AAD) and
+every segment authenticated and opened into the hit's buffer before the hit is announced) ->
+sent (the listener hands it to the socket and tells :meth:`Door.sent`) -> served
+(:meth:`Pipeline.served`: the ``kv:get`` is recorded then, not before). A value edited,
+truncated, extended, flipped or moved at rest is a miss, never bytes on the wire: it is dropped
+from the index and every tier, recorded (``kv:delete``, reason ``unreadable:<code>``) and
+counted (``kvgov_dataplane_unreadable_total``) (:meth:`Pipeline.drop_unreadable`). Exists and
+remove: :meth:`Door.exists` / :meth:`Door.remove` -> admit -> the readable entry -> recorded.
+
+The door counts operations by outcome and its connection's own counters (:meth:`Door.opened`,
+:meth:`Door.closed`, :meth:`Door.timed_out`, :meth:`Door.protocol_error`,
+:meth:`Door.observe`); denials are recorded against its
+:class:`~kvgov.proxy.dataplane.limits.DenialBudget`, one event each up to the
+:class:`~kvgov.proxy.dataplane.limits.DenialGate`'s caps, then summarised (admission.py). A
+tier's capacity eviction is a ``kv:evict`` event (:meth:`Pipeline.tier_evicted`). The policy,
+the sealer (the keyring) and the event sink are always there; a benchmark measuring "governance
+off" passes the named null ones (:mod:`kvgov.proxy.dataplane.unsafe`).
 """
 
 from __future__ import annotations
@@ -38,30 +58,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import Executor, Future
-from dataclasses import dataclass, replace
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any
 
 from kvgov.connectors.tiers.base import copy_into
 from kvgov.connectors.tiers.chain import TierChain
-from kvgov.errors import (
-    CorruptValueError,
-    ItemMetaError,
-    KvgovError,
-    LedgerBackpressureError,
-    ProtocolError,
-)
+from kvgov.errors import CorruptValueError, ItemMetaError, KvgovError
 from kvgov.keys import sealformat
 from kvgov.keys.keyring import Keyring
-from kvgov.keys.sealed import SealedHeader, SealReader, SealWriter, sealed_size, segment_count
-from kvgov.ledger.events import Event, EventSink, LazyEventSink, QueuedEventSink
+from kvgov.keys.sealed import sealed_size
+from kvgov.ledger.events import EventSink
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.policy.interfaces import Decision, PolicyEngine
+from kvgov.proxy.dataplane.admission import Admission, Allowed
 from kvgov.proxy.dataplane.buffers import BufferPool, Lease, size_class
-from kvgov.proxy.dataplane.identity import Denied, Identity, Who, build_input, resolve
+from kvgov.proxy.dataplane.identity import Denied, Identity, Who
 from kvgov.proxy.dataplane.index import EntryIndex, EntryMeta
-from kvgov.proxy.dataplane.limits import DenialBudget, DenialGate, Suppressed
+from kvgov.proxy.dataplane.limits import DenialBudget, DenialGate
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
 from kvgov.proxy.dataplane.plans import (
     INLINE_CRYPTO_BYTES,
@@ -70,33 +86,353 @@ from kvgov.proxy.dataplane.plans import (
     Kept,
     PutPlan,
     StoredPut,
-    open_segments,
+    lay_out,
+    open_value,
     segments_per_job,
 )
-from kvgov.proxy.dataplane.records import entry_gone, evict_event, put_event
+from kvgov.proxy.dataplane.records import Recorder, entry_gone, op_event, put_event
 from kvgov.proxy.dataplane.unsafe import NullEventSink, PlaintextSealer
+from kvgov.proxy.dataplane.upkeep import evicted
 from kvgov.types import EntryState, EventKind, Operation, Outcome, Scope
 from kvgov.wire.itemmeta import check_item_meta
 from kvgov.wire.messages import RequestContext
 
-__all__ = ["Allowed", "Denied", "Found", "GetPlan", "Kept", "Pipeline", "PutPlan", "StoredPut"]
+__all__ = [
+    "SLICE",
+    "Ack",
+    "Allowed",
+    "Denied",
+    "Door",
+    "Found",
+    "GetPlan",
+    "Kept",
+    "Pipeline",
+    "PutPlan",
+    "PutSession",
+    "StoredPut",
+]
 
 log = logging.getLogger("kvgov.dataplane")
 
-#: a hit at least this large, opened on the event loop, is opened half there and half in the
-#: crypto pool at once (see :meth:`Pipeline._open_all`)
-SPLIT_OPEN_BYTES = 8 << 20
+#: keys or items of a frame handled per turn of the event loop: a large frame yields to the
+#: other connections between slices (fairness: another engine's PING is not held behind it)
+SLICE = 64
 
 
 @dataclass(frozen=True, slots=True)
-class Allowed:
-    """An operation identity and policy admitted (:meth:`Pipeline.admit`)."""
+class Ack:
+    """How a put ended: ``ok``, ``kept`` (live already, not rewritten), ``denied``,
+    ``refused`` (an empty value) or ``error`` (not stored); ``reason`` for the requester."""
 
-    who: Who
-    decision: Decision
+    outcome: str
+    reason: str | None = None
+
+    @property
+    def stored(self) -> bool:
+        """Acknowledged as cached (stored now, or live already)."""
+        return self.outcome in ("ok", "kept")
+
+
+ACK_OK = Ack("ok")
+ACK_KEPT = Ack("kept")
+ACK_EMPTY = Ack("refused", "empty")
+ACK_FAILED = Ack("error", "store_failed")
+
+
+class PutSession:
+    """One put item between its request and its ack (:meth:`Door.put`)."""
+
+    __slots__ = ("_door", "_plan", "ack", "skip", "windows")
+
+    def __init__(self, door: Door, plan: PutPlan | None, ack: Ack | None, skip: int) -> None:
+        self._door = door
+        self._plan = plan
+        #: the answer already known (denied, refused, kept): nothing is stored
+        self.ack = ack
+        #: bytes of the value to read and drop (a put that stores nothing)
+        self.skip = skip
+        #: where the value's segments go, in order (empty: read and drop ``skip`` bytes)
+        self.windows: Sequence[memoryview] = plan.windows if plan is not None else ()
+
+    def received(self, index: int) -> None:
+        """Segment ``index`` has fully arrived in its window: seal it (meanwhile the next one
+        is received)."""
+        assert self._plan is not None  # only a session with windows receives
+        self._plan.segment_done(index, self._door._executor)
+
+    def commit(self) -> asyncio.Future[Ack]:
+        """Every byte arrived: store it (after the puts committed before it on this door) and
+        record it; the future resolves with the ack once the record is durable."""
+        return self._door._commit(self)
+
+    async def abandon(self) -> None:
+        """The value did not arrive completely: store nothing from it."""
+        plan, self._plan = self._plan, None
+        if plan is not None:
+            await plan.discard()
+
+
+class Door:
+    """One connection's way into the pipeline (see the module docstring)."""
+
+    def __init__(self, pipeline: Pipeline, listener: str, principal: str | None = None) -> None:
+        self._pipeline = pipeline
+        self.listener = listener
+        self.budget = DenialBudget(principal)
+        self._executor: Executor = pipeline.executor
+        metrics = pipeline.metrics
+        self._metrics = metrics
+        self._count: Callable[[str, str], None] = lambda op, outcome: metrics.count_op(
+            op, listener, outcome
+        )
+        #: committed puts waiting to be stored, oldest first, and the task storing them
+        self._to_store: deque[tuple[PutPlan, asyncio.Future[Ack]]] = deque()
+        self._storer: asyncio.Task[None] | None = None
+        #: acks of stored puts whose records are not durable yet
+        self._unsettled: set[asyncio.Future[Ack]] = set()
+        #: unstore tasks of puts whose records failed
+        self._unstoring: set[asyncio.Task[None]] = set()
+
+    # -- what the listener needs to receive and send -------------------------------------------
+
+    @property
+    def sender(self) -> Executor:
+        """Threads that write large hits to their sockets."""
+        return self._pipeline.sender
+
+    @property
+    def inline_bytes(self) -> int:
+        """Hits up to this size are opened and written on the event loop."""
+        return self._pipeline.inline_crypto_bytes
+
+    @property
+    def pool_share(self) -> int:
+        """The most pooled buffer one engine (one frame) may hold at once."""
+        return self._pipeline.pool.owner_max_bytes
+
+    def lease_bound(self, length: int) -> int:
+        """The pooled buffer a put of ``length`` bytes takes at most."""
+        return self._pipeline.lease_bound(length)
+
+    async def leases(self, sizes: Sequence[int], owner: str) -> list[Lease]:
+        """Buffers for a frame's items, taken all at once (never part of them while waiting
+        for the rest)."""
+        return await self._pipeline.pool.acquire_many(list(sizes), owner)
+
+    @property
+    def busy(self) -> bool:
+        """Puts committed and not yet stored, or stored and not yet recorded."""
+        return bool(self._to_store) or bool(self._unsettled)
+
+    @property
+    def unsettled(self) -> int:
+        """Puts committed whose acks are not resolved yet."""
+        return len(self._to_store) + len(self._unsettled)
+
+    async def stored(self) -> None:
+        """Wait until every committed put is stored (a later request sees them)."""
+        storer = self._storer
+        if storer is not None and not storer.done():
+            await asyncio.wait([storer])
+
+    async def settled_below(self, limit: int) -> None:
+        """Wait until fewer than ``limit`` committed puts wait for their acks."""
+        while self.unsettled >= limit:
+            if self._to_store:
+                await self.stored()
+                continue
+            await asyncio.wait(list(self._unsettled), return_when=asyncio.FIRST_COMPLETED)
+
+    # -- put: 1-2 admit and plan, 4 commit, 5-6 store and record in order, 7 settle/ack ---------
+
+    async def put(
+        self,
+        identity: Identity,
+        key: str,
+        ctx: RequestContext,
+        *,
+        length: int,
+        item_meta: Mapping[str, Any],
+        lease: Lease | None = None,
+    ) -> PutSession:
+        """Admit and plan one put item (``lease``: its buffer, taken in advance; the session
+        owns it from here)."""
+        if length == 0:  # an empty value: nothing to cache, nothing recorded
+            if lease is not None:
+                lease.release()
+            return PutSession(self, None, ACK_EMPTY, 0)
+        got = await self._pipeline.put(
+            identity, key, ctx, length=length, item_meta=item_meta, lease=lease, budget=self.budget
+        )
+        if isinstance(got, PutPlan):
+            return PutSession(self, got, None, 0)
+        if isinstance(got, Kept):  # live already: acknowledged, not rewritten
+            return PutSession(self, None, ACK_KEPT, length)
+        return PutSession(self, None, Ack("denied", got.reason), length)
+
+    def _commit(self, session: PutSession) -> asyncio.Future[Ack]:
+        fut: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
+        plan, session._plan = session._plan, None
+        if plan is None:
+            ack = session.ack if session.ack is not None else ACK_FAILED
+            self._count("put", ack.outcome)
+            fut.set_result(ack)
+            return fut
+        self._to_store.append((plan, fut))
+        if self._storer is None or self._storer.done():
+            self._storer = asyncio.get_running_loop().create_task(self._store_all())
+        return fut
+
+    async def _store_all(self) -> None:
+        """Store the committed puts, oldest first (a run of ready ones in one pass of the
+        event loop); each then waits for its record without holding the next back."""
+        pipeline = self._pipeline
+        while self._to_store:
+            plan, fut = self._to_store[0]
+            try:
+                with contextlib.suppress(Exception):  # store_put raises it again
+                    await plan.sealed()
+                stored = await pipeline.store_put(plan)
+            except asyncio.CancelledError:
+                for left, waiting in self._to_store:
+                    await left.discard()
+                    waiting.cancel()
+                self._to_store.clear()
+                raise
+            except Exception as exc:  # noqa: BLE001 - reported per item in its ack
+                log.warning("dataplane.put.failed", extra={"error": type(exc).__name__})
+                self._acked(fut, ACK_FAILED)
+                continue
+            finally:
+                if self._to_store and self._to_store[0][1] is fut:
+                    self._to_store.popleft()
+            self._settle(stored, fut)
+
+    def _settle(self, stored: StoredPut, fut: asyncio.Future[Ack]) -> None:
+        recorded = stored.recorded
+        if recorded is None:
+            self._acked(fut, ACK_OK)
+            return
+        self._unsettled.add(fut)
+        if not isinstance(recorded, asyncio.Future):  # pragma: no cover - sinks give futures
+            recorded = asyncio.ensure_future(recorded)
+
+        def settled(done: asyncio.Future[Any]) -> None:
+            self._unsettled.discard(fut)
+            if not done.cancelled() and done.exception() is None:
+                self._acked(fut, ACK_OK)
+                return
+            # unrecorded: nothing stays stored unrecorded (the ack waits for the removal)
+            self._unsettled.add(fut)
+            task = asyncio.get_running_loop().create_task(self._unstore(stored, fut))
+            self._unstoring.add(task)
+            task.add_done_callback(self._unstoring.discard)
+
+        recorded.add_done_callback(settled)
+
+    async def _unstore(self, stored: StoredPut, fut: asyncio.Future[Ack]) -> None:
+        try:
+            await self._pipeline.unstore(stored)
+        finally:
+            self._unsettled.discard(fut)
+            self._acked(fut, ACK_FAILED)
+
+    def _acked(self, fut: asyncio.Future[Ack], ack: Ack) -> None:
+        self._count("put", ack.outcome)
+        if not fut.done():
+            fut.set_result(ack)
+
+    # -- get: admit and find, load (Pipeline), sent -> served ----------------------------------
+
+    async def get(self, identity: Identity, key: str, ctx: RequestContext) -> GetPlan | None:
+        """One key's hit, authenticated and ready to send, or None (a miss or a denial)."""
+        plan = await self._pipeline.get(identity, key, ctx, self.budget)
+        if plan is None:
+            self._count("get", "miss")
+        return plan
+
+    async def get_many(
+        self, identity: Identity, keys: Sequence[str], ctx: RequestContext, max_bytes: int
+    ) -> list[GetPlan | None]:
+        """Each key's hit or None. Every key is admitted and found first, then the hits'
+        buffers are taken all at once, then read; hits beyond ``max_bytes`` in all or what the
+        pool holds for one engine are misses."""
+        pipeline = self._pipeline
+        finds: list[Found | None] = []
+        for i, key in enumerate(keys):
+            if i % SLICE == SLICE - 1:
+                await asyncio.sleep(0)  # the other connections' turn
+            finds.append(await pipeline.find(identity, key, ctx, self.budget))
+        budget = max_bytes
+        room = self.pool_share
+        taken: list[Found] = []
+        for found in finds:
+            if found is not None and budget > 0 and size_class(found.size) <= room:
+                taken.append(found)
+                budget -= found.size
+                room -= size_class(found.size)
+        got = await self.leases([f.size for f in taken], identity.engine)
+        leases = dict(zip(map(id, taken), got, strict=True))
+        plans: list[GetPlan | None] = []
+        try:
+            for found in finds:
+                plan = None
+                if found is not None:
+                    plan = await pipeline.load(found, leases.pop(id(found), None))
+                if plan is None:
+                    self._count("get", "miss")
+                plans.append(plan)
+        except BaseException:
+            for plan in plans:
+                if plan is not None:
+                    plan.release()
+            raise
+        finally:
+            for lease in leases.values():
+                lease.release()
+        return plans
+
+    async def sent(self, plan: GetPlan) -> None:
+        """The hit's bytes were handed to the socket: record and count it."""
+        self._count("get", "hit")
+        await self._pipeline.served(plan)
+
+    # -- exists / remove -----------------------------------------------------------------------
+
+    async def exists(self, identity: Identity, key: str, ctx: RequestContext) -> bool:
+        found = await self._pipeline.exists(identity, key, ctx, self.budget)
+        self._count("exists", "hit" if found else "miss")
+        return found
+
+    async def remove(self, identity: Identity, key: str, ctx: RequestContext) -> bool:
+        removed = await self._pipeline.remove(identity, key, ctx, self.budget)
+        self._count("remove", "hit" if removed else "miss")
+        return removed
+
+    # -- the connection's own counters ---------------------------------------------------------
+
+    def opened(self) -> None:
+        self._metrics.connections.labels(self.listener).inc()
+
+    def closed(self) -> None:
+        """The connection is gone: record what its denial budget still holds."""
+        self._metrics.connections.labels(self.listener).dec()
+        self._pipeline.admission.end_denials(self.budget)
+
+    def timed_out(self, phase: str) -> None:
+        self._metrics.timeouts.labels(self.listener, phase).inc()
+
+    def protocol_error(self, code: str) -> None:
+        self._metrics.protocol_errors.labels(self.listener, code).inc()
+
+    def observe(self, op: str, seconds: float) -> None:
+        self._metrics.latency.labels(op).observe(seconds)
 
 
 class Pipeline:
+    """The steps of every operation, shared by every connection (see the module docstring);
+    the helpers it calls (admission, plans, records) never call back into it."""
+
     def __init__(
         self,
         *,
@@ -117,25 +453,31 @@ class Pipeline:
         denial_gate: DenialGate | None = None,
     ) -> None:
         self.tiers = tiers
-        self.pseudonymizer = pseudonymizer
         self.pool = pool
         self.executor = executor
         #: threads that write large replies (None: the crypto ``executor`` does)
         self.sender = sender if sender is not None else executor
         self.metrics = metrics
         self.index = index if index is not None else EntryIndex()
-        self.policy = policy
         #: the keys values are sealed with (None only with the benchmarks' PlaintextSealer)
         self._keys: Keyring | None = keyring if isinstance(keyring, Keyring) else None
-        self.sink = sink
+        #: how events reach the sink (records.py)
+        self.recorder = Recorder(sink)
+        #: identity, policy and the record of every denial (admission.py)
+        self.admission = Admission(
+            pseudonymizer=pseudonymizer,
+            policy=policy,
+            metrics=metrics,
+            recorder=self.recorder,
+            default_tenant=default_tenant,
+            denial_gate=denial_gate,
+        )
+        #: every operation's first step: ``Allowed | Denied`` (a denial counted and recorded)
+        self.admit = self.admission.admit
         self.segment_size = segment_size
         #: chunks up to this size are sealed and opened on the event loop
         self.inline_crypto_bytes = inline_crypto_bytes
-        self.default_tenant = default_tenant or None
         self.clock = clock
-        #: caps on denials recorded one event each (None: every denial is recorded)
-        self.denial_gate = denial_gate
-        self._background: set[asyncio.Task[None]] = set()
         #: counter children looked up once (``labels()`` costs microseconds per call)
         self._put_bytes = metrics.op_bytes.labels("put")
         self._get_bytes = metrics.op_bytes.labels("get")
@@ -150,143 +492,30 @@ class Pipeline:
     @property
     def sink(self) -> EventSink:
         """Where events go."""
-        return self._sink
+        return self.recorder.sink
 
     @sink.setter
     def sink(self, sink: EventSink) -> None:
-        self._sink = sink
-        # the sink when it can hold events back (an isinstance check against a runtime
-        # Protocol walks its attributes: once here, not per event)
-        self._lazy_sink = sink if isinstance(sink, LazyEventSink) else None
-        self._queued_sink = sink if isinstance(sink, QueuedEventSink) else None
+        self.recorder.sink = sink
 
-    # -- policy & ledger -----------------------------------------------------------------------
+    @property
+    def policy(self) -> PolicyEngine:
+        return self.admission.policy
+
+    @property
+    def pseudonymizer(self) -> Pseudonymizer:
+        return self.admission.pseudonymizer
 
     @property
     def governed(self) -> bool:
         """No null collaborator stands in (policy, sealer, event sink)."""
         return (
             self._keys is not None
-            and not isinstance(self._sink, NullEventSink)
+            and not isinstance(self.sink, NullEventSink)
             and self.policy.revision.policy != "unsafe-allow-all"
         )
 
-    async def _decide(self, who: Who, op: Operation, entry: EntryMeta | None) -> Decision:
-        inp = build_input(who, op, entry)
-        decision = self.policy.decide_cached(inp)
-        if decision is None:  # the policy engine records what it decides (CachingPolicyEngine)
-            decision = await self.policy.decide(inp)
-        return decision
-
-    def _event(self, kind: EventKind, who: Who, **fields: Any) -> Event:
-        return Event(
-            kind=kind,
-            tenant=who.tenant,
-            actor=who.actor,
-            request_id=who.ctx.request_id,
-            key_digest=who.digest,
-            principal=who.identity.principal,
-            **fields,
-        )
-
-    async def _record(self, event: Event, *, durable: bool) -> None:
-        if durable:
-            await self.sink.append(event)
-            return
-        try:
-            self._submit_lazy(event)
-        except KvgovError:  # queue full: wait for room rather than drop the record
-            await self.sink.append(event)
-
-    def _submit_lazy(self, event: Event) -> None:
-        """Queue an event nothing waits on (a sink that can may hold it back briefly to commit
-        it with others; see ``ledger.lazy_max_delay_ms``)."""
-        if self._lazy_sink is not None:
-            self._lazy_sink.submit_lazy(event)
-        else:
-            self.sink.submit(event)
-
-    async def deny(
-        self, who: Who | None, denied: Denied, op: Operation, budget: DenialBudget | None
-    ) -> None:
-        """Count the denial and record it (one event, or held for ``budget``'s summary)."""
-        reason = denied.metric_reason
-        self.metrics.denials.labels(op.value, reason).inc()
-        gate = self.denial_gate
-        if gate is not None:
-            if gate.flush_needed:
-                self.record_suppressed(gate.due())
-            if not gate.admit(budget, op.value, reason):
-                self.metrics.denials_suppressed.labels(op.value).inc()
-                return
-        if who is None:
-            event = Event(
-                kind=EventKind.KV_DENIED,
-                principal=denied.identity.principal,
-                request_id=denied.ctx.request_id,
-                outcome=Outcome.DENY,
-                reason=denied.reason,
-                attrs={"operation": op.value},
-            )
-        else:
-            d = denied.decision
-            event = self._event(
-                EventKind.KV_DENIED,
-                who,
-                outcome=Outcome.DENY,
-                reason=denied.reason,
-                decision_id=d.decision_id if d else None,
-                policy_revision=d.policy_revision if d else None,
-                attrs={"operation": op.value},
-            )
-        try:
-            await self._record(event, durable=op is Operation.PUT)
-        except KvgovError as exc:  # still denied (nothing was stored); the connection lives on
-            log.error("dataplane.denial.unrecorded", extra={"error": exc.code})
-
-    def end_denials(self, budget: DenialBudget) -> None:
-        """A connection closed: record the summary of what its budget still holds."""
-        if self.denial_gate is not None:
-            self.record_suppressed(self.denial_gate.due(final=(budget,)))
-
-    def record_suppressed(self, summaries: list[Suppressed]) -> None:
-        """One ``kv:denied`` event per summary (in the background: nothing waits on it)."""
-        for s in summaries:
-            self._record_soon(
-                Event(
-                    kind=EventKind.KV_DENIED,
-                    principal=s.principal,
-                    outcome=Outcome.DENY,
-                    reason="suppressed",
-                    attrs={
-                        "suppressed": s.count,
-                        "operations": dict(s.by_operation),
-                        "reasons": dict(s.by_reason),
-                    },
-                )
-            )
-
-    async def admit(
-        self,
-        identity: Identity,
-        raw_key: str,
-        ctx: RequestContext,
-        op: Operation,
-        budget: DenialBudget | None = None,
-    ) -> Allowed | Denied:
-        """Who the operation is for (:func:`~kvgov.proxy.dataplane.identity.resolve`), then
-        the policy's decision on the request. A denial is counted and recorded here, once."""
-        who, denied = resolve(identity, raw_key, ctx, self.pseudonymizer, self.default_tenant)
-        if denied is None and who is not None:
-            decision = await self._decide(who, op, None)
-            if decision.allowed:
-                return Allowed(who, decision)
-            denied = Denied(decision.reason or "denied", identity, ctx, decision)
-        assert denied is not None  # resolve gives one or the other
-        await self.deny(who, denied, op, budget)
-        return denied
-
-    # -- put -----------------------------------------------------------------------------------
+    # -- put: 1-2 admit and plan (put), 5-6 store and record (store_put) ------------------------
 
     def lease_bound(self, length: int, item_meta: Mapping[str, Any] | None = None) -> int:
         """An upper bound on the pooled buffer a put of ``length`` bytes takes (its envelope
@@ -326,7 +555,7 @@ class Pipeline:
                 lease.release()
             raise
         if isinstance(planned, Denied):
-            await self.deny(admitted.who, planned, Operation.PUT, budget)
+            await self.admission.deny(admitted.who, planned, Operation.PUT, budget)
         return planned
 
     async def _plan_put(
@@ -364,39 +593,16 @@ class Pipeline:
         # the fastest tier's own buffer, when it can set one aside: sealed into, then kept
         reserved = self.tiers.reserve(len(head) + body_len, allowed=allowed)
         try:
-            view = lease.view
-            view[: len(head)] = head
-            body = view[len(head) :]
-            dst = body
-            if reserved is not None:
-                reserved.view[: len(head)] = head
-                dst = reserved.view[len(head) :]
-            make: Callable[[], SealWriter] | None = None
-            windows: list[memoryview] = []
-            if keys is not None:
-                keyring = keys
-
-                def make_writer() -> SealWriter:
-                    return keyring.sealer(
-                        who.tenant,
-                        who.digest.encode(),
-                        length,
-                        dst,
-                        user=scope_user,
-                        segment_size=self.segment_size,
-                        context=head,
-                    )
-
-                make = make_writer
-                geometry = SealedHeader("", 0, self.segment_size, length, b"", b"")
-                for i in range(geometry.segments):
-                    off, _ = geometry.sealed_span(i)
-                    _, plen = geometry.plain_span(i)
-                    windows.append(body[off : off + plen])
-            else:
-                for i in range(segment_count(length, self.segment_size)):
-                    start = i * self.segment_size
-                    windows.append(body[start : min(length, start + self.segment_size)])
+            make, windows = lay_out(
+                who,
+                head,
+                length,
+                lease,
+                reserved,
+                keys=keys,
+                segment_size=self.segment_size,
+                scope_user=scope_user,
+            )
         except BaseException:
             if reserved is not None:
                 reserved.cancel()
@@ -430,7 +636,7 @@ class Pipeline:
         if entry is None and who.digest not in self._storing:
             return None
         reason = "live" if entry is not None else "being_stored"
-        event = self._event(
+        event = op_event(
             EventKind.KV_PUT_KEPT,
             who,
             outcome=Outcome.OK,
@@ -438,12 +644,7 @@ class Pipeline:
             decision_id=decision.decision_id if decision else None,
             policy_revision=decision.policy_revision if decision else None,
         )
-        try:
-            self._submit_lazy(event)
-        except LedgerBackpressureError:
-            self._record_soon(event)
-        except KvgovError as exc:
-            log.error("dataplane.event.unrecorded", extra={"error": exc.code})
+        self.recorder.note(event)
         return Kept(who, reason)
 
     async def store_put(self, plan: PutPlan) -> StoredPut:
@@ -492,26 +693,14 @@ class Pipeline:
         self.index.set(who.digest, entry)
         stored = StoredPut(who.digest, entry)
         try:
-            stored.recorded = await self._queue(
-                put_event(self._event, who, decision, entry, written)
+            stored.recorded = await self.recorder.queue(
+                put_event(op_event, who, decision, entry, written)
             )
         except BaseException:
             await self.unstore(stored)
             raise
         self._put_bytes.inc(plan.length)
         return stored
-
-    async def _queue(self, event: Event) -> Awaitable[Any]:
-        """Queue ``event``; returns what resolves once it is durable. A full queue is
-        backpressure: wait here (in order) until the event is written."""
-        try:
-            if self._queued_sink is not None:  # acknowledged once journaled
-                return self._queued_sink.submit_queued(event)
-            return self.sink.submit(event)
-        except LedgerBackpressureError:
-            done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            done.set_result(await self.sink.append(event))
-            return done
 
     async def unstore(self, stored: StoredPut) -> None:
         """Take an unrecorded put out of the index and every tier (unless it was replaced)."""
@@ -520,87 +709,7 @@ class Pipeline:
             self.index.pop(stored.digest)
             await self.tiers.delete(stored.digest)
 
-    def tier_evicted(self, tier: str, digest: str, nbytes: int) -> None:
-        """A tier dropped ``digest`` to make room (its ``on_evict`` hook, called on the loop):
-        update the index and record ``kv:evict`` with the entry-index change."""
-        entry = self.index.get(digest)
-        if entry is None or tier not in entry.tiers:
-            return
-        remaining = tuple(t for t in entry.tiers if t != tier)
-        if remaining:
-            self.index.set(digest, replace(entry, tiers=remaining))
-        else:
-            self.index.pop(digest)
-        event = evict_event(digest, entry, tier, remaining)
-        try:
-            self._submit_lazy(event)
-        except LedgerBackpressureError:  # record it as soon as there is room
-            self._record_soon(event)
-        except KvgovError as exc:
-            log.error("dataplane.evict.unrecorded", extra={"error": exc.code})
-
-    async def _record_later(self, event: Event) -> None:
-        try:
-            await self._record(event, durable=True)
-        except KvgovError as exc:
-            log.error("dataplane.event.unrecorded", extra={"error": exc.code})
-
     # -- get / exists / remove -----------------------------------------------------------------
-
-    async def _readable(
-        self, who: Who, asked: Decision | None, op: Operation, budget: DenialBudget | None
-    ) -> tuple[EntryMeta | None, Decision | None]:
-        """The entry if it is live, unexpired and readable by ``who``; records denials.
-
-        The policy decided on the request (:meth:`admit`) before anything looks at whether
-        the key is stored: a probe it denies (another tenant's key, an engine the tenant does
-        not name) is answered, recorded and counted the same whether the key is there or not.
-        An entry that is there is then judged again by what was recorded at put (its
-        sensitivity and scope user), which only a requester the first decision admitted can
-        reach."""
-        entry = self.index.get(who.digest)
-        if entry is None:
-            return None, asked
-        if entry.expired(self.clock()):
-            return None, asked  # a miss; the sweeper deletes it and records that
-        if entry.tenant != who.tenant:
-            await self.deny(who, Denied("tenant_mismatch", who.identity, who.ctx), op, budget)
-            return None, None
-        if entry.scope is Scope.USER and entry.scope_user != who.actor:
-            await self.deny(who, Denied("not_scope_user", who.identity, who.ctx), op, budget)
-            return None, None
-        decision = await self._decide(who, op, entry)
-        if decision is not None and not decision.allowed:
-            denied = Denied(decision.reason or "denied", who.identity, who.ctx, decision)
-            await self.deny(who, denied, op, budget)
-            return None, None
-        return entry, decision
-
-    async def exists(
-        self,
-        identity: Identity,
-        raw_key: str,
-        ctx: RequestContext,
-        budget: DenialBudget | None = None,
-    ) -> bool:
-        """Whether the key is stored and readable by the requester (a denial is a miss)."""
-        admitted = await self.admit(identity, raw_key, ctx, Operation.EXISTS, budget)
-        if isinstance(admitted, Denied):
-            return False
-        who = admitted.who
-        entry, decision = await self._readable(who, admitted.decision, Operation.EXISTS, budget)
-        found = entry is not None and await self.tiers.contains(who.digest)
-        await self._record(
-            self._event(
-                EventKind.KV_EXISTS,
-                who,
-                outcome=Outcome.HIT if found else Outcome.MISS,
-                decision_id=decision.decision_id if decision else None,
-                policy_revision=decision.policy_revision if decision else None,
-            ),
-            durable=False,
-        )
-        return found
 
     async def get(
         self,
@@ -650,42 +759,20 @@ class Pipeline:
             await self._record_get(found.who, None, found.decision, reason)
         return plan
 
-    async def served(self, plan: GetPlan) -> None:
-        """A get's last step: its bytes were authenticated and handed to the socket; record
-        the ``kv:get`` that served them."""
-        self._get_bytes.inc(plan.length)
-        await self._record_get(plan.who, plan, plan.decision)
-
-    async def _record_get(
-        self,
-        who: Who,
-        plan: GetPlan | None,
-        decision: Decision | None,
-        reason: str | None = None,
-    ) -> None:
-        await self._record(
-            self._event(
-                EventKind.KV_GET if plan is not None else EventKind.KV_MISS,
-                who,
-                outcome=Outcome.HIT if plan is not None else Outcome.MISS,
-                nbytes=plan.length if plan is not None else None,
-                decision_id=decision.decision_id if decision else None,
-                policy_revision=decision.policy_revision if decision else None,
-                reason=reason if plan is None else None,
-            ),
-            durable=False,
-        )
-
-    async def recorded(self, timeout_s: float = 10.0) -> None:
-        """Wait (at most ``timeout_s``) for the events being recorded in the background
-        (denial summaries of closed connections, ...): before the ledger writer closes."""
-        if self._background:
-            await asyncio.wait(list(self._background), timeout=timeout_s)
-
-    def _record_soon(self, event: Event) -> None:
-        task = asyncio.get_running_loop().create_task(self._record_later(event))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    async def _readable(
+        self, who: Who, asked: Decision | None, op: Operation, budget: DenialBudget | None
+    ) -> tuple[EntryMeta | None, Decision | None]:
+        """The entry if it is live, unexpired and readable by ``who`` (judged again by what was
+        recorded at put: :meth:`Admission.readable`, which records denials)."""
+        entry = self.index.get(who.digest)
+        if entry is None:
+            return None, asked
+        if entry.expired(self.clock()):
+            return None, asked  # a miss; the sweeper deletes it and records that
+        decision = await self.admission.readable(who, entry, op, budget)
+        if decision is None:
+            return None, None
+        return entry, decision
 
     async def _load(
         self, who: Who, entry: EntryMeta, decision: Decision | None, lease: Lease
@@ -704,27 +791,15 @@ class Pipeline:
                     return None, None
                 tier = hit.tier
                 value = lease.view[: hit.nbytes]
-            envelope = sealformat.parse(value)
-            if not envelope.sealed and self._keys is None:
-                windows = [envelope.plain_body()]
-            else:
-                if self._keys is None:
-                    raise ProtocolError("a sealed value needs the keyring to open")
-                reader = envelope.reader(
-                    self._keys, tenant=who.tenant, cache_key=who.digest.encode()
-                )
-                header = reader.header
-                windows = []
-                for i in range(header.segments):
-                    if src is not None:  # opened from the tier's buffer into the lease
-                        start, plen = header.plain_span(i)
-                        windows.append(lease.view[start : start + plen])
-                    else:  # opened in place in the lease
-                        off, _ = header.sealed_span(i)
-                        _, plen = header.plain_span(i)
-                        windows.append(envelope.body[off : off + plen])
-                # every segment authenticated before the hit is announced: a bad one is a miss
-                await self._open_all(reader, windows, header.plain_len)
+            envelope, windows = await open_value(
+                value,
+                self._keys,
+                who,
+                lease,
+                in_place=src is None,
+                executor=self.executor,
+                inline_bytes=self.inline_crypto_bytes,
+            )
             if src is not None:
                 src.release()
             plan = GetPlan(who, lease, envelope.plain_len, envelope.meta, windows, decision)
@@ -747,52 +822,6 @@ class Pipeline:
             lease.release()
             raise
 
-    async def _open_all(self, reader: SealReader, windows: list[memoryview], length: int) -> None:
-        """Open every segment into its window: here up to ``inline_crypto_bytes``, else in the
-        crypto pool, a few segments per job, side by side. Raises the first failure once no
-        job touches the windows any more (a cancelled caller waits for them too)."""
-        indexed = list(enumerate(windows))
-        if length <= self.inline_crypto_bytes:
-            if length < SPLIT_OPEN_BYTES or len(indexed) < 2:
-                open_segments(reader, indexed)
-                return
-            # a large value: the pool opens its second half while this thread opens the first
-            # (AES-GCM releases the GIL: two cores, half the wait before the hit is announced)
-            half = len(indexed) // 2
-            jobs = [self.executor.submit(open_segments, reader, indexed[half:])]
-            try:
-                open_segments(reader, indexed[:half])
-            except BaseException:
-                await self._settle_jobs(jobs)
-                raise
-        else:
-            step = segments_per_job(reader.header.segment_size)
-            jobs = [
-                self.executor.submit(open_segments, reader, indexed[i : i + step])
-                for i in range(0, len(indexed), step)
-            ]
-        await self._settle_jobs(jobs)
-
-    async def _settle_jobs(self, jobs: list[Future[None]]) -> None:
-        """Wait for every job (a cancelled caller waits for those started too); raise the
-        first failure."""
-        waiting = [asyncio.wrap_future(job) for job in jobs]
-        try:
-            await asyncio.wait(waiting)
-        except asyncio.CancelledError:
-            for job in jobs:
-                job.cancel()  # those not started yet
-            while not all(job.done() for job in jobs):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([f for f in waiting if not f.done()])
-            raise
-        finally:
-            for f in waiting:
-                if f.done() and not f.cancelled():
-                    f.exception()  # retrieved: raised below from the job itself
-        for job in jobs:
-            job.result()
-
     async def drop_unreadable(self, who: Who, error: KvgovError, tier: str | None = None) -> None:
         """A stored value failed its checks (its envelope, length or metadata was edited, its
         ciphertext corrupted or tampered with at rest, it was moved from another key or
@@ -811,7 +840,7 @@ class Pipeline:
         if entry is None and not held:
             return
         self.metrics.unreadable.labels(error.code).inc()
-        event = self._event(
+        event = op_event(
             EventKind.KV_DELETE,
             who,
             outcome=Outcome.ERROR,
@@ -819,9 +848,61 @@ class Pipeline:
             tier=tier,
         )
         try:
-            await self._record(entry_gone(event, EntryState.DELETED), durable=True)
+            await self.recorder.record(entry_gone(event, EntryState.DELETED), durable=True)
         except KvgovError as exc:
             log.error("dataplane.event.unrecorded", extra={"error": exc.code})
+
+    async def served(self, plan: GetPlan) -> None:
+        """A get's last step: its bytes were authenticated and handed to the socket; record
+        the ``kv:get`` that served them."""
+        self._get_bytes.inc(plan.length)
+        await self._record_get(plan.who, plan, plan.decision)
+
+    async def _record_get(
+        self,
+        who: Who,
+        plan: GetPlan | None,
+        decision: Decision | None,
+        reason: str | None = None,
+    ) -> None:
+        await self.recorder.record(
+            op_event(
+                EventKind.KV_GET if plan is not None else EventKind.KV_MISS,
+                who,
+                outcome=Outcome.HIT if plan is not None else Outcome.MISS,
+                nbytes=plan.length if plan is not None else None,
+                decision_id=decision.decision_id if decision else None,
+                policy_revision=decision.policy_revision if decision else None,
+                reason=reason if plan is None else None,
+            ),
+            durable=False,
+        )
+
+    async def exists(
+        self,
+        identity: Identity,
+        raw_key: str,
+        ctx: RequestContext,
+        budget: DenialBudget | None = None,
+    ) -> bool:
+        """Whether the key is stored and readable by the requester (a denial is a miss)."""
+        admitted = await self.admit(identity, raw_key, ctx, Operation.EXISTS, budget)
+        if isinstance(admitted, Denied):
+            return False
+        who = admitted.who
+        entry, decision = await self._readable(who, admitted.decision, Operation.EXISTS, budget)
+        found = entry is not None and await self.tiers.contains(who.digest)
+        await self.recorder.record(
+            op_event(
+                EventKind.KV_EXISTS,
+                who,
+                outcome=Outcome.HIT if found else Outcome.MISS,
+                decision_id=decision.decision_id if decision else None,
+                policy_revision=decision.policy_revision if decision else None,
+            ),
+            durable=False,
+        )
+        return found
 
     async def remove(
         self,
@@ -840,31 +921,22 @@ class Pipeline:
             return False
         removed = await self.tiers.delete(who.digest)
         self.index.pop(who.digest)
-        await self._record(
-            entry_gone(
-                self._event(EventKind.KV_DELETE, who, outcome=Outcome.OK), EntryState.DELETED
-            ),
+        await self.recorder.record(
+            entry_gone(op_event(EventKind.KV_DELETE, who, outcome=Outcome.OK), EntryState.DELETED),
             durable=True,
         )
         return bool(removed)
 
-    async def expired(self) -> list[tuple[str, str | None]]:
-        """The entries past their TTL that this process knows of (its index, and what its tiers
-        just dropped themselves), with their tenants: the retention sweeper deletes, verifies
-        and records them through the one deletion path."""
-        now = self.clock()
-        digests = set(self.index.expired(now))
-        digests.update(await self.tiers.sweep(now))
-        out = []
-        for digest in sorted(digests):
-            entry = self.index.get(digest)
-            out.append((digest, entry.tenant if entry is not None else None))
-        return out
+    # -- upkeep --------------------------------------------------------------------------------
 
-    async def sweep(self) -> int:
-        """Without a ledger (benchmarks): drop what is past its TTL, unrecorded."""
-        due = await self.expired()
-        for digest, _ in due:
-            self.index.pop(digest)
-            await self.tiers.delete(digest)
-        return len(due)
+    def tier_evicted(self, tier: str, digest: str, nbytes: int) -> None:
+        """A tier dropped ``digest`` to make room (its ``on_evict`` hook, called on the loop):
+        update the index and record ``kv:evict`` with the entry-index change."""
+        event = evicted(self.index, tier, digest)
+        if event is not None:
+            self.recorder.note(event, "dataplane.evict.unrecorded")
+
+    async def recorded(self, timeout_s: float = 10.0) -> None:
+        """Wait (at most ``timeout_s``) for the events being recorded in the background
+        (denial summaries of closed connections, ...): before the ledger writer closes."""
+        await self.recorder.recorded(timeout_s)

@@ -1,12 +1,14 @@
-"""What is in flight for one operation: a put being received and sealed (:class:`PutPlan`),
-a put stored and waiting for its record (:class:`StoredPut`), a hit ready to stream
-(:class:`GetPlan`), and the thread-pool jobs that seal and open their segments. Built by
-:class:`~kvgov.proxy.dataplane.pipeline.Pipeline`.
+"""What is in flight for one operation: a put being received and sealed (:class:`PutPlan`,
+laid out by :func:`lay_out`), a put stored and waiting for its record (:class:`StoredPut`), a
+hit ready to stream (:class:`GetPlan`, its stored value opened by :func:`open_value`), and the
+thread-pool jobs that seal and open their segments. Used by
+:mod:`kvgov.proxy.dataplane.pipeline`, which it never calls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor, Future
@@ -15,7 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from kvgov.connectors.tiers.base import Reserved
-from kvgov.keys.sealed import SealReader, SealWriter
+from kvgov.errors import ProtocolError
+from kvgov.keys import sealformat
+from kvgov.keys.keyring import Keyring
+from kvgov.keys.sealed import SealedHeader, SealReader, SealWriter, segment_count
+from kvgov.keys.sealformat import Envelope
 from kvgov.policy.interfaces import Decision
 from kvgov.proxy.dataplane.buffers import Lease
 from kvgov.proxy.dataplane.identity import Who
@@ -30,6 +36,9 @@ JOB_BYTES = 4 << 20
 INLINE_CRYPTO_BYTES = 1 << 20
 #: "every size" for :func:`inline_crypto_bytes`
 INLINE_ALL = 1 << 62
+#: a hit at least this large, opened on the event loop, is opened half there and half in the
+#: crypto pool at once (:func:`open_all`)
+SPLIT_OPEN_BYTES = 8 << 20
 
 
 def segments_per_job(segment_size: int) -> int:
@@ -157,6 +166,56 @@ class PutPlan:
         self.lease.release()
 
 
+def lay_out(
+    who: Who,
+    head: bytes,
+    length: int,
+    lease: Lease,
+    reserved: Reserved | None,
+    *,
+    keys: Keyring | None,
+    segment_size: int,
+    scope_user: str | None,
+) -> tuple[Callable[[], SealWriter] | None, list[memoryview]]:
+    """Where a put's bytes go: its envelope ``head`` written into ``lease`` (and ``reserved``),
+    the plaintext receive windows, one per segment, and what makes its writer (None: not
+    sealed; sealed into ``reserved`` when the tier set a buffer aside, else in place)."""
+    view = lease.view
+    view[: len(head)] = head
+    body = view[len(head) :]
+    dst = body
+    if reserved is not None:
+        reserved.view[: len(head)] = head
+        dst = reserved.view[len(head) :]
+    make: Callable[[], SealWriter] | None = None
+    windows: list[memoryview] = []
+    if keys is not None:
+        keyring = keys
+
+        def make_writer() -> SealWriter:
+            return keyring.sealer(
+                who.tenant,
+                who.digest.encode(),
+                length,
+                dst,
+                user=scope_user,
+                segment_size=segment_size,
+                context=head,
+            )
+
+        make = make_writer
+        geometry = SealedHeader("", 0, segment_size, length, b"", b"")
+        for i in range(geometry.segments):
+            off, _ = geometry.sealed_span(i)
+            _, plen = geometry.plain_span(i)
+            windows.append(body[off : off + plen])
+    else:
+        for i in range(segment_count(length, segment_size)):
+            start = i * segment_size
+            windows.append(body[start : min(length, start + segment_size)])
+    return make, windows
+
+
 def _seal(
     job: Future[SealWriter],
     make: Callable[[], SealWriter] | None,
@@ -178,6 +237,97 @@ def open_segments(reader: SealReader, windows: list[tuple[int, memoryview]]) -> 
     """A pool job: open ``windows`` of a sealed chunk in place."""
     for index, window in windows:
         reader.open_segment(index, window)
+
+
+async def open_value(
+    value: memoryview,
+    keys: Keyring | None,
+    who: Who,
+    lease: Lease,
+    *,
+    in_place: bool,
+    executor: Executor,
+    inline_bytes: int,
+) -> tuple[Envelope, list[memoryview]]:
+    """A stored value's envelope and its plaintext windows, every segment authenticated and
+    opened into ``lease`` (``in_place``: ``value`` is in the lease already, else it is the
+    tier's own buffer). Raises :class:`~kvgov.errors.CorruptValueError` for a value that fails
+    its checks."""
+    envelope = sealformat.parse(value)
+    if not envelope.sealed and keys is None:
+        return envelope, [envelope.plain_body()]
+    if keys is None:
+        raise ProtocolError("a sealed value needs the keyring to open")
+    reader = envelope.reader(keys, tenant=who.tenant, cache_key=who.digest.encode())
+    header = reader.header
+    windows: list[memoryview] = []
+    for i in range(header.segments):
+        if not in_place:  # opened from the tier's buffer into the lease
+            start, plen = header.plain_span(i)
+            windows.append(lease.view[start : start + plen])
+        else:  # opened in place in the lease
+            off, _ = header.sealed_span(i)
+            _, plen = header.plain_span(i)
+            windows.append(envelope.body[off : off + plen])
+    # every segment authenticated before the hit is announced: a bad one is a miss
+    await open_all(reader, windows, header.plain_len, executor, inline_bytes)
+    return envelope, windows
+
+
+async def open_all(
+    reader: SealReader,
+    windows: list[memoryview],
+    length: int,
+    executor: Executor,
+    inline_bytes: int,
+) -> None:
+    """Open every segment into its window: here up to ``inline_bytes``, else in the crypto
+    pool (``executor``), a few segments per job, side by side. A value of
+    :data:`SPLIT_OPEN_BYTES` or more opened here is opened half here and half in the pool at
+    once. Raises the first failure once no job touches the windows any more (a cancelled
+    caller waits for them too)."""
+    indexed = list(enumerate(windows))
+    if length <= inline_bytes:
+        if length < SPLIT_OPEN_BYTES or len(indexed) < 2:
+            open_segments(reader, indexed)
+            return
+        # a large value: the pool opens its second half while this thread opens the first
+        # (AES-GCM releases the GIL: two cores, half the wait before the hit is announced)
+        half = len(indexed) // 2
+        jobs = [executor.submit(open_segments, reader, indexed[half:])]
+        try:
+            open_segments(reader, indexed[:half])
+        except BaseException:
+            await _settle(jobs)
+            raise
+    else:
+        step = segments_per_job(reader.header.segment_size)
+        jobs = [
+            executor.submit(open_segments, reader, indexed[i : i + step])
+            for i in range(0, len(indexed), step)
+        ]
+    await _settle(jobs)
+
+
+async def _settle(jobs: list[Future[None]]) -> None:
+    """Wait for every job (a cancelled caller waits for those started too); raise the first
+    failure."""
+    waiting = [asyncio.wrap_future(job) for job in jobs]
+    try:
+        await asyncio.wait(waiting)
+    except asyncio.CancelledError:
+        for job in jobs:
+            job.cancel()  # those not started yet
+        while not all(job.done() for job in jobs):
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([f for f in waiting if not f.done()])
+        raise
+    finally:
+        for f in waiting:
+            if f.done() and not f.cancelled():
+                f.exception()  # retrieved: raised below from the job itself
+    for job in jobs:
+        job.result()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,17 +1,27 @@
-"""The ledger events the data plane writes about entries: put, gone (deleted/expired), evicted.
+"""The ledger events the data plane writes, and how it hands them to the event sink.
 
-Each carries the :class:`~kvgov.ledger.events.EntryChange` that keeps the ledger's entry index
-in step with the tiers, so the index explains every entry the tiers hold or dropped.
+:func:`op_event` builds an operation's event (who, what, the request); :class:`Recorder` records
+it: durably (a put, a delete, a denial of a put: the caller waits for it), lazily (a get, a
+miss: nothing waits, a sink that can may hold it back briefly to commit it with others), queued
+(a ``kv:put``: its ack waits for what :meth:`Recorder.queue` returns) or in the background
+(:meth:`Recorder.note`, :meth:`Recorder.soon`: a kept put, an eviction, a denial summary).
+
+The entry events (put, gone: deleted/expired, evicted) carry the
+:class:`~kvgov.ledger.events.EntryChange` that keeps the ledger's entry index in step with the
+tiers, so the index explains every entry the tiers hold or dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kvgov.ledger.events import EntryChange, Event
+from kvgov.errors import KvgovError, LedgerBackpressureError
+from kvgov.ledger.events import EntryChange, Event, EventSink, LazyEventSink, QueuedEventSink
 from kvgov.policy.interfaces import Decision
 from kvgov.types import EntryState, EventKind, Outcome, Sensitivity
 
@@ -19,7 +29,100 @@ if TYPE_CHECKING:
     from kvgov.proxy.dataplane.identity import Who
     from kvgov.proxy.dataplane.index import EntryMeta
 
+log = logging.getLogger("kvgov.dataplane")
+
 _SENSITIVITIES = frozenset(s.value for s in Sensitivity)
+
+
+def op_event(kind: EventKind, who: Who, **fields: Any) -> Event:
+    """An event about ``who``'s operation (tenant, actor, request, key digest, principal)."""
+    return Event(
+        kind=kind,
+        tenant=who.tenant,
+        actor=who.actor,
+        request_id=who.ctx.request_id,
+        key_digest=who.digest,
+        principal=who.identity.principal,
+        **fields,
+    )
+
+
+class Recorder:
+    """Hands the data plane's events to its event sink (see the module docstring)."""
+
+    def __init__(self, sink: EventSink) -> None:
+        self.sink = sink
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def sink(self) -> EventSink:
+        """Where events go."""
+        return self._sink
+
+    @sink.setter
+    def sink(self, sink: EventSink) -> None:
+        self._sink = sink
+        # the sink when it can hold events back (an isinstance check against a runtime
+        # Protocol walks its attributes: once here, not per event)
+        self._lazy_sink = sink if isinstance(sink, LazyEventSink) else None
+        self._queued_sink = sink if isinstance(sink, QueuedEventSink) else None
+
+    async def record(self, event: Event, *, durable: bool) -> None:
+        if durable:
+            await self.sink.append(event)
+            return
+        try:
+            self.submit_lazy(event)
+        except KvgovError:  # queue full: wait for room rather than drop the record
+            await self.sink.append(event)
+
+    def submit_lazy(self, event: Event) -> None:
+        """Queue an event nothing waits on (a sink that can may hold it back briefly to commit
+        it with others; see ``ledger.lazy_max_delay_ms``)."""
+        if self._lazy_sink is not None:
+            self._lazy_sink.submit_lazy(event)
+        else:
+            self.sink.submit(event)
+
+    def note(self, event: Event, unrecorded: str = "dataplane.event.unrecorded") -> None:
+        """Queue an event nothing waits on; a full queue records it as soon as there is room
+        (:meth:`soon`); any other failure is logged as ``unrecorded``."""
+        try:
+            self.submit_lazy(event)
+        except LedgerBackpressureError:  # record it as soon as there is room
+            self.soon(event)
+        except KvgovError as exc:
+            log.error(unrecorded, extra={"error": exc.code})
+
+    async def queue(self, event: Event) -> Awaitable[Any]:
+        """Queue ``event``; returns what resolves once it is durable. A full queue is
+        backpressure: wait here (in order) until the event is written."""
+        try:
+            if self._queued_sink is not None:  # acknowledged once journaled
+                return self._queued_sink.submit_queued(event)
+            return self.sink.submit(event)
+        except LedgerBackpressureError:
+            done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            done.set_result(await self.sink.append(event))
+            return done
+
+    def soon(self, event: Event) -> None:
+        """Record ``event`` durably in the background (:meth:`recorded` waits for it)."""
+        task = asyncio.get_running_loop().create_task(self._later(event))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _later(self, event: Event) -> None:
+        try:
+            await self.record(event, durable=True)
+        except KvgovError as exc:
+            log.error("dataplane.event.unrecorded", extra={"error": exc.code})
+
+    async def recorded(self, timeout_s: float = 10.0) -> None:
+        """Wait (at most ``timeout_s``) for the events being recorded in the background
+        (denial summaries of closed connections, ...): before the ledger writer closes."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout_s)
 
 
 def put_event(

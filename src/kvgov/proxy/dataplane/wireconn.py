@@ -30,10 +30,9 @@ from pydantic import SecretStr
 
 from kvgov.proxy.dataplane.buffers import Lease
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse
-from kvgov.proxy.dataplane.door import SLICE, Ack, Door, PutSession
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.limits import ConnectionLimits
-from kvgov.proxy.dataplane.pipeline import Pipeline
+from kvgov.proxy.dataplane.pipeline import SLICE, Ack, Door, Pipeline, PutSession
 from kvgov.wire.codec import (
     HEADER_SIZE,
     PROTOCOL_VERSION,
