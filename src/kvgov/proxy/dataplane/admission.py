@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from kvgov.errors import KvgovError
 from kvgov.ledger.events import Event
 from kvgov.ledger.pseudonym import Pseudonymizer
-from kvgov.policy.interfaces import Decision, PolicyEngine
+from kvgov.policy.interfaces import Decision, PolicyEngine, PolicyInput
 from kvgov.proxy.dataplane.identity import Denied, Identity, Who, build_input, resolve
 from kvgov.proxy.dataplane.index import EntryMeta
 from kvgov.proxy.dataplane.limits import DenialBudget, DenialGate, Suppressed
@@ -63,6 +63,20 @@ class Admission:
         self.default_tenant = default_tenant or None
         #: caps on denials recorded one event each (None: every denial is recorded)
         self.denial_gate = denial_gate
+
+    async def may_act_for(self, engine: str, tenant: str) -> bool:
+        """Whether the policy lets ``engine`` act for ``tenant`` at all (a remove of one of
+        its keys over the kvgov wire: tenant and engine rules, no data rules): whom an EVICT
+        for ``tenant`` may reach."""
+        inp = PolicyInput(
+            operation=Operation.REMOVE,
+            tenant=tenant,
+            engine=engine,
+            key_tenant=tenant,
+            listener="kvgov",
+        )
+        decision = self.policy.decide_cached(inp) or await self.policy.decide(inp)
+        return decision.allowed
 
     async def admit(
         self,

@@ -57,7 +57,7 @@ class LmServer:
         *,
         engine_id: str,
         tenants: Iterable[str],
-        limits: ConnectionLimits | None = None,
+        limits: ConnectionLimits,
         frame_timeout_s: float = 30.0,
     ) -> None:
         if not engine_id:
@@ -70,13 +70,7 @@ class LmServer:
         self.connections: set[LmConnection] = set()
         self._server: asyncio.Server | None = None
         self.port: int | None = None
-        self.limits = (
-            limits
-            if limits is not None
-            else ConnectionLimits(
-                max_total=1024, per_peer=1024, per_engine=1024, metrics=pipeline.metrics
-            )
-        )
+        self.limits = limits
         #: a request's bytes (and a PUT's value) must arrive within this, a GET's reply be
         #: taken within it
         self.frame_timeout_s = frame_timeout_s

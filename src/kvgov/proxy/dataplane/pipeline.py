@@ -517,6 +517,11 @@ class Pipeline:
 
     # -- put: 1-2 admit and plan (put), 5-6 store and record (store_put) ------------------------
 
+    async def may_act_for(self, engine: str, tenant: str) -> bool:
+        """Whether the policy lets ``engine`` act for ``tenant`` at all: whom an EVICT for
+        ``tenant`` may reach (:meth:`Admission.may_act_for`)."""
+        return await self.admission.may_act_for(engine, tenant)
+
     def lease_bound(self, length: int, item_meta: Mapping[str, Any] | None = None) -> int:
         """An upper bound on the pooled buffer a put of ``length`` bytes takes (its envelope
         head at its longest: item metadata is refused beyond that)."""

@@ -17,7 +17,6 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvgov.policy.interfaces import PolicyInput
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.limits import ConnectionLimits, Watchdog
 from kvgov.proxy.dataplane.pipeline import Pipeline
@@ -28,7 +27,6 @@ from kvgov.proxy.dataplane.wireconn import (
     ServerConfig,
     WireConnection,
 )
-from kvgov.types import Operation
 from kvgov.wire.codec import ErrorCode, WireError
 
 __all__ = [
@@ -46,19 +44,11 @@ log = logging.getLogger("kvgov.dataplane.server")
 class WireServer:
     """Owns the listeners, the set of live connections and the control connections."""
 
-    def __init__(
-        self, pipeline: Pipeline, config: ServerConfig, limits: ConnectionLimits | None = None
-    ) -> None:
+    def __init__(self, pipeline: Pipeline, config: ServerConfig, limits: ConnectionLimits) -> None:
         self.pipeline = pipeline
         self.config = config
         #: connection caps (shared with the lm:// listener by the sidecar)
-        self.limits = (
-            limits
-            if limits is not None
-            else ConnectionLimits(
-                max_total=1024, per_peer=1024, per_engine=1024, metrics=pipeline.metrics
-            )
-        )
+        self.limits = limits
         self.watchdog = Watchdog(
             lambda: self.connections,
             Watchdog.tick_for(config.hello_timeout_s, config.frame_timeout_s),
@@ -136,25 +126,13 @@ class WireServer:
             if engine is None:
                 continue
             if engine not in verdicts:
-                verdicts[engine] = engine in holders or await self._admitted(engine, tenant)
+                verdicts[engine] = engine in holders or await self.pipeline.may_act_for(
+                    engine, tenant
+                )
             if verdicts[engine]:
                 controls.append(conn)
         results = await asyncio.gather(*(c.evict(digests, timeout_s) for c in controls))
         return list(results)
-
-    async def _admitted(self, engine: str, tenant: str) -> bool:
-        """Whether the policy lets ``engine`` act for ``tenant`` at all (a remove of one of
-        its keys: tenant and engine rules, no data rules)."""
-        policy = self.pipeline.policy
-        inp = PolicyInput(
-            operation=Operation.REMOVE,
-            tenant=tenant,
-            engine=engine,
-            key_tenant=tenant,
-            listener="kvgov",
-        )
-        decision = policy.decide_cached(inp) or await policy.decide(inp)
-        return decision.allowed
 
     def authenticate(self, meta: Mapping[str, Any], conn: WireConnection) -> Identity:
         engine = meta.get("engine")
