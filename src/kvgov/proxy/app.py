@@ -39,6 +39,7 @@ from kvgov.proxy.dataplane.limits import ConnectionLimits, DenialGate, SummaryLo
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
 from kvgov.proxy.dataplane.pipeline import Pipeline
 from kvgov.proxy.dataplane.plans import inline_crypto_bytes, usable_cpus
+from kvgov.proxy.dataplane.sealers import KeyringSealer, Sealer
 from kvgov.proxy.dataplane.server import WireServer
 from kvgov.proxy.dataplane.unsafe import NullEventSink, PlaintextSealer
 from kvgov.proxy.dataplane.upkeep import expired, sweep
@@ -399,7 +400,7 @@ async def build_sidecar(
     pseudonymizer = Pseudonymizer.from_file(settings.pseudonym_key_path)
     index = EntryIndex()
     engine = writer = key_events = None
-    keyring: Keyring | PlaintextSealer = PlaintextSealer()
+    sealer: Sealer = PlaintextSealer()
     if recorded or sealed:
         from kvgov.db.engine import make_engine, migrate
 
@@ -447,11 +448,13 @@ async def build_sidecar(
             generate_kek_file(settings.kek_path)
         store: WrappedKeyStore = SqlKeyStore(engine)
         key_events = KeyEventRecorder(sink, asyncio.get_running_loop(), principal=settings.chain_id)
-        keyring = Keyring.from_settings(
-            settings,
-            store,
-            FileKekProvider(settings.kek_path, environment=settings.environment),
-            on_change=key_events,
+        sealer = KeyringSealer(
+            Keyring.from_settings(
+                settings,
+                store,
+                FileKekProvider(settings.kek_path, environment=settings.environment),
+                on_change=key_events,
+            )
         )
     if policy is None:
         from kvgov.policy.factory import build_policy_engine
@@ -489,7 +492,7 @@ async def build_sidecar(
         metrics=metrics,
         index=index,
         policy=policy,
-        keyring=keyring,
+        sealer=sealer,
         sink=sink,
         segment_size=settings.keys.segment_size,
         inline_crypto_bytes=inline,

@@ -64,12 +64,10 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from kvgov.connectors.tiers.base import copy_into
 from kvgov.connectors.tiers.chain import TierChain
 from kvgov.errors import CorruptValueError, ItemMetaError, KvgovError
 from kvgov.keys import sealformat
 from kvgov.keys.keyring import Keyring
-from kvgov.keys.sealed import sealed_size
 from kvgov.ledger.events import EventSink
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.policy.interfaces import Decision, PolicyEngine
@@ -91,7 +89,8 @@ from kvgov.proxy.dataplane.plans import (
     segments_per_job,
 )
 from kvgov.proxy.dataplane.records import Recorder, entry_gone, op_event, put_event
-from kvgov.proxy.dataplane.unsafe import NullEventSink, PlaintextSealer
+from kvgov.proxy.dataplane.sealers import Sealer
+from kvgov.proxy.dataplane.unsafe import NullEventSink
 from kvgov.proxy.dataplane.upkeep import evicted
 from kvgov.types import EntryState, EventKind, Operation, Outcome, Scope
 from kvgov.wire.itemmeta import check_item_meta
@@ -444,7 +443,7 @@ class Pipeline:
         sender: Executor | None = None,
         index: EntryIndex | None = None,
         policy: PolicyEngine,
-        keyring: Keyring | PlaintextSealer,
+        sealer: Sealer,
         sink: EventSink,
         segment_size: int = 1 << 20,
         inline_crypto_bytes: int = INLINE_CRYPTO_BYTES,
@@ -459,8 +458,8 @@ class Pipeline:
         self.sender = sender if sender is not None else executor
         self.metrics = metrics
         self.index = index if index is not None else EntryIndex()
-        #: the keys values are sealed with (None only with the benchmarks' PlaintextSealer)
-        self._keys: Keyring | None = keyring if isinstance(keyring, Keyring) else None
+        #: what values are sealed with (sealers.py; the benchmarks' PlaintextSealer: nothing)
+        self.sealer = sealer
         #: how events reach the sink (records.py)
         self.recorder = Recorder(sink)
         #: identity, policy and the record of every denial (admission.py)
@@ -487,7 +486,7 @@ class Pipeline:
     @property
     def keyring(self) -> Keyring | None:
         """The keyring, for the sidecar's key upkeep (None: values are not sealed)."""
-        return self._keys
+        return self.sealer.keyring
 
     @property
     def sink(self) -> EventSink:
@@ -510,7 +509,7 @@ class Pipeline:
     def governed(self) -> bool:
         """No null collaborator stands in (policy, sealer, event sink)."""
         return (
-            self._keys is not None
+            self.sealer.sealed
             and not isinstance(self.sink, NullEventSink)
             and self.policy.revision.policy != "unsafe-allow-all"
         )
@@ -527,7 +526,7 @@ class Pipeline:
         head at its longest: item metadata is refused beyond that)."""
         del item_meta  # bounded by sealformat.MAX_HEAD_SIZE whatever it holds
         try:
-            body = sealed_size(length, self.segment_size) if self._keys is not None else length
+            body = self.sealer.body_size(length, self.segment_size)
         except ValueError:  # beyond what one sealed chunk can hold
             return 1 << 62
         return size_class(body + sealformat.MAX_HEAD_SIZE)
@@ -588,9 +587,9 @@ class Pipeline:
                 given.release()
             return Denied("no_allowed_tier", who.identity, who.ctx, decision)
         scope_user = who.key_user if decision.scope is Scope.USER else None
-        keys = self._keys
-        head = sealformat.encode_head(item_meta, length, sealed=keys is not None)
-        body_len = sealed_size(length, self.segment_size) if keys is not None else length
+        sealer = self.sealer
+        head = sealformat.encode_head(item_meta, length, sealed=sealer.sealed)
+        body_len = sealer.body_size(length, self.segment_size)
         if given is None:
             lease = await self.pool.acquire(len(head) + body_len, who.identity.engine)
         else:
@@ -604,7 +603,7 @@ class Pipeline:
                 length,
                 lease,
                 reserved,
-                keys=keys,
+                sealer=sealer,
                 segment_size=self.segment_size,
                 scope_user=scope_user,
             )
@@ -657,30 +656,25 @@ class Pipeline:
         event. Raises (having stored nothing) on failure; releases the plan's buffer."""
         who, decision = plan.who, plan.decision
         try:
-            await plan.sealed()
+            writer = await plan.sealed()
             now = self.clock()
             ttl = decision.ttl_s
             expires_at = now + ttl if ttl else None
             allowed = decision.tiers
-            total = plan.body_offset + (
-                plan.writer.sealed_len if plan.writer is not None else plan.length
-            )
+            total = plan.body_offset + writer.sealed_len
             reserved, plan.reserved = plan.reserved, None
             if reserved is None:
                 written = await self.tiers.put(
                     who.digest, plan.lease.view[:total], allowed=allowed, expires_at=expires_at
                 )
-            else:
-                if plan.writer is None:  # not sealed: the tier's copy is made here
-                    start = plan.body_offset
-                    copy_into(reserved.view[start:total], plan.lease.view[start:total])
+            else:  # the writer wrote the body into the tier's own buffer
                 written = await self.tiers.put_reserved(
                     who.digest, reserved, allowed=allowed, expires_at=expires_at
                 )
         finally:
             plan.abort()
         scope = decision.scope
-        key = plan.writer.key if plan.writer is not None else None
+        key = writer.key
         sensitivity = decision.sensitivity or who.ctx.sensitivity
         entry = EntryMeta(
             tenant=who.tenant,
@@ -798,7 +792,7 @@ class Pipeline:
                 value = lease.view[: hit.nbytes]
             envelope, windows = await open_value(
                 value,
-                self._keys,
+                self.sealer,
                 who,
                 lease,
                 in_place=src is None,

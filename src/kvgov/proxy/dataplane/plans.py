@@ -17,15 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from kvgov.connectors.tiers.base import Reserved
-from kvgov.errors import ProtocolError
 from kvgov.keys import sealformat
-from kvgov.keys.keyring import Keyring
-from kvgov.keys.sealed import SealedHeader, SealReader, SealWriter, segment_count
 from kvgov.keys.sealformat import Envelope
 from kvgov.policy.interfaces import Decision
 from kvgov.proxy.dataplane.buffers import Lease
 from kvgov.proxy.dataplane.identity import Who
 from kvgov.proxy.dataplane.index import EntryMeta
+from kvgov.proxy.dataplane.sealers import Opener, Sealer, SegmentWriter
 
 #: plaintext bytes sealed or opened per thread-pool job: fewer, larger jobs cost the event loop
 #: fewer thread hand-offs, while a chunk's first bytes are still processed as the rest streams
@@ -78,9 +76,10 @@ class PutPlan:
     ``inline_bytes``, else in the crypto pool, a few per job (:data:`JOB_BYTES`), while the
     next ones arrive; into ``reserved`` (the fastest tier's own buffer, at the same
     offsets: the tier then keeps it, no copy) when the tier set one aside, else in place.
-    The first job also makes the :class:`SealWriter` (the windows' offsets depend only on the
-    chunk's geometry, so bytes can land before it exists); later jobs wait for it there, and
-    the event loop hears back only in :meth:`sealed`.
+    The first job also makes the writer (:class:`~kvgov.proxy.dataplane.sealers.SegmentWriter`;
+    the windows' offsets depend only on the chunk's geometry, so bytes can land before it
+    exists); later jobs wait for it there, and the event loop hears back only in
+    :meth:`sealed`.
     """
 
     who: Who
@@ -88,20 +87,21 @@ class PutPlan:
     length: int
     item_meta: Mapping[str, Any]
     decision: Decision
-    #: makes the writer (None: not sealed); run by the first job, which resolves ``writer_job``
-    make_writer: Callable[[], SealWriter] | None
+    #: makes the writer (:meth:`Sealer.writer`); run by the first job, which resolves
+    #: ``writer_job``
+    make_writer: Callable[[], SegmentWriter]
     body_offset: int
     #: plaintext receive windows in the buffer, one per segment, in order
     windows: list[memoryview]
     per_job: int = 1
     #: a put this small is sealed on the event loop, each segment as it completes
     inline_bytes: int = INLINE_CRYPTO_BYTES
-    writer_job: Future[SealWriter] = field(default_factory=Future)
+    writer_job: Future[SegmentWriter] = field(default_factory=Future)
     pending: list[Future[None]] = field(default_factory=list)
     ready: list[int] = field(default_factory=list)
     #: the first failure of a seal made on the event loop (later segments are not sealed)
     inline_error: Exception | None = None
-    writer: SealWriter | None = None
+    writer: SegmentWriter | None = None
     done: bool = False
     #: the fastest tier's buffer the value is written into (None: stored from the lease)
     reserved: Reserved | None = None
@@ -111,8 +111,6 @@ class PutPlan:
     def segment_done(self, index: int, pool: Executor) -> None:
         """Segment ``index`` has fully arrived: seal it, here for a chunk up to
         ``inline_bytes``, else with its neighbours in the pool."""
-        if self.make_writer is None:
-            return
         if self.length <= self.inline_bytes:  # here, at once: cheaper than a hand-off
             if self.inline_error is None:
                 make = self.make_writer if not self.writer_job.done() else None
@@ -129,10 +127,8 @@ class PutPlan:
         self.ready = []
         self.pending.append(pool.submit(_seal, self.writer_job, make, windows))
 
-    async def sealed(self) -> SealWriter | None:
+    async def sealed(self) -> SegmentWriter:
         """Wait for every submitted job; raises the first failure (once none is running)."""
-        if self.make_writer is None:
-            return None
         running = [asyncio.wrap_future(f) for f in self.pending if not f.done()]
         if running:
             await asyncio.wait(running)
@@ -173,13 +169,13 @@ def lay_out(
     lease: Lease,
     reserved: Reserved | None,
     *,
-    keys: Keyring | None,
+    sealer: Sealer,
     segment_size: int,
     scope_user: str | None,
-) -> tuple[Callable[[], SealWriter] | None, list[memoryview]]:
+) -> tuple[Callable[[], SegmentWriter], list[memoryview]]:
     """Where a put's bytes go: its envelope ``head`` written into ``lease`` (and ``reserved``),
-    the plaintext receive windows, one per segment, and what makes its writer (None: not
-    sealed; sealed into ``reserved`` when the tier set a buffer aside, else in place)."""
+    the plaintext receive windows (:meth:`Sealer.windows`), and what makes its writer (which
+    writes into ``reserved`` when the tier set a buffer aside, else in place)."""
     view = lease.view
     view[: len(head)] = head
     body = view[len(head) :]
@@ -187,38 +183,24 @@ def lay_out(
     if reserved is not None:
         reserved.view[: len(head)] = head
         dst = reserved.view[len(head) :]
-    make: Callable[[], SealWriter] | None = None
-    windows: list[memoryview] = []
-    if keys is not None:
-        keyring = keys
 
-        def make_writer() -> SealWriter:
-            return keyring.sealer(
-                who.tenant,
-                who.digest.encode(),
-                length,
-                dst,
-                user=scope_user,
-                segment_size=segment_size,
-                context=head,
-            )
+    def make_writer() -> SegmentWriter:
+        return sealer.writer(
+            who,
+            length,
+            body,
+            dst,
+            segment_size=segment_size,
+            scope_user=scope_user,
+            context=head,
+        )
 
-        make = make_writer
-        geometry = SealedHeader("", 0, segment_size, length, b"", b"")
-        for i in range(geometry.segments):
-            off, _ = geometry.sealed_span(i)
-            _, plen = geometry.plain_span(i)
-            windows.append(body[off : off + plen])
-    else:
-        for i in range(segment_count(length, segment_size)):
-            start = i * segment_size
-            windows.append(body[start : min(length, start + segment_size)])
-    return make, windows
+    return make_writer, sealer.windows(body, length, segment_size)
 
 
 def _seal(
-    job: Future[SealWriter],
-    make: Callable[[], SealWriter] | None,
+    job: Future[SegmentWriter],
+    make: Callable[[], SegmentWriter] | None,
     windows: list[tuple[int, memoryview]],
 ) -> None:
     """A pool job: (make the writer, then) seal ``windows`` in place."""
@@ -233,15 +215,15 @@ def _seal(
         writer.seal_segment(index, window)
 
 
-def open_segments(reader: SealReader, windows: list[tuple[int, memoryview]]) -> None:
-    """A pool job: open ``windows`` of a sealed chunk in place."""
+def open_segments(opener: Opener, windows: list[tuple[int, memoryview]]) -> None:
+    """A pool job: open ``windows`` of a stored value."""
     for index, window in windows:
-        reader.open_segment(index, window)
+        opener.open_segment(index, window)
 
 
 async def open_value(
     value: memoryview,
-    keys: Keyring | None,
+    sealer: Sealer,
     who: Who,
     lease: Lease,
     *,
@@ -251,31 +233,26 @@ async def open_value(
 ) -> tuple[Envelope, list[memoryview]]:
     """A stored value's envelope and its plaintext windows, every segment authenticated and
     opened into ``lease`` (``in_place``: ``value`` is in the lease already, else it is the
-    tier's own buffer). Raises :class:`~kvgov.errors.CorruptValueError` for a value that fails
-    its checks."""
+    tier's own buffer, read under its guard). Raises
+    :class:`~kvgov.errors.CorruptValueError` for a value that fails its checks."""
     envelope = sealformat.parse(value)
-    if not envelope.sealed and keys is None:
-        return envelope, [envelope.plain_body()]
-    if keys is None:
-        raise ProtocolError("a sealed value needs the keyring to open")
-    reader = envelope.reader(keys, tenant=who.tenant, cache_key=who.digest.encode())
-    header = reader.header
+    opener = sealer.opener(envelope, who, in_place=in_place)
     windows: list[memoryview] = []
-    for i in range(header.segments):
+    for i in range(opener.segments):
+        _, plen = opener.plain_span(i)
         if not in_place:  # opened from the tier's buffer into the lease
-            start, plen = header.plain_span(i)
+            start, _ = opener.plain_span(i)
             windows.append(lease.view[start : start + plen])
         else:  # opened in place in the lease
-            off, _ = header.sealed_span(i)
-            _, plen = header.plain_span(i)
+            off, _ = opener.body_span(i)
             windows.append(envelope.body[off : off + plen])
     # every segment authenticated before the hit is announced: a bad one is a miss
-    await open_all(reader, windows, header.plain_len, executor, inline_bytes)
+    await open_all(opener, windows, opener.plain_len, executor, inline_bytes)
     return envelope, windows
 
 
 async def open_all(
-    reader: SealReader,
+    opener: Opener,
     windows: list[memoryview],
     length: int,
     executor: Executor,
@@ -289,21 +266,21 @@ async def open_all(
     indexed = list(enumerate(windows))
     if length <= inline_bytes:
         if length < SPLIT_OPEN_BYTES or len(indexed) < 2:
-            open_segments(reader, indexed)
+            open_segments(opener, indexed)
             return
         # a large value: the pool opens its second half while this thread opens the first
         # (AES-GCM releases the GIL: two cores, half the wait before the hit is announced)
         half = len(indexed) // 2
-        jobs = [executor.submit(open_segments, reader, indexed[half:])]
+        jobs = [executor.submit(open_segments, opener, indexed[half:])]
         try:
-            open_segments(reader, indexed[:half])
+            open_segments(opener, indexed[:half])
         except BaseException:
             await _settle(jobs)
             raise
     else:
-        step = segments_per_job(reader.header.segment_size)
+        step = segments_per_job(opener.segment_size)
         jobs = [
-            executor.submit(open_segments, reader, indexed[i : i + step])
+            executor.submit(open_segments, opener, indexed[i : i + step])
             for i in range(0, len(indexed), step)
         ]
     await _settle(jobs)
