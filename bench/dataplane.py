@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from floor import print_floor  # noqa: E402 - after the path set-up above
+from floor import cpu_ticks, print_floor  # noqa: E402 - after the path set-up above
 
 MIB = 1 << 20
 SIZES = (1 * MIB, 4 * MIB, 32 * MIB)
@@ -153,15 +153,6 @@ def depth_for(size: int, args: argparse.Namespace) -> int:
 Cpu = tuple[float, float, float]
 
 
-def _ticks(stat: Path) -> int:
-    """utime + stime of a /proc/<pid>/stat (the whole process: every thread)."""
-    try:
-        fields = stat.read_text().rsplit(")", 1)[1].split()
-    except OSError:  # gone meanwhile
-        return 0
-    return int(fields[11]) + int(fields[12])
-
-
 def cpu_snapshot(pid: int) -> Cpu:
     """CPU seconds used so far by the sidecar process, by every Postgres server process, and
     by the whole machine (busy time of all cores), from /proc (Linux)."""
@@ -174,10 +165,10 @@ def cpu_snapshot(pid: int) -> Cpu:
                     continue
             except OSError:
                 continue
-            postgres += _ticks(proc / "stat")
+            postgres += cpu_ticks(proc / "stat")
     times = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     busy = sum(times) - times[3] - times[4]  # all but idle and iowait
-    return _ticks(Path(f"/proc/{pid}/stat")) / hz, postgres / hz, busy / hz
+    return cpu_ticks(Path(f"/proc/{pid}/stat")) / hz, postgres / hz, busy / hz
 
 
 def per_op(before: Cpu, after: Cpu, n: int) -> Cpu:

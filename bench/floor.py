@@ -136,10 +136,18 @@ def _serve(mode: str, size: int, ready: Queue[Any]) -> None:
         listener.close()
 
 
+def cpu_ticks(stat: Path) -> int:
+    """utime + stime of a /proc/<pid>/stat (the whole process: every thread; 0 once gone)."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:  # gone meanwhile
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
 def _server_cpu(pid: int) -> float:
-    """CPU seconds the server process used so far (utime + stime, every thread)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds the server process used so far."""
+    return cpu_ticks(Path(f"/proc/{pid}/stat")) / os.sysconf("SC_CLK_TCK")
 
 
 def _client(mode: str, port: int, size: int, n: int, pid: int) -> tuple[float, float]:

@@ -239,9 +239,8 @@ async def open_value(
     opener = sealer.opener(envelope, who, in_place=in_place)
     windows: list[memoryview] = []
     for i in range(opener.segments):
-        _, plen = opener.plain_span(i)
+        start, plen = opener.plain_span(i)
         if not in_place:  # opened from the tier's buffer into the lease
-            start, _ = opener.plain_span(i)
             windows.append(lease.view[start : start + plen])
         else:  # opened in place in the lease
             off, _ = opener.body_span(i)
