@@ -7,7 +7,8 @@ import os
 import pytest
 
 from kvgov.connectors.tiers.base import NOGIL_COPY_BYTES, copy_into
-from kvgov.connectors.tiers.memory import POOL_MIN_BYTES, MemoryTier, new_buffer
+from kvgov.connectors.tiers.memory import POOL_MIN_BYTES, MemoryTier
+from kvgov.connectors.tiers.pages import new_buffer
 from kvgov.errors import TierError
 
 CHUNK = 256 * 1024

@@ -19,7 +19,7 @@ import asyncio
 from collections import Counter, deque
 from collections.abc import Sequence
 
-from kvgov.connectors.tiers.memory import Pooled, new_buffer
+from kvgov.connectors.tiers.pages import Pooled, new_buffer
 from kvgov.errors import ProtocolError
 
 MIN_CLASS = 64 * 1024
