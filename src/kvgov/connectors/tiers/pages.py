@@ -19,7 +19,6 @@ reservations). Faulting a page in twice is harmless: whichever thread touches it
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 from functools import cache
@@ -34,9 +33,11 @@ Pooled = bytearray | mmap.mmap
 
 @cache
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """libc's ``madvise`` (a foreign call: ctypes releases the GIL around it), or None."""
+    """libc's ``madvise`` (a foreign call: ctypes releases the GIL around it), or None. Looked
+    up in the running program (``dlopen(NULL)``), which links libc: ``find_library`` would
+    start a subprocess."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.madvise
     except (OSError, AttributeError):
         return None
