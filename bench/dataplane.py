@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from floor import chunks_for as floor_chunks  # noqa: E402
 from floor import cpu_ticks, print_floor  # noqa: E402 - after the path set-up above
 from floor import measure as floor_measure  # noqa: E402
 
@@ -433,8 +434,8 @@ def main() -> None:
                         for _ in range(args.repeat):
                             gs.append(run_wire(gov[0], gov[2], size, n, depth))
                             os_.append(run_wire(off[0], off[2], size, n, depth))
-                            fp = floor_measure("put-sealed", size, floor_n(size, args.mib))
-                            fg = floor_measure("get-sealed", size, floor_n(size, args.mib))
+                            fp = floor_measure("put-sealed", size, floor_chunks(size, args.mib))
+                            fg = floor_measure("get-sealed", size, floor_chunks(size, args.mib))
                             beside.append((fp[0], fp[1], fg[0], fg[1]))
                         g = median_pair([(r.put, r.get) for r in gs])
                         o = median_pair([(r.put, r.get) for r in os_])
@@ -512,11 +513,6 @@ def main() -> None:
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def floor_n(size: int, budget_mib: int) -> int:
-    """Chunks per floor measurement (as ``bench/floor.py`` moves them)."""
-    return max(8, budget_mib * MIB // size)
 
 
 def of_floor(floors: dict[int, dict[str, float]], size: int, mode: str, gbps: float) -> str:

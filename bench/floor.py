@@ -201,10 +201,15 @@ def measure(mode: str, size: int, n: int) -> tuple[float, float]:
 MODES = ("put-plain", "put-sealed", "get-plain", "get-sealed")
 
 
+def chunks_for(size: int, budget_mib: int) -> int:
+    """Chunks of ``size`` bytes one measurement moves: ``budget_mib``, at least eight."""
+    return max(8, budget_mib * MIB // size)
+
+
 def floor(size: int, budget_mib: int, repeat: int) -> dict[str, float]:
     """Median GB/s per mode and (``<mode> cpu``) the server's median CPU ms per chunk, the modes
     interleaved ``repeat`` times."""
-    n = max(8, budget_mib * MIB // size)
+    n = chunks_for(size, budget_mib)
     runs: dict[str, list[tuple[float, float]]] = {}
     for _ in range(repeat):
         for mode in MODES:
