@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from floor import chunks_for as floor_chunks  # noqa: E402
-from floor import cpu_ticks, print_floor  # noqa: E402 - after the path set-up above
+from floor import cpu_ticks, machine_busy, print_floor  # noqa: E402 - after the path set-up
 from floor import measure as floor_measure  # noqa: E402
 
 MIB = 1 << 20
@@ -345,12 +345,6 @@ def run_lm(port: int, size: int, n: int, *, get: bool = True) -> LmRun:
     if bytes(buf) != data:
         raise RuntimeError("lm:// bytes differ")
     return LmRun(size * n / tput / 1e9, size * n / tget / 1e9, busy / n)
-
-
-def machine_busy() -> float:
-    """Busy CPU seconds of the whole machine so far (all cores, /proc/stat)."""
-    times = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(times) - times[3] - times[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def attainable_get(size: int, lmc: LmRun, open_cpu_s: float, cpus: int) -> float:
