@@ -1,12 +1,16 @@
-"""Helpers the live-sidecar tests share: a governed sidecar on a real Postgres with the real
-Rego policy, running for the length of a ``with``, an exact read from a socket, and the two
-places large chunks can be sealed, opened and sent (:data:`CRYPTO_PATHS`)."""
+"""Helpers the live-sidecar tests share: the settings of a sidecar listening on loopback
+(:func:`loopback_settings`), a governed sidecar on a real database with the real Rego policy
+(:func:`start_sidecar`, or running for the length of a ``with``: :func:`running_sidecar`), an
+exact read from a socket, and the two places large chunks can be sealed, opened and sent
+(:data:`CRYPTO_PATHS`)."""
 
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,13 +33,50 @@ CRYPTO_PATHS = [
 ]
 
 
-@asynccontextmanager
-async def running_sidecar(settings: Settings) -> AsyncIterator[Sidecar]:
-    """A started sidecar (embedded Rego policy with its decision cache), stopped afterwards."""
+MIB = 1 << 20
+
+
+def loopback_settings(
+    data_dir: Path,
+    db_url: str,
+    *,
+    pool_mib: int = 64,
+    lm: bool = False,
+    dataplane: Mapping[str, Any] | None = None,
+    **sections: Any,
+) -> Settings:
+    """A development sidecar's settings for a live test: its ledger on ``db_url``, the kvgov
+    wire on a free loopback TCP port, a ``pool_mib`` MiB buffer pool, the ``lm://`` listener on
+    (``lm``: :data:`LM_ON`) or off. ``dataplane`` adds or overrides data-plane fields;
+    ``sections`` are the other sections (``tiers``, ``ledger``, ``keys``)."""
+    return Settings(
+        data_dir=data_dir,
+        database={"url": db_url},
+        dataplane={
+            "host": "127.0.0.1",
+            "port": 0,
+            **(LM_ON if lm else {"lm_port": -1}),
+            "buffer_pool_bytes": pool_mib * MIB,
+            **(dataplane or {}),
+        },
+        **sections,
+    )
+
+
+async def start_sidecar(settings: Settings) -> Sidecar:
+    """A started sidecar with the embedded Rego policy and its decision cache (the caller
+    stops it)."""
     sc = await build_sidecar(
         settings, policy=CachingPolicyEngine(EmbeddedPolicyEngine.from_paths())
     )
     await sc.start()
+    return sc
+
+
+@asynccontextmanager
+async def running_sidecar(settings: Settings) -> AsyncIterator[Sidecar]:
+    """A started sidecar (:func:`start_sidecar`), stopped afterwards."""
+    sc = await start_sidecar(settings)
     try:
         yield sc
     finally:

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from kvgov.config import Settings
 from kvgov.proxy.app import Sidecar
 from kvgov.wire import RequestContext, WireClient
-from tests.integration.live import running_sidecar
+from tests.integration.live import loopback_settings, running_sidecar
 
 pytestmark = pytest.mark.postgres
 
@@ -34,11 +33,8 @@ def _key(run: int, i: int) -> str:
 
 @pytest.fixture
 async def sidecar(tmp_path: Path, pg_url: str) -> AsyncIterator[Sidecar]:
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        database={"url": pg_url},
-        dataplane={"host": "127.0.0.1", "port": 0, "lm_port": -1, "buffer_pool_bytes": 64 * MIB},
-        tiers={"chain": ["memory"], "memory_max_bytes": TIER},
+    settings = loopback_settings(
+        tmp_path / "data", pg_url, tiers={"chain": ["memory"], "memory_max_bytes": TIER}
     )
     async with running_sidecar(settings) as sc:
         yield sc

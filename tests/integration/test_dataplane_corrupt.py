@@ -28,14 +28,13 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from kvgov.config import Settings
 from kvgov.db.models import LedgerEvent
 from kvgov.proxy.app import Sidecar
 from kvgov.proxy.dataplane.conn import StreamProtocol
 from kvgov.proxy.dataplane.plans import GetPlan
 from kvgov.types import EventKind, Outcome
 from kvgov.wire import RequestContext, WireClient
-from tests.integration.live import CRYPTO_PATHS, LM_ON, recv_exact, running_sidecar
+from tests.integration.live import CRYPTO_PATHS, loopback_settings, recv_exact, running_sidecar
 
 T = TypeVar("T")
 MIB = 1 << 20
@@ -52,16 +51,11 @@ def _key(h: str) -> str:
 async def sidecar(
     tmp_path: Path, pg_url: str, request: pytest.FixtureRequest
 ) -> AsyncIterator[Sidecar]:
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        database={"url": pg_url},
-        dataplane={
-            "host": "127.0.0.1",
-            "port": 0,
-            **LM_ON,
-            "buffer_pool_bytes": 64 * MIB,
-            "inline_crypto_bytes": request.param,
-        },
+    settings = loopback_settings(
+        tmp_path / "data",
+        pg_url,
+        lm=True,
+        dataplane={"inline_crypto_bytes": request.param},
         tiers={"chain": ["filesystem"], "filesystem_fsync": False},
     )
     async with running_sidecar(settings) as sc:

@@ -18,11 +18,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from kvgov.config import Settings
 from kvgov.db.engine import make_engine
-from kvgov.policy.cache import CachingPolicyEngine
-from kvgov.policy.embedded import EmbeddedPolicyEngine
-from kvgov.proxy.app import build_sidecar
 from kvgov.wire.codec import (
     HEADER_SIZE,
     ErrorCode,
@@ -31,7 +27,7 @@ from kvgov.wire.codec import (
     decode_meta,
     encode_frame,
 )
-from tests.integration.live import LM_ON, recv_exact
+from tests.integration.live import loopback_settings, recv_exact, start_sidecar
 
 pytestmark = pytest.mark.postgres
 
@@ -52,16 +48,9 @@ async def _run(fn: Any, *args: Any) -> Any:
 
 
 async def test_stop_drains_a_put_in_flight_then_refuses_more(tmp_path: Path, pg_url: str) -> None:
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        database={"url": pg_url},
-        dataplane={"host": "127.0.0.1", "port": 0, "lm_port": -1, "buffer_pool_bytes": 64 * MIB},
-        tiers={"chain": ["memory"]},
+    sc = await start_sidecar(
+        loopback_settings(tmp_path / "data", pg_url, tiers={"chain": ["memory"]})
     )
-    sc = await build_sidecar(
-        settings, policy=CachingPolicyEngine(EmbeddedPolicyEngine.from_paths())
-    )
-    await sc.start()
     port = sc.server.tcp_port
     assert port is not None
     value = os.urandom(4 * MIB + 3)
@@ -124,16 +113,9 @@ async def test_stop_drains_an_lm_put_in_flight(tmp_path: Path, pg_url: str) -> N
     stored and recorded before the stop completes."""
     import struct
 
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        database={"url": pg_url},
-        dataplane={"host": "127.0.0.1", "port": 0, **LM_ON, "buffer_pool_bytes": 64 * MIB},
-        tiers={"chain": ["memory"]},
+    sc = await start_sidecar(
+        loopback_settings(tmp_path / "data", pg_url, lm=True, tiers={"chain": ["memory"]})
     )
-    sc = await build_sidecar(
-        settings, policy=CachingPolicyEngine(EmbeddedPolicyEngine.from_paths())
-    )
-    await sc.start()
     assert sc.lm_server is not None and sc.lm_server.port is not None
     key = "bench@1@0@d1b@bfloat16@tenant%demo"
     value = os.urandom(4 * MIB + 5)

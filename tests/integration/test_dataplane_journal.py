@@ -19,7 +19,7 @@ from kvgov.proxy.app import Sidecar
 from kvgov.types import EventKind
 from kvgov.wire import RequestContext, WireClient
 from kvgov.wire.codec import WireConnectionError
-from tests.integration.live import LM_ON, running_sidecar
+from tests.integration.live import loopback_settings, running_sidecar
 
 pytestmark = pytest.mark.postgres
 
@@ -27,12 +27,8 @@ KEY = "meta-llama/Llama-3.1-8B@1@0@{:016x}@bfloat16@tenant%demo@user%u42"
 
 
 def settings(tmp: Path, pg_url: str, **ledger: object) -> Settings:
-    return Settings(
-        data_dir=tmp / "data",
-        database={"url": pg_url},
-        dataplane={"host": "127.0.0.1", "port": 0, **LM_ON, "buffer_pool_bytes": 64 << 20},
-        tiers={"chain": ["memory"]},
-        ledger=ledger,
+    return loopback_settings(
+        tmp / "data", pg_url, lm=True, tiers={"chain": ["memory"]}, ledger=ledger
     )
 
 

@@ -14,15 +14,12 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from kvgov.config import Settings
 from kvgov.errors import LedgerError
 from kvgov.ledger.events import Appended, Event, EventSink
-from kvgov.policy.cache import CachingPolicyEngine
-from kvgov.policy.embedded import EmbeddedPolicyEngine
-from kvgov.proxy.app import Sidecar, build_sidecar
+from kvgov.proxy.app import Sidecar
 from kvgov.types import EntryState, EventKind
 from kvgov.wire import ErrorCode, RequestContext, WireClient
-from tests.integration.live import LM_ON
+from tests.integration.live import loopback_settings, start_sidecar
 
 pytestmark = pytest.mark.postgres
 
@@ -36,17 +33,14 @@ def _key(h: str, user: str | None = "u42") -> str:
 
 
 async def _start(tmp: Path, pg_url: str, *, memory_mib: int = 64) -> Sidecar:
-    settings = Settings(
-        data_dir=tmp / "data",
-        database={"url": pg_url},
-        dataplane={"host": "127.0.0.1", "port": 0, **LM_ON, "buffer_pool_bytes": 64 * MIB},
-        tiers={"chain": ["memory"], "memory_max_bytes": memory_mib * MIB},
+    return await start_sidecar(
+        loopback_settings(
+            tmp / "data",
+            pg_url,
+            lm=True,
+            tiers={"chain": ["memory"], "memory_max_bytes": memory_mib * MIB},
+        )
     )
-    sidecar = await build_sidecar(
-        settings, policy=CachingPolicyEngine(EmbeddedPolicyEngine.from_paths())
-    )
-    await sidecar.start()
-    return sidecar
 
 
 @pytest.fixture

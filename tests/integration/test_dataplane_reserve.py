@@ -17,13 +17,12 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from kvgov.config import Settings
 from kvgov.connectors.tiers.memory import MemoryTier
 from kvgov.db.models import LedgerEvent
 from kvgov.proxy.app import Sidecar
 from kvgov.types import EventKind
 from kvgov.wire import RequestContext, WireClient
-from tests.integration.live import running_sidecar
+from tests.integration.live import loopback_settings, running_sidecar
 
 pytestmark = pytest.mark.postgres
 
@@ -40,10 +39,10 @@ def _key(client: int, i: int) -> str:
 
 @pytest.fixture
 async def sidecar(tmp_path: Path, pg_url: str) -> AsyncIterator[Sidecar]:
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        database={"url": pg_url},
-        dataplane={"host": "127.0.0.1", "port": 0, "lm_port": -1, "buffer_pool_bytes": 128 * MIB},
+    settings = loopback_settings(
+        tmp_path / "data",
+        pg_url,
+        pool_mib=128,
         tiers={"chain": ["memory"], "memory_max_bytes": TIER},
     )
     async with running_sidecar(settings) as sc:

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvgov.config import Settings
 from kvgov.proxy.app import Sidecar
 from kvgov.wire import RequestContext, WireClient
-from tests.integration.live import CRYPTO_PATHS, LM_ON, running_sidecar
+from tests.integration.live import CRYPTO_PATHS, loopback_settings, running_sidecar
 
 pytestmark = pytest.mark.postgres
 
@@ -33,16 +32,12 @@ def _key(h: str) -> str:
 async def sidecar(
     tmp_path: Path, pg_url: str, request: pytest.FixtureRequest
 ) -> AsyncIterator[Sidecar]:
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        database={"url": pg_url},
-        dataplane={
-            "host": "127.0.0.1",
-            "port": 0,
-            **LM_ON,
-            "buffer_pool_bytes": 128 * MIB,
-            "inline_crypto_bytes": request.param,
-        },
+    settings = loopback_settings(
+        tmp_path / "data",
+        pg_url,
+        pool_mib=128,
+        lm=True,
+        dataplane={"inline_crypto_bytes": request.param},
         tiers={"chain": ["memory"], "memory_max_bytes": 256 * MIB},
     )
     async with running_sidecar(settings) as sc:

@@ -17,12 +17,10 @@ from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
 from kvgov.connectors.tiers.memory import MemoryTier
-from kvgov.policy.cache import CachingPolicyEngine
-from kvgov.policy.embedded import EmbeddedPolicyEngine
-from kvgov.proxy.app import Sidecar, build_sidecar
+from kvgov.proxy.app import Sidecar
 from kvgov.types import EventKind
 from kvgov.wire import ErrorCode, RequestContext, WireClient
-from tests.integration.live import LM_ON
+from tests.integration.live import loopback_settings, start_sidecar
 
 pytestmark = pytest.mark.postgres
 
@@ -35,24 +33,17 @@ def _key(tenant: str = "demo", user: str | None = "u42", h: str = "1f2c0f2eb05c3
 
 
 def _settings(tmp: Path, pg_url: str) -> Settings:
-    return Settings(
-        data_dir=tmp / "data",
-        database={"url": pg_url},
-        dataplane={"host": "127.0.0.1", "port": 0, **LM_ON, "buffer_pool_bytes": 64 << 20},
+    return loopback_settings(
+        tmp / "data",
+        pg_url,
+        lm=True,
         tiers={"chain": ["memory", "filesystem"], "filesystem_fsync": False},
     )
 
 
-async def _start(settings: Settings) -> Sidecar:
-    policy = CachingPolicyEngine(EmbeddedPolicyEngine.from_paths())
-    sidecar = await build_sidecar(settings, policy=policy)
-    await sidecar.start()
-    return sidecar
-
-
 @pytest.fixture
 async def sidecar(tmp_path: Path, pg_url: str) -> AsyncIterator[Sidecar]:
-    sc = await _start(_settings(tmp_path, pg_url))
+    sc = await start_sidecar(_settings(tmp_path, pg_url))
     try:
         yield sc
     finally:
@@ -144,7 +135,7 @@ async def test_denials_cross_tenant_and_expiry(sidecar: Sidecar) -> None:
 
 async def test_no_plaintext_on_disk_and_restart(tmp_path: Path, pg_url: str) -> None:
     settings = _settings(tmp_path, pg_url)
-    sc = await _start(settings)
+    sc = await start_sidecar(settings)
     data = PATTERN * 100
     client = _client(sc)
     try:
@@ -156,7 +147,7 @@ async def test_no_plaintext_on_disk_and_restart(tmp_path: Path, pg_url: str) -> 
     assert files
     for path in files:
         assert PATTERN[:32] not in path.read_bytes()
-    sc = await _start(settings)  # memory tier is gone; the filesystem tier and index survive
+    sc = await start_sidecar(settings)  # memory tier is gone; the filesystem tier and index survive
     client = _client(sc)
     try:
         buf = bytearray(len(data))

@@ -26,12 +26,11 @@ from kvgov.config import Settings
 from kvgov.connectors.tiers.memory import MemoryTier
 from kvgov.db.models import LedgerEvent
 from kvgov.db.models import Sidecar as SidecarRow
-from kvgov.policy.cache import CachingPolicyEngine
-from kvgov.policy.embedded import EmbeddedPolicyEngine
-from kvgov.proxy.app import Sidecar, build_sidecar
+from kvgov.proxy.app import Sidecar
 from kvgov.types import EventKind
 from kvgov.wire import EvictRequest, RequestContext, WireClient
 from kvgov.wire.codec import FrameType, decode_header, encode_frame
+from tests.integration.live import loopback_settings, start_sidecar
 
 pytestmark = pytest.mark.postgres
 
@@ -59,12 +58,8 @@ def _values() -> dict[str, bytes]:
 
 
 def _settings(tmp: Path, pg_url: str, tiers: dict[str, Any], **extra: Any) -> Settings:
-    return Settings(
-        data_dir=tmp / "data",
-        database={"url": pg_url},
-        dataplane={"host": "127.0.0.1", "port": 0, "lm_port": -1, "buffer_pool_bytes": 64 * MIB},
-        tiers={"filesystem_fsync": False, **tiers},
-        **extra,
+    return loopback_settings(
+        tmp / "data", pg_url, tiers={"filesystem_fsync": False, **tiers}, **extra
     )
 
 
@@ -77,9 +72,7 @@ async def start() -> AsyncIterator[Starter]:
     running: list[Sidecar] = []
 
     async def _start(settings: Settings) -> Sidecar:
-        policy = CachingPolicyEngine(EmbeddedPolicyEngine.from_paths())
-        sidecar = await build_sidecar(settings, policy=policy)
-        await sidecar.start()
+        sidecar = await start_sidecar(settings)
         running.append(sidecar)
         return sidecar
 

@@ -14,14 +14,13 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from kvgov.config import Settings
 from kvgov.db.models import DataKey, LedgerEvent, table
 from kvgov.ledger.verify import verify
 from kvgov.proxy.app import Sidecar
 from kvgov.services import keys as keys_service
 from kvgov.types import EventKind
 from kvgov.wire import RequestContext, WireClient
-from tests.integration.live import running_sidecar
+from tests.integration.live import loopback_settings, running_sidecar
 
 pytestmark = pytest.mark.postgres
 
@@ -35,10 +34,9 @@ def _key(tenant: str, h: str, user: str | None = None) -> str:
 
 @pytest.fixture
 async def sidecar(tmp_path: Path, pg_url: str) -> AsyncIterator[Sidecar]:
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        database={"url": pg_url},
-        dataplane={"host": "127.0.0.1", "port": 0, "lm_port": -1, "buffer_pool_bytes": 64 << 20},
+    settings = loopback_settings(
+        tmp_path / "data",
+        pg_url,
         tiers={"chain": ["memory"]},
         keys={"rotate_after_chunks": 3},
     )

@@ -21,30 +21,21 @@ from typer.testing import CliRunner
 from kvgov.cli.main import build_app
 from kvgov.config import Settings
 from kvgov.db.models import Checkpoint, LedgerEvent
-from kvgov.policy.cache import CachingPolicyEngine
-from kvgov.policy.embedded import EmbeddedPolicyEngine
-from kvgov.proxy.app import Sidecar, build_sidecar
+from kvgov.proxy.app import Sidecar
 from kvgov.wire import RequestContext, WireClient
+from tests.integration.live import loopback_settings, start_sidecar
 
 pytestmark = pytest.mark.postgres
 
 
 def _settings(data_dir: Path, pg_url: str, interval_s: float) -> Settings:
-    return Settings(
-        data_dir=data_dir,
-        database={"url": pg_url},
+    return loopback_settings(
+        data_dir,
+        pg_url,
+        pool_mib=8,
         ledger={"checkpoint_interval_s": interval_s},
-        dataplane={"host": "127.0.0.1", "port": 0, "lm_port": -1, "buffer_pool_bytes": 8 << 20},
         tiers={"chain": ["memory"]},
     )
-
-
-async def _start(settings: Settings) -> Sidecar:
-    sidecar = await build_sidecar(
-        settings, policy=CachingPolicyEngine(EmbeddedPolicyEngine.from_paths())
-    )
-    await sidecar.start()
-    return sidecar
 
 
 async def _put(sc: Sidecar, n: int, offset: int) -> None:
@@ -95,7 +86,7 @@ async def _until(check: object, timeout_s: float = 20.0) -> None:
 
 async def test_a_serving_sidecar_checkpoints_and_verify_passes(tmp_path: Path, pg_url: str) -> None:
     data_dir = tmp_path / "fresh" / "data"
-    sc = await _start(_settings(data_dir, pg_url, interval_s=0.2))
+    sc = await start_sidecar(_settings(data_dir, pg_url, interval_s=0.2))
     try:
         assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700  # created private
         await _put(sc, 3, 0)
@@ -126,7 +117,7 @@ async def test_a_serving_sidecar_checkpoints_and_verify_passes(tmp_path: Path, p
 
 
 async def test_interval_zero_writes_no_checkpoints(tmp_path: Path, pg_url: str) -> None:
-    sc = await _start(_settings(tmp_path / "data", pg_url, interval_s=0))
+    sc = await start_sidecar(_settings(tmp_path / "data", pg_url, interval_s=0))
     try:
         await _put(sc, 2, 0)
         await sc.writer.flush()
@@ -141,7 +132,7 @@ async def test_interval_zero_writes_no_checkpoints(tmp_path: Path, pg_url: str) 
 async def test_start_and_stop_are_ledger_events_with_the_policy_revision(
     tmp_path: Path, pg_url: str
 ) -> None:
-    sc = await _start(_settings(tmp_path / "data", pg_url, interval_s=0))
+    sc = await start_sidecar(_settings(tmp_path / "data", pg_url, interval_s=0))
     revision = sc.pipeline.policy.revision if sc.pipeline.policy is not None else None
     assert revision is not None
     await sc.stop()
