@@ -57,8 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from floor import attainable, cpu_ticks, machine_busy, open_cpu, print_floor  # noqa: E402
 from floor import chunks_for as floor_chunks  # noqa: E402
-from floor import cpu_ticks, machine_busy, print_floor  # noqa: E402 - after the path set-up
 from floor import measure as floor_measure  # noqa: E402
 
 MIB = 1 << 20
@@ -347,15 +347,6 @@ def run_lm(port: int, size: int, n: int, *, get: bool = True) -> LmRun:
     return LmRun(size * n / tput / 1e9, size * n / tget / 1e9, busy / n)
 
 
-def attainable_get(size: int, lmc: LmRun, open_cpu_s: float, cpus: int) -> float:
-    """The best governed/``lmcache_server`` GET ratio this machine allows: a governed get does
-    at least what ``lmcache_server``'s does (the same send, the same client) plus opening the
-    value (``open_cpu_s``, the floor's opened-minus-plain server CPU per chunk), so it takes at
-    least that CPU spread over every core, and no less time than ``lmcache_server``'s."""
-    t_lmc = size / (lmc.get * 1e9)
-    return t_lmc / max(t_lmc, (lmc.get_machine_cpu + open_cpu_s) / cpus)
-
-
 def rounds_for(size: int, budget_mib: int) -> int:
     return max(8, budget_mib * MIB // size)
 
@@ -391,7 +382,7 @@ def main() -> None:
         print_floor(sizes, args.mib, args.repeat)
         return
     # the floor first, in the same run: the governed columns are read against it
-    floors = print_floor(sizes, args.mib, args.repeat)
+    floors = print_floor(sizes, args.mib, args.repeat) if args.only != "lm" else {}
     from kvgov.proxy.dataplane.plans import usable_cpus
 
     cpus = usable_cpus()
@@ -512,7 +503,7 @@ def main() -> None:
                     print(
                         "\nlm:// protocol: kvgov governed listener vs lmcache_server (GB/s);"
                         " attain.: the best get speedup this machine allows (lmcache_server's"
-                        " whole-machine CPU per get plus the floor's AES-GCM open of the chunk,"
+                        " whole-machine CPU per get plus AES-GCM opening the chunk on one core,"
                         f" over {cpus} CPUs); of it: the get speedup as a fraction of that"
                     )
                     print(
@@ -529,22 +520,17 @@ def main() -> None:
                             ms.append(run_lm(lm_port, size, n))
                         k = median_pair([(r.put, r.get) for r in ks])
                         m = median_pair([(r.put, r.get) for r in ms])
-                        f = floors.get(size, {})
-                        bound = "-"
-                        of_bound = "-"
-                        if "get-sealed cpu" in f:
-                            open_s = max(0.0, f["get-sealed cpu"] - f["get-plain cpu"]) / 1000
-                            best = statistics.median(
-                                attainable_get(size, r, open_s, cpus) for r in ms
-                            )
-                            bound = f"{best:.2f}x"
-                            of_bound = f"{k[1] / m[1] / best:.2f}"
+                        opening = statistics.median(open_cpu(size) for _ in range(3))
+                        best = statistics.median(
+                            attainable(size / (r.get * 1e9), r.get_machine_cpu, opening, cpus)
+                            for r in ms
+                        )
                         print(
                             f"{size // MIB:>5}MiB {k[0]:9.2f} {m[0]:8.2f} {k[0] / m[0]:6.2f}x"
                             f" {of_floor(floors, size, 'put-sealed', k[0])}"
                             f" {k[1]:9.2f} {m[1]:8.2f} {k[1] / m[1]:6.2f}x"
                             f" {of_floor(floors, size, 'get-sealed', k[1])}"
-                            f" {bound:>7} {of_bound:>6}",
+                            f" {best:6.2f}x {k[1] / m[1] / best:6.2f}",
                             flush=True,
                         )
     finally:

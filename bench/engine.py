@@ -35,7 +35,7 @@ import logging
 
 from tests import lmcache_harness as h
 
-from floor import machine_busy, open_cpu
+from floor import attainable, machine_busy, open_cpu
 
 
 def geometry_for(chunk_mib: float, chunks: int) -> h.Geometry:
@@ -146,16 +146,14 @@ def main() -> None:
         print(
             f"ratio governed/ungoverned: store {kv_st / lm_st:.2f}x, retrieve {kv_ld / lm_ld:.2f}x"
         )
-        # the best retrieve ratio this machine allows: a governed retrieve does at least the
-        # ungoverned one's work (the machine's busy CPU per retrieve) plus opening the bytes,
-        # spread over every usable CPU, and takes no less time than the ungoverned one
         from kvgov.proxy.dataplane.plans import usable_cpus
 
         nbytes = args.chunks * g.chunk_bytes
         cpus = usable_cpus()
         opening = statistics.median(open_cpu(nbytes) for _ in range(3))
-        t_lm = nbytes / (lm_ld * 1e9)
-        best = t_lm / max(t_lm, (statistics.median(sides[0].load_cpu) + opening) / cpus)
+        best = attainable(
+            nbytes / (lm_ld * 1e9), statistics.median(sides[0].load_cpu), opening, cpus
+        )
         print(
             f"attainable retrieve ratio here: {best:.2f}x (ungoverned machine CPU per retrieve"
             f" {1000 * statistics.median(sides[0].load_cpu):.0f} ms + opening"

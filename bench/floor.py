@@ -169,6 +169,15 @@ def open_cpu(nbytes: int, ring_mib: int = 64) -> float:
     return (time.thread_time() - start) * nbytes / (segments * SEGMENT)
 
 
+def attainable(t_plain_s: float, machine_cpu_s: float, open_s: float, cpus: int) -> float:
+    """The best governed/ungoverned throughput ratio of a read this machine allows. A governed
+    read does at least the ungoverned one's work (the whole machine's busy CPU seconds per read,
+    ``machine_cpu_s``, client included) plus opening the bytes (``open_s``: :func:`open_cpu`),
+    so it takes at least that CPU spread over ``cpus``, and no less time than the ungoverned
+    one (``t_plain_s``)."""
+    return t_plain_s / max(t_plain_s, (machine_cpu_s + open_s) / cpus)
+
+
 def _server_cpu(pid: int) -> float:
     """CPU seconds the server process used so far."""
     return cpu_ticks(Path(f"/proc/{pid}/stat")) / os.sysconf("SC_CLK_TCK")
