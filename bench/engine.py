@@ -151,12 +151,11 @@ def main() -> None:
         nbytes = args.chunks * g.chunk_bytes
         cpus = usable_cpus()
         opening = statistics.median(open_cpu(nbytes) for _ in range(3))
-        best = attainable(
-            nbytes / (lm_ld * 1e9), statistics.median(sides[0].load_cpu), opening, cpus
-        )
+        busy = statistics.median(sides[0].load_cpu)
+        best = attainable(nbytes / (lm_ld * 1e9), busy, opening, cpus)
         print(
             f"attainable retrieve ratio here: {best:.2f}x (ungoverned machine CPU per retrieve"
-            f" {1000 * statistics.median(sides[0].load_cpu):.0f} ms + opening"
+            f" {1000 * busy:.0f} ms + opening"
             f" {nbytes / 2**20:.0f} MiB {1000 * opening:.0f} ms, over {cpus} CPUs);"
             f" measured {kv_ld / lm_ld:.2f}x = {kv_ld / lm_ld / best:.2f} of it"
         )
