@@ -28,11 +28,19 @@ def put(i: int) -> Event:
     return Event(kind=EventKind.KV_PUT, tenant="acme", key_digest=f"{i:064x}", occurred_at=AT)
 
 
-async def started(tmp_path: Path) -> tuple[JournalAcks, Journal, list[int]]:
+async def started(
+    tmp_path: Path, *, sync_interval_s: float = 0.0
+) -> tuple[JournalAcks, Journal, list[int]]:
     journal = Journal(tmp_path / "j")
     journal.open(0, chain_id="node-a")
     hurried: list[int] = []
-    acks = JournalAcks(journal, "node-a", WriterStats(), on_failed=lambda: hurried.append(1))
+    acks = JournalAcks(
+        journal,
+        "node-a",
+        WriterStats(),
+        on_failed=lambda: hurried.append(1),
+        sync_interval_s=sync_interval_s,
+    )
     acks.start("test-journal")
     return acks, journal, hurried
 
@@ -52,6 +60,38 @@ async def test_an_acknowledgement_waits_for_the_sync_not_the_commit(tmp_path: Pa
     commit.set_result(Appended("node-a", 1))
     await acks.close(applied_upto=1)
     assert list((tmp_path / "j").glob("journal-*.log")) == []  # all applied: emptied
+
+
+async def test_syncs_start_at_most_once_per_interval_and_an_idle_journal_syncs_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    acks, journal, _ = await started(tmp_path, sync_interval_s=1.0)
+    loop = asyncio.get_running_loop()
+    synced: list[int] = []
+    sync = journal.sync
+
+    def counted() -> int:
+        upto = sync()
+        synced.append(upto)
+        return upto
+
+    monkeypatch.setattr(journal, "sync", counted)
+
+    def acknowledged(i: int) -> asyncio.Future[None]:
+        return acks.acknowledgement(acks.append(put(i))[1], loop.create_future())
+
+    # idle: the first append is synced and acknowledged at once, not an interval later
+    await asyncio.wait_for(acknowledged(1), 0.5)
+    # busy: the next appends wait for the interval since that sync began, then share one sync
+    second = acknowledged(2)
+    await asyncio.sleep(0.3)
+    third = acknowledged(3)
+    await asyncio.sleep(0.1)
+    assert not second.done() and not third.done()
+    await asyncio.wait_for(asyncio.gather(second, third), 5)
+    assert synced == [1, 3]
+    assert journal.durable == 3
+    await acks.close(applied_upto=3)
 
 
 async def test_an_event_the_ledger_refuses_is_not_journaled(tmp_path: Path) -> None:

@@ -80,6 +80,7 @@ class LedgerWriter:
         lazy_max_delay_ms: float = 25.0,
         journal: Journal | None = None,
         journal_lazy_events: bool = True,
+        journal_sync_interval_ms: float = 0.0,
     ) -> None:
         if not chain_id or any(c in chain_id for c in "\r\n") or len(chain_id) > 255:
             raise LedgerError("chain id must be 1..255 characters without line breaks")
@@ -109,7 +110,13 @@ class LedgerWriter:
             db_executor=self._executor,
         )
         self._acks = (
-            JournalAcks(journal, chain_id, self.stats, on_failed=self._batcher.hurry)
+            JournalAcks(
+                journal,
+                chain_id,
+                self.stats,
+                on_failed=self._batcher.hurry,
+                sync_interval_s=journal_sync_interval_ms / 1000.0,
+            )
             if journal is not None
             else None
         )

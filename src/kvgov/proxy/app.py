@@ -435,6 +435,7 @@ async def build_sidecar(
                 else None
             ),
             journal_lazy_events=settings.ledger.journal_lazy_events,
+            journal_sync_interval_ms=settings.ledger.journal_sync_interval_ms,
         )
         await writer.start()
         sink = writer
