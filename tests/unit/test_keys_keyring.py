@@ -210,10 +210,15 @@ def test_unknown_version(ring: Keyring) -> None:
         ring.get("t:acme", 9)
 
 
-@pytest.mark.parametrize("tenant", ["", "a:b", "a b", "x" * 65, "tab\t"])
+@pytest.mark.parametrize(
+    "tenant", ["", "a:b", "a b", "x" * 65, "tab\t", "nb\u00a0sp", "fs\x1c", "ls\u2028"]
+)
 def test_invalid_tenant_names(ring: Keyring, tenant: str) -> None:
-    with pytest.raises(KeyManagementError):
-        ring.current(tenant)
+    for _ in range(2):  # key ids are remembered per scope: a refusal is not
+        with pytest.raises(KeyManagementError):
+            ring.current(tenant)
+        with pytest.raises(KeyManagementError):
+            ring.current("acme", user=tenant if 0 < len(tenant) <= 64 else "p1:")
 
 
 def test_tenant_of() -> None:

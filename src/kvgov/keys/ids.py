@@ -6,6 +6,8 @@ names and pseudonyms may not contain ``:`` or whitespace, so a key id names one 
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -27,7 +29,9 @@ def user_key_id(tenant: str, user: str) -> str:
     return f"u:{tenant}:{user}"
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def key_id_for(tenant: str, user: str | None) -> str:
+    """The key id of a scope (checked once per scope: every sealed put asks)."""
     return tenant_key_id(tenant) if user is None else user_key_id(tenant, user)
 
 
@@ -42,8 +46,12 @@ def tenant_of(key_id: str) -> str | None:
     return None
 
 
+#: ``str.isspace`` characters (``\s`` on a str pattern is the same class) and ':'
+_COLON_OR_SPACE = re.compile(r"[:\s]")
+
+
 def check_name(what: str, value: str, max_bytes: int) -> None:
-    if not value or ":" in value or not value.isprintable() or any(c.isspace() for c in value):
+    if not value or not value.isprintable() or _COLON_OR_SPACE.search(value):
         raise KeyManagementError(f"invalid {what} for a key id: empty, or contains ':' or spaces")
     if len(value.encode()) > max_bytes:
         raise KeyManagementError(f"{what} is longer than {max_bytes} bytes")
