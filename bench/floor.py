@@ -151,33 +151,6 @@ def machine_busy() -> float:
     return (sum(times) - times[3] - times[4]) / os.sysconf("SC_CLK_TCK")  # all but idle, iowait
 
 
-def open_cpu(nbytes: int, ring_mib: int = 64) -> float:
-    """CPU seconds one thread takes to authenticate and open ``nbytes`` of AES-256-GCM in 1 MiB
-    segments (``decrypt_into``, the data path's call), read from and written to rings of
-    ``ring_mib`` MiB each (larger than the cache: cold, like a value read from a tier)."""
-    aead = AESGCM(os.urandom(32))
-    nonce = os.urandom(12)
-    plain = memoryview(bytearray(os.urandom(SEGMENT)))
-    ring = max(1, ring_mib)
-    sealed = [aead.encrypt(nonce, plain, None) for _ in range(ring)]
-    out = memoryview(bytearray(ring * SEGMENT))
-    segments = max(1, -(-nbytes // SEGMENT))
-    start = time.thread_time()
-    for i in range(segments):
-        k = i % ring
-        aead.decrypt_into(nonce, sealed[k], None, out[k * SEGMENT : (k + 1) * SEGMENT])
-    return (time.thread_time() - start) * nbytes / (segments * SEGMENT)
-
-
-def attainable(t_plain_s: float, machine_cpu_s: float, open_s: float, cpus: int) -> float:
-    """The best governed/ungoverned throughput ratio of a read this machine allows. A governed
-    read does at least the ungoverned one's work (the whole machine's busy CPU seconds per read,
-    ``machine_cpu_s``, client included) plus opening the bytes (``open_s``: :func:`open_cpu`),
-    so it takes at least that CPU spread over ``cpus``, and no less time than the ungoverned
-    one (``t_plain_s``)."""
-    return t_plain_s / max(t_plain_s, (machine_cpu_s + open_s) / cpus)
-
-
 def _server_cpu(pid: int) -> float:
     """CPU seconds the server process used so far."""
     return cpu_ticks(Path(f"/proc/{pid}/stat")) / os.sysconf("SC_CLK_TCK")
