@@ -90,6 +90,7 @@ async def test_syncs_start_at_most_once_per_interval_and_an_idle_journal_syncs_a
     assert not second.done() and not third.done()
     await asyncio.wait_for(asyncio.gather(second, third), 5)
     assert synced == [1, 3]
+    assert acks.stats.journal_syncs == 2
     assert journal.durable == 3
     await acks.close(applied_upto=3)
 

@@ -514,6 +514,7 @@ async def build_sidecar(
             lambda: float(max(0, journal.last_position - ledger.applied_upto)),
             lambda: float(journal.pending_bytes()),
             lambda: float(ledger.stats.journal_failures),
+            lambda: float(ledger.stats.journal_syncs),
         )
     sidecar_id = settings.chain_id
     server = WireServer(

@@ -115,6 +115,7 @@ class JournalAcks:
             except OSError as err:
                 self._failed(err)
                 return
+            self.stats.journal_syncs += 1
             while waiters and waiters[0][0] <= upto:
                 _, ack, _ = waiters.popleft()
                 if not ack.done():

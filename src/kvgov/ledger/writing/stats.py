@@ -18,6 +18,8 @@ class WriterStats:
     last_commit_s: float = 0.0
     journal_replayed: int = 0
     journal_failures: int = 0
+    #: journal syncs (``fdatasync``) since start: with puts per second, how many share one
+    journal_syncs: int = 0
 
     def summary(self) -> dict[str, float | int]:
         """What the writer logs when it closes."""

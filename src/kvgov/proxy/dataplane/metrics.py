@@ -103,6 +103,11 @@ class DataPlaneMetrics:
         self.journal_bytes = Gauge(
             "kvgov_ledger_journal_bytes", "Bytes of local ledger journal segments", registry=r
         )
+        self.journal_syncs = Gauge(
+            "kvgov_ledger_journal_syncs",
+            "Local ledger journal syncs (fdatasync) since start",
+            registry=r,
+        )
         self.journal_failures = Gauge(
             "kvgov_ledger_journal_failures",
             "Local ledger journal failures since start (1: set aside, puts wait for commits)",
@@ -128,8 +133,10 @@ class DataPlaneMetrics:
         unapplied: Callable[[], float],
         nbytes: Callable[[], float],
         failures: Callable[[], float],
+        syncs: Callable[[], float],
     ) -> None:
         """Sample the ledger journal's gauges at scrape time."""
         self.journal_unapplied.set_function(unapplied)
         self.journal_bytes.set_function(nbytes)
         self.journal_failures.set_function(failures)
+        self.journal_syncs.set_function(syncs)
