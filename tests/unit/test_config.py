@@ -61,6 +61,17 @@ def test_unknown_env_key_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
         load_settings()
 
 
+@pytest.mark.parametrize("value", ["-1", "1001", "soon"])
+def test_a_journal_sync_interval_out_of_range_stops_start_up(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("KVGOV_LEDGER__JOURNAL_SYNC_INTERVAL_MS", value)
+    with pytest.raises(ConfigError, match="journal_sync_interval_ms"):
+        load_settings()
+    monkeypatch.setenv("KVGOV_LEDGER__JOURNAL_SYNC_INTERVAL_MS", "0")
+    assert load_settings().ledger.journal_sync_interval_ms == 0.0
+
+
 def test_missing_and_invalid_config_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_settings(tmp_path / "absent.toml")
