@@ -118,3 +118,43 @@ async def test_without_the_journal_a_put_waits_for_its_commit(tmp_path: Path, pg
             holder.close()
         await sc.writer.flush()
     assert not s.journal_path.exists()
+
+
+def stream(sc: Sidecar, n: int, *, first: int, depth: int) -> list[bool]:
+    """Put keys ``first .. first+n-1``, 1 MiB each, one PUT frame each, ``depth`` in flight
+    (each frame takes longer to arrive than a sync: without ``more`` each would get its own)."""
+    ctx = RequestContext(request_id="req-j", user="u42")
+    with WireClient(
+        f"tcp://127.0.0.1:{sc.server.tcp_port}", engine_id="vllm-demo-0", timeout=30
+    ) as client:
+        items = ((KEY.format(i), bytes([i % 256]) * (1 << 20)) for i in range(first, first + n))
+        return [a.ok for a in client.put_stream(items, ctx, depth=depth)]
+
+
+async def test_a_streamed_puts_frames_share_journal_syncs_and_a_lone_put_is_not_held(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """``ledger.journal_sync_interval_ms``: the frames a client streams (``put_stream`` says
+    ``more``) share syncs; a client with one put in flight at a time is synced at once, not
+    held for the interval (1 s here: holding three puts would take two seconds)."""
+    s = settings(tmp_path, pg_url, journal_sync_interval_ms=1000)
+    loop = asyncio.get_running_loop()
+    async with running_sidecar(s) as sc:
+        assert sc.writer is not None
+        reg = sc.metrics.registry
+
+        def syncs() -> float:
+            return reg.get_sample_value("kvgov_ledger_journal_syncs") or 0
+
+        await loop.run_in_executor(None, lambda: puts(sc, 1, first=100))  # warm: keys, policy
+        before = syncs()
+        started = loop.time()
+        for i in range(3):  # one at a time: each acknowledged once its own sync is done
+            assert await loop.run_in_executor(None, lambda i=i: puts(sc, 1, first=200 + i))
+        assert loop.time() - started < 1.5
+        assert syncs() - before == 3
+        before = syncs()
+        acks = await loop.run_in_executor(None, lambda: stream(sc, 16, first=300, depth=8))
+        assert acks == [True] * 16
+        assert syncs() - before <= 4  # sixteen frames, a few syncs (each holds up to 1 s)
+        assert not sc.pipeline.more_puts_coming  # every reply sent: nothing held any more

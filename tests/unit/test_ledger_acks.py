@@ -62,11 +62,8 @@ async def test_an_acknowledgement_waits_for_the_sync_not_the_commit(tmp_path: Pa
     assert list((tmp_path / "j").glob("journal-*.log")) == []  # all applied: emptied
 
 
-async def test_syncs_start_at_most_once_per_interval_and_an_idle_journal_syncs_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    acks, journal, _ = await started(tmp_path, sync_interval_s=1.0)
-    loop = asyncio.get_running_loop()
+def count_syncs(journal: Journal, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The positions each sync of ``journal`` reached, in order."""
     synced: list[int] = []
     sync = journal.sync
 
@@ -76,6 +73,16 @@ async def test_syncs_start_at_most_once_per_interval_and_an_idle_journal_syncs_a
         return upto
 
     monkeypatch.setattr(journal, "sync", counted)
+    return synced
+
+
+async def test_while_more_puts_are_coming_syncs_start_at_most_once_per_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    acks, journal, _ = await started(tmp_path, sync_interval_s=1.0)
+    acks.more_coming = lambda: True  # the data plane is receiving more puts
+    loop = asyncio.get_running_loop()
+    synced = count_syncs(journal, monkeypatch)
 
     def acknowledged(i: int) -> asyncio.Future[None]:
         return acks.acknowledgement(acks.append(put(i))[1], loop.create_future())
@@ -93,6 +100,28 @@ async def test_syncs_start_at_most_once_per_interval_and_an_idle_journal_syncs_a
     assert acks.stats.journal_syncs == 2
     assert journal.durable == 3
     await acks.close(applied_upto=3)
+
+
+async def test_an_acknowledgement_with_nothing_behind_it_is_synced_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client with one put in flight at a time is never held for the interval (as
+    PostgreSQL's commit_delay waits only with commit_siblings); events nobody waits for are."""
+    acks, journal, _ = await started(tmp_path, sync_interval_s=30.0)
+    loop = asyncio.get_running_loop()
+    synced = count_syncs(journal, monkeypatch)
+    for i in (1, 2, 3):  # back to back, well within the interval: each synced at once
+        await asyncio.wait_for(
+            acks.acknowledgement(acks.append(put(i))[1], loop.create_future()), 5
+        )
+    assert synced == [1, 2, 3]
+    acks.append(put(4))  # a lazy event (a get's, an eviction's): nobody waits, it may linger
+    await asyncio.sleep(0.3)
+    assert journal.durable == 3
+    last = acks.acknowledgement(acks.append(put(5))[1], loop.create_future())
+    await asyncio.wait_for(last, 5)  # a waiter with nothing behind it takes the lazy one along
+    assert synced == [1, 2, 3, 5]
+    await acks.close(applied_upto=5)
 
 
 async def test_an_event_the_ledger_refuses_is_not_journaled(tmp_path: Path) -> None:

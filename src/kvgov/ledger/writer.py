@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -122,6 +123,12 @@ class LedgerWriter:
         )
         #: journal lazy events too (nothing waits on them; durable at the next sync)
         self._lazy_journal = journal_lazy_events
+
+    def journal_waits_for(self, more_coming: Callable[[], bool]) -> None:
+        """Tell the journal when more acknowledged events are on their way (puts being
+        received): a sync waits ``journal_sync_interval_ms`` for them only then."""
+        if self._acks is not None:
+            self._acks.more_coming = more_coming
 
     @property
     def head_seq(self) -> int:

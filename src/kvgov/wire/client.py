@@ -245,7 +245,9 @@ class WireClient:
                     key, view = entry[0], as_bytes_view(entry[1])
                     item = PutItem(key, view.nbytes, (entry[2] if len(entry) > 2 else None) or {})
                     stream_id = conn.new_stream_id()
-                    meta = {"items": [item.to_meta()], "ctx": ctx_meta}
+                    meta: dict[str, Any] = {"items": [item.to_meta()], "ctx": ctx_meta}
+                    if depth > 1:  # another frame follows before this one's reply is read
+                        meta["more"] = True
                     conn.send(FrameType.PUT, stream_id, meta, [view])
                     waiting.append((stream_id, key))
                     if len(waiting) >= depth:

@@ -6,9 +6,12 @@ refused before any acknowledgement), appends it to the journal and queues it lik
 event. :class:`JournalAcks` runs the journal's sync loop on a thread of its own: it
 ``fdatasync``-s whatever was appended since the last sync (group commit) and then resolves the
 acknowledgements the sync covers, in position order. Syncs start at most once per
-``sync_interval_s`` (``ledger.journal_sync_interval_ms``): a journal idle for that long syncs
-at once, a busy one lets the appends of the interval share one sync (fewer syncs, thread
-hand-offs and wake-ups per put; measured in ``docs/ledger.md``, "The local journal"). The
+``sync_interval_s`` (``ledger.journal_sync_interval_ms``) while more acknowledged events are
+on their way (:attr:`JournalAcks.more_coming`: the data plane's puts being received) or
+nobody waits: the appends of the interval then share one sync (fewer syncs, thread hand-offs
+and wake-ups per put; measured in ``docs/ledger.md``, "The local journal"). A journal idle
+that long, or an acknowledgement with nothing behind it (a client with one put in flight at a
+time), syncs at once, as PostgreSQL's ``commit_delay`` waits only with ``commit_siblings``. The
 event's commit still follows, in a large batch; nobody awaits it, so a failure is logged
 (:func:`log_unwritten`) and the record stays in the journal, replayed at the next start.
 
@@ -61,8 +64,12 @@ class JournalAcks:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgov-journal")
         #: the writer is closing: the sync loop ends once nothing is left to sync
         self.closing = False
-        #: the least time from the start of one sync to the start of the next
+        #: the least time from the start of one sync to the start of the next, while
+        #: :attr:`more_coming` (or nobody waits)
         self.sync_interval_s = max(0.0, sync_interval_s)
+        #: whether more acknowledged events are on their way (the writer's owner sets it: the
+        #: data plane's puts being received); without, an acknowledgement is synced at once
+        self.more_coming: Callable[[], bool] = _nothing_coming
 
     def start(self, name: str) -> None:
         self._task = asyncio.create_task(self._run(), name=name)
@@ -106,9 +113,7 @@ class JournalAcks:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            wait = started + self.sync_interval_s - loop.time()
-            if wait > 0 and not self.closing:
-                await asyncio.sleep(wait)  # what is appended meanwhile shares this sync
+            await self._gather(loop, started)
             started = loop.time()
             try:
                 upto = await loop.run_in_executor(self._executor, journal.sync)
@@ -120,6 +125,22 @@ class JournalAcks:
                 _, ack, _ = waiters.popleft()
                 if not ack.done():
                     ack.set_result(None)
+
+    async def _gather(self, loop: asyncio.AbstractEventLoop, started: float) -> None:
+        """Before a sync: let what is appended until ``sync_interval_s`` after the last sync
+        began share it, while more acknowledged events are on their way or nobody waits;
+        return as soon as an acknowledgement waits with nothing behind it."""
+        waiters = self._waiters
+        while not self.closing:
+            wait = started + self.sync_interval_s - loop.time()
+            if wait <= 0 or (waiters and not self.more_coming()):
+                return
+            self._wake.clear()  # set again by the next append: look once more then
+            timer = loop.call_later(wait, self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                timer.cancel()
 
     def _failed(self, err: OSError) -> None:
         """Set the journal aside: its waiters, and every later put, wait for the commit."""
@@ -150,6 +171,10 @@ class JournalAcks:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self.journal.close, applied_upto)
         self._executor.shutdown(wait=True)
+
+
+def _nothing_coming() -> bool:
+    return False
 
 
 def log_unwritten(fut: asyncio.Future[Appended]) -> None:

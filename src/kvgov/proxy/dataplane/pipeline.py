@@ -413,8 +413,17 @@ class Door:
     def opened(self) -> None:
         self._metrics.connections.labels(self.listener).inc()
 
+    def streaming(self, *, more: bool) -> None:
+        """Whether the client sends more PUT frames before it waits for this one's reply (it
+        said so on its latest frame, and that frame's reply is not sent yet)."""
+        if more:
+            self._pipeline._streaming.add(self)
+        else:
+            self._pipeline._streaming.discard(self)
+
     def closed(self) -> None:
         """The connection is gone: record what its denial budget still holds."""
+        self.streaming(more=False)
         self._metrics.connections.labels(self.listener).dec()
         self._pipeline.admission.end_denials(self.budget)
 
@@ -482,6 +491,14 @@ class Pipeline:
         self._get_bytes = metrics.op_bytes.labels("get")
         #: digests of puts planned and not yet stored or dropped (a second put of one is kept)
         self._storing: set[str] = set()
+        #: doors whose client streams PUT frames (:meth:`Door.streaming`)
+        self._streaming: set[Door] = set()
+
+    @property
+    def more_puts_coming(self) -> bool:
+        """A connection is streaming PUT frames (its client said ``more``, and its replies are
+        not all sent): the ledger journal may hold a sync briefly for the next ones."""
+        return bool(self._streaming)
 
     @property
     def keyring(self) -> Keyring | None:

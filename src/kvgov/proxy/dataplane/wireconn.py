@@ -371,6 +371,10 @@ class WireConnection(StreamProtocol):
                 await session.abandon()
             raise
         job = _PutJob(sid, [s.commit() for s in sessions], started)
+        # the client pipelines (it says more frames follow before it reads this reply, or it
+        # sent this one before an earlier reply): the journal may hold this frame's sync
+        # briefly for the next ones, until every reply is sent
+        door.streaming(more=meta.get("more") is True or bool(self._pending))
         self._pending.append(job)
         if self._replier is None or self._replier.done():
             self._replier = asyncio.get_running_loop().create_task(self._reply_jobs())
@@ -389,6 +393,8 @@ class WireConnection(StreamProtocol):
                 self._observe(FrameType.PUT, job.started)
                 self._pending.popleft()
                 job.replied.set()
+                if not self._pending:  # every reply sent: no frame of a stream is waiting
+                    self.door.streaming(more=False)
         except BaseException as exc:
             # the reply order is lost: close the connection (the client must reconnect); the
             # door still stores and records (or removes) what it was given
