@@ -125,8 +125,8 @@ class LedgerWriter:
         self._lazy_journal = journal_lazy_events
 
     def journal_waits_for(self, more_coming: Callable[[], bool]) -> None:
-        """Tell the journal when more acknowledged events are on their way (puts being
-        received): a sync waits ``journal_sync_interval_ms`` for them only then."""
+        """Tell the journal when more acknowledged events are on their way (a client streams
+        PUT frames): a sync waits ``journal_sync_interval_ms`` for them only then."""
         if self._acks is not None:
             self._acks.more_coming = more_coming
 

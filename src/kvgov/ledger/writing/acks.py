@@ -7,7 +7,7 @@ event. :class:`JournalAcks` runs the journal's sync loop on a thread of its own:
 ``fdatasync``-s whatever was appended since the last sync (group commit) and then resolves the
 acknowledgements the sync covers, in position order. Syncs start at most once per
 ``sync_interval_s`` (``ledger.journal_sync_interval_ms``) while more acknowledged events are
-on their way (:attr:`JournalAcks.more_coming`: the data plane's puts being received) or
+on their way (:attr:`JournalAcks.more_coming`: a client streams PUT frames) or
 nobody waits: the appends of the interval then share one sync (fewer syncs, thread hand-offs
 and wake-ups per put; measured in ``docs/ledger.md``, "The local journal"). A journal idle
 that long, or an acknowledgement with nothing behind it (a client with one put in flight at a
@@ -67,8 +67,8 @@ class JournalAcks:
         #: the least time from the start of one sync to the start of the next, while
         #: :attr:`more_coming` (or nobody waits)
         self.sync_interval_s = max(0.0, sync_interval_s)
-        #: whether more acknowledged events are on their way (the writer's owner sets it: the
-        #: data plane's puts being received); without, an acknowledgement is synced at once
+        #: whether more acknowledged events are on their way (the writer's owner sets it: a
+        #: client streams PUT frames); without, an acknowledgement is synced at once
         self.more_coming: Callable[[], bool] = _nothing_coming
 
     def start(self, name: str) -> None:
