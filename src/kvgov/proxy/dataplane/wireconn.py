@@ -371,10 +371,9 @@ class WireConnection(StreamProtocol):
                 await session.abandon()
             raise
         job = _PutJob(sid, [s.commit() for s in sessions], started)
-        # the client pipelines (it says more frames follow before it reads this reply, or it
-        # sent this one before an earlier reply): the journal may hold this frame's sync
-        # briefly for the next ones, until every reply is sent
-        door.streaming(more=meta.get("more") is True or bool(self._pending))
+        # the client streams (it says more frames follow before it reads this reply): the
+        # journal may hold this frame's sync briefly for the next ones, until every reply is sent
+        door.streaming(more=meta.get("more") is True)
         self._pending.append(job)
         if self._replier is None or self._replier.done():
             self._replier = asyncio.get_running_loop().create_task(self._reply_jobs())
