@@ -417,9 +417,9 @@ class Door:
         """Whether the client sends more PUT frames before it waits for this one's reply (it
         said so on its latest frame, and that frame's reply is not sent yet)."""
         if more:
-            self._pipeline._streaming.add(self)
+            self._pipeline.streams.add(self)
         else:
-            self._pipeline._streaming.discard(self)
+            self._pipeline.streams.discard(self)
 
     def closed(self) -> None:
         """The connection is gone: record what its denial budget still holds."""
@@ -491,14 +491,14 @@ class Pipeline:
         self._get_bytes = metrics.op_bytes.labels("get")
         #: digests of puts planned and not yet stored or dropped (a second put of one is kept)
         self._storing: set[str] = set()
-        #: doors whose client streams PUT frames (:meth:`Door.streaming`)
-        self._streaming: set[Door] = set()
+        #: doors whose client streams PUT frames (:meth:`Door.streaming` keeps it)
+        self.streams: set[Door] = set()
 
     @property
     def more_puts_coming(self) -> bool:
         """A connection is streaming PUT frames (its client said ``more``, and its replies are
         not all sent): the ledger journal may hold a sync briefly for the next ones."""
-        return bool(self._streaming)
+        return bool(self.streams)
 
     @property
     def keyring(self) -> Keyring | None:
