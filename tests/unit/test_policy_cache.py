@@ -5,6 +5,7 @@ Real Rego (embedded engine) behind the cache; the sink is the ledger's InMemoryE
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from kvgov.ledger.events import Appended, Event, InMemoryEventSink
 from kvgov.policy.bundle import load_bundle
 from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.embedded import EmbeddedPolicyEngine
-from kvgov.policy.interfaces import Decision, PolicyInput
+from kvgov.policy.interfaces import Decision, EntryFacts, PolicyInput
 from kvgov.policy.recording import EventDecisionRecorder, InMemoryDecisionRecorder
 from kvgov.types import EventKind, Outcome, Scope
 
@@ -137,6 +138,37 @@ async def test_distinct_inputs_are_distinct_decisions() -> None:
     b = await engine.decide(PolicyInput(**{**_fields(ALLOW), "tier": "filesystem"}))
     assert a.input_digest != b.input_digest
     assert len(sink.events) == 2
+
+
+def test_every_input_field_keys_the_cache() -> None:
+    """The cache keys on a tuple of the input's fields (no copy of the input per lookup): an
+    input that differs in any one field, a field added later included, is another key; only
+    the request id's value is folded into "present" (test above)."""
+    engine, _ = cached_engine()
+    base = engine._cache_key(ALLOW)
+    changed = {
+        "operation": "get",
+        "tenant": "other",
+        "engine": "vllm-other",
+        "key_tenant": "other",
+        "key_user": "u-pseudonym-2",
+        "model": "mistral",
+        "actor_user": "u-pseudonym-2",
+        "request_id": None,
+        "sensitivity": "public",
+        "tier": "filesystem",
+        "entry": EntryFacts(owner="u-pseudonym-1"),
+        "listener": "lm",
+        "problems": ("bad",),
+    }
+    assert set(changed) == {f.name for f in dataclasses.fields(PolicyInput)}
+    keys = {base}
+    for name, value in changed.items():
+        key = engine._cache_key(PolicyInput(**{**_fields(ALLOW), name: value}))
+        assert key != base, name
+        keys.add(key)
+    assert len(keys) == len(changed) + 1
+    assert engine._cache_key(PolicyInput(**{**_fields(ALLOW), "request_id": "req-2"})) == base
 
 
 async def test_reload_invalidates_and_records_under_the_new_revision(tmp_path: Path) -> None:

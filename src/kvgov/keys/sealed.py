@@ -33,7 +33,7 @@ import functools
 import hashlib
 import secrets
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cryptography.exceptions import InvalidTag
 
@@ -94,14 +94,15 @@ class SealedHeader:
     plain_len: int
     nonce_base: bytes
     cache_digest: bytes
+    #: how many segments, and the sealed chunk's size: computed once (every segment's seal or
+    #: open asks)
+    segments: int = field(init=False, repr=False, compare=False)
+    sealed_size: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def segments(self) -> int:
-        return segment_count(self.plain_len, self.segment_size)
-
-    @property
-    def sealed_size(self) -> int:
-        return HEADER_SIZE + self.plain_len + TAG_SIZE * self.segments
+    def __post_init__(self) -> None:
+        segments = segment_count(self.plain_len, self.segment_size)
+        object.__setattr__(self, "segments", segments)
+        object.__setattr__(self, "sealed_size", HEADER_SIZE + self.plain_len + TAG_SIZE * segments)
 
     def plain_span(self, index: int) -> tuple[int, int]:
         """``(offset, length)`` of segment ``index`` in the plaintext."""

@@ -107,20 +107,35 @@ _ENTRY_WIDTHS = (
     ("decision_id", DECISION_ID),
     ("policy_revision", REVISION),
 )
-#: no text of this total length can be too wide for any column
-_NARROWEST = min(width for _, width in _EVENT_WIDTHS)
+#: no text this long can be too wide for any column (a digest or a pseudonym is exactly this
+#: long: the usual event is checked with one ``max``, not field by field)
+_NARROWEST = min(width for _, width in _EVENT_WIDTHS + _ENTRY_WIDTHS)
 
 
-def _check_widths(event: Event, total: int) -> None:
-    if total > _NARROWEST:
+def _check_widths(event: Event, longest: int) -> None:
+    """Refuse a text wider than its column; ``longest``: the longest of the event's texts."""
+    if longest > _NARROWEST:
         for name, width in _EVENT_WIDTHS:
             value = getattr(event, name)
             if value is not None and len(value) > width:
                 raise LedgerError(f"event field {name} is longer than {width} characters")
-    entry = event.entry
-    if entry is not None:
+    e = event.entry
+    if e is None:
+        return
+    texts = (
+        e.key_digest,
+        e.tenant,
+        e.owner,
+        e.scope_user,
+        e.model,
+        e.key_id,
+        e.request_id,
+        e.decision_id,
+        e.policy_revision,
+    )  # _ENTRY_WIDTHS' fields, read one by one (see prepare)
+    if max(len(t) for t in texts if t is not None) > _NARROWEST:
         for name, width in _ENTRY_WIDTHS:
-            value = getattr(entry, name)
+            value = getattr(e, name)
             if value is not None and len(value) > width:
                 raise LedgerError(f"entry field {name} is longer than {width} characters")
 
@@ -146,7 +161,7 @@ def prepare(event: Event) -> Prepared:
         if t is not None
     ]
     joined = "".join(texts)
-    _check_widths(event, len(joined))
+    _check_widths(event, max(map(len, texts), default=0))
     if "\x00" in joined:
         for name in EVENT_TEXT_FIELDS:
             value = getattr(event, name)

@@ -2,9 +2,10 @@
 
 Cache: keyed by (policy revision, data revision, input). There is one table per revision
 pair: :meth:`CachingPolicyEngine.reload` swaps in an empty one, so an answer given under old
-policies is never served under new ones. Within a table the key is the :class:`PolicyInput`
-itself (hashable, equal exactly when the input digests are equal), so a hit costs one dict
-lookup and no serialisation: that is what keeps :meth:`decide_cached` in the microseconds.
+policies is never served under new ones. Within a table the key is the tuple of the
+:class:`PolicyInput`'s fields (:meth:`PolicyInput.cache_key`: equal exactly when the input
+digests are equal), so a hit costs one tuple and one dict lookup, no copy of the input and no
+serialisation: that is what keeps :meth:`decide_cached` in the microseconds.
 Bounded (LRU); ``max_entries=0`` disables caching.
 
 The request id is not part of the cache key by default: a decision may depend on whether a
@@ -38,7 +39,7 @@ from kvgov.policy.interfaces import (
 
 log = get_logger(__name__)
 
-_Table = OrderedDict[PolicyInput, Decision]
+_Table = OrderedDict[tuple[object, ...], Decision]
 
 #: what a request id becomes in the cache key (see the module docstring)
 _PRESENT = "\x00present"
@@ -71,23 +72,24 @@ class CachingPolicyEngine:
     def __len__(self) -> int:
         return len(self._table)
 
-    def _cache_key(self, inp: PolicyInput) -> PolicyInput:
+    def _cache_key(self, inp: PolicyInput) -> tuple[object, ...]:
         """The input as the cache sees it: the request id reduced to present/absent."""
-        if self.vary_on_request_id or inp.request_id is None or inp.request_id == _PRESENT:
-            return inp
-        return replace(inp, request_id=_PRESENT)
+        rid = inp.request_id
+        if rid is not None and not self.vary_on_request_id:
+            rid = _PRESENT
+        return inp.cache_key(rid)
 
     def decide_cached(self, inp: PolicyInput) -> Decision | None:
         """A cached allow for this input, else None. Synchronous, no serialisation on a hit."""
         table = self._table
-        inp = self._cache_key(inp)
+        key = self._cache_key(inp)
         try:
-            decision = table.get(inp)
+            decision = table.get(key)
         except TypeError:  # an unhashable field: not a valid input; decide() denies it
             return None
         if decision is None or not decision.allowed:
             return None
-        table.move_to_end(inp)
+        table.move_to_end(key)
         self.hits += 1
         return decision
 

@@ -86,6 +86,27 @@ class PolicyInput:
     #: structural problems found by :meth:`from_document` (the engine denies on any)
     problems: tuple[str, ...] = ()
 
+    def cache_key(self, request_id: str | None) -> tuple[object, ...]:
+        """What the decision cache keys this input on: every field, ``request_id`` as given
+        (the cache passes the id, or whether there is one; ``policy/cache.py``). A tuple built
+        from the fields, not a copy of the input: a cached decision is looked up on every
+        operation."""
+        return (
+            self.operation,
+            self.tenant,
+            self.engine,
+            self.key_tenant,
+            self.key_user,
+            self.model,
+            self.actor_user,
+            request_id,
+            self.sensitivity,
+            self.tier,
+            self.entry,
+            self.listener,
+            self.problems,
+        )
+
     def to_document(self) -> dict[str, Any]:
         """The Rego ``input`` document."""
         entry: object = self.entry  # anything may arrive at runtime; validation names it

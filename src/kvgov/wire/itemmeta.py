@@ -118,7 +118,7 @@ _CHECKS = {"fmt": _fmt, "dtype": _dtype, "shape": _shape, "location": _location}
 
 def check_item_meta(meta: object) -> dict[str, Any]:
     """The canonical form of one item's metadata, or :class:`ItemMetaError` saying why not."""
-    if meta is None:
+    if meta is None or (type(meta) is dict and not meta):  # the common "none" (no JSON)
         return {}
     if not isinstance(meta, Mapping):
         raise ItemMetaError("item metadata must be an object")

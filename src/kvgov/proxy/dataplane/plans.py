@@ -76,10 +76,11 @@ class PutPlan:
     ``inline_bytes``, else in the crypto pool, a few per job (:data:`JOB_BYTES`), while the
     next ones arrive; into ``reserved`` (the fastest tier's own buffer, at the same
     offsets: the tier then keeps it, no copy) when the tier set one aside, else in place.
-    The first job also makes the writer (:class:`~kvgov.proxy.dataplane.sealers.SegmentWriter`;
+    The first seal also makes the writer (:class:`~kvgov.proxy.dataplane.sealers.SegmentWriter`;
     the windows' offsets depend only on the chunk's geometry, so bytes can land before it
-    exists); later jobs wait for it there, and the event loop hears back only in
-    :meth:`sealed`.
+    exists): on the event loop it is kept at once; in the pool the first job resolves
+    ``writer_job`` (made with that job), later jobs wait for it there, and the event loop hears
+    back only in :meth:`sealed`.
     """
 
     who: Who
@@ -87,8 +88,7 @@ class PutPlan:
     length: int
     item_meta: Mapping[str, Any]
     decision: Decision
-    #: makes the writer (:meth:`Sealer.writer`); run by the first job, which resolves
-    #: ``writer_job``
+    #: makes the writer (:meth:`Sealer.writer`); run by the first seal
     make_writer: Callable[[], SegmentWriter]
     body_offset: int
     #: plaintext receive windows in the buffer, one per segment, in order
@@ -96,7 +96,8 @@ class PutPlan:
     per_job: int = 1
     #: a put this small is sealed on the event loop, each segment as it completes
     inline_bytes: int = INLINE_CRYPTO_BYTES
-    writer_job: Future[SegmentWriter] = field(default_factory=Future)
+    #: the writer, for the pool's jobs (made with the first job, which resolves it)
+    writer_job: Future[SegmentWriter] | None = None
     pending: list[Future[None]] = field(default_factory=list)
     ready: list[int] = field(default_factory=list)
     #: the first failure of a seal made on the event loop (later segments are not sealed)
@@ -113,30 +114,40 @@ class PutPlan:
         ``inline_bytes``, else with its neighbours in the pool."""
         if self.length <= self.inline_bytes:  # here, at once: cheaper than a hand-off
             if self.inline_error is None:
-                make = self.make_writer if not self.writer_job.done() else None
                 try:
-                    _seal(self.writer_job, make, [(index, self.windows[index])])
+                    writer = self.writer
+                    if writer is None:
+                        writer = self.writer = self.make_writer()
+                    writer.seal_segment(index, self.windows[index])
                 except Exception as exc:  # noqa: BLE001 - raised by sealed(), like a job's
                     self.inline_error = exc
             return
-        make = self.make_writer if not self.pending else None  # the first job makes it
         self.ready.append(index)
         if len(self.ready) < self.per_job and index < len(self.windows) - 1:
             return
         windows = [(i, self.windows[i]) for i in self.ready]
         self.ready = []
-        self.pending.append(pool.submit(_seal, self.writer_job, make, windows))
+        job = self.writer_job
+        make = None
+        if job is None:  # the first job makes the writer
+            job = self.writer_job = Future()
+            make = self.make_writer
+        self.pending.append(pool.submit(_seal, job, make, windows))
 
     async def sealed(self) -> SegmentWriter:
         """Wait for every submitted job; raises the first failure (once none is running)."""
-        running = [asyncio.wrap_future(f) for f in self.pending if not f.done()]
-        if running:
-            await asyncio.wait(running)
-        for fut in self.pending:
-            fut.result()
+        if self.pending:
+            running = [asyncio.wrap_future(f) for f in self.pending if not f.done()]
+            if running:
+                await asyncio.wait(running)
+            for fut in self.pending:
+                fut.result()
         if self.inline_error is not None:
             raise self.inline_error
-        self.writer = self.writer_job.result()
+        if self.writer is None:
+            if self.writer_job is None:
+                raise RuntimeError("sealed() before any segment was received")
+            self.writer = self.writer_job.result()
         return self.writer
 
     async def discard(self) -> None:
@@ -203,7 +214,7 @@ def _seal(
     make: Callable[[], SegmentWriter] | None,
     windows: list[tuple[int, memoryview]],
 ) -> None:
-    """A pool job: (make the writer, then) seal ``windows`` in place."""
+    """A pool job: (make the writer, then) seal ``windows``."""
     if make is not None:
         try:
             job.set_result(make())
