@@ -135,8 +135,9 @@ async def test_a_streamed_puts_frames_share_journal_syncs_and_a_lone_put_is_not_
     tmp_path: Path, pg_url: str
 ) -> None:
     """``ledger.journal_sync_interval_ms``: the frames a client streams (``put_stream`` says
-    ``more``) share syncs; a client with one put in flight at a time is synced at once, not
-    held for the interval (1 s here: holding three puts would take two seconds)."""
+    ``more``, but on its last frame) share syncs; a client with one put in flight at a time,
+    and a stream's last frame, are synced at once, not held for the interval (1 s here:
+    holding three puts would take two seconds)."""
     s = settings(tmp_path, pg_url, journal_sync_interval_ms=1000)
     loop = asyncio.get_running_loop()
     async with running_sidecar(s) as sc:
@@ -158,3 +159,9 @@ async def test_a_streamed_puts_frames_share_journal_syncs_and_a_lone_put_is_not_
         assert acks == [True] * 16
         assert syncs() - before <= 4  # sixteen frames, a few syncs (each holds up to 1 s)
         assert not sc.pipeline.more_puts_coming  # every reply sent: nothing held any more
+        # a stream's last frame does not say ``more``: its ack is synced at once, not held
+        # for the interval behind the frame before it
+        started = loop.time()
+        acks = await loop.run_in_executor(None, lambda: stream(sc, 2, first=400, depth=8))
+        assert acks == [True, True]
+        assert loop.time() - started < 0.9

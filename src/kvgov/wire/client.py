@@ -43,6 +43,8 @@ log = logging.getLogger("kvgov.wire.client")
 
 #: ``alloc(result) -> writable buffer of at least result.length bytes`` (or None to skip it)
 Allocator = Callable[[GetResult], Any]
+#: the end of :meth:`WireClient.put_stream`'s items (it looks one item ahead)
+_END: Any = object()
 
 
 class WireClient:
@@ -240,13 +242,18 @@ class WireClient:
         def op(conn: Connection) -> list[PutAck]:
             acks: list[PutAck] = []
             waiting: deque[tuple[int, str]] = deque()
+            ahead = iter(items)
+            following = next(ahead, _END)
             try:
-                for entry in items:
+                while following is not _END:
+                    entry, following = following, next(ahead, _END)
                     key, view = entry[0], as_bytes_view(entry[1])
                     item = PutItem(key, view.nbytes, (entry[2] if len(entry) > 2 else None) or {})
                     stream_id = conn.new_stream_id()
                     meta: dict[str, Any] = {"items": [item.to_meta()], "ctx": ctx_meta}
-                    if depth > 1:  # another frame follows before this one's reply is read
+                    if depth > 1 and following is not _END:
+                        # another frame follows before this one's reply is read (the last
+                        # does not say so: the sidecar then syncs its journal at once)
                         meta["more"] = True
                     conn.send(FrameType.PUT, stream_id, meta, [view])
                     waiting.append((stream_id, key))
