@@ -43,8 +43,6 @@ log = logging.getLogger("kvgov.wire.client")
 
 #: ``alloc(result) -> writable buffer of at least result.length bytes`` (or None to skip it)
 Allocator = Callable[[GetResult], Any]
-#: the end of :meth:`WireClient.put_stream`'s items (it looks one item ahead)
-_END: Any = object()
 
 
 class WireClient:
@@ -243,15 +241,16 @@ class WireClient:
             acks: list[PutAck] = []
             waiting: deque[tuple[int, str]] = deque()
             ahead = iter(items)
-            following = next(ahead, _END)
+            following = next(ahead, None)
             try:
-                while following is not _END:
-                    entry, following = following, next(ahead, _END)
+                while following is not None:
+                    entry, following = following, next(ahead, None)
                     key, view = entry[0], as_bytes_view(entry[1])
-                    item = PutItem(key, view.nbytes, (entry[2] if len(entry) > 2 else None) or {})
+                    item_meta = entry[2] if len(entry) > 2 else None
+                    item = PutItem(key, view.nbytes, item_meta or {})
                     stream_id = conn.new_stream_id()
                     meta: dict[str, Any] = {"items": [item.to_meta()], "ctx": ctx_meta}
-                    if depth > 1 and following is not _END:
+                    if depth > 1 and following is not None:
                         # another frame follows before this one's reply is read (the last
                         # does not say so: the sidecar then syncs its journal at once)
                         meta["more"] = True
