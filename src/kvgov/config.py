@@ -131,11 +131,12 @@ class LedgerSettings(_Section):
     #: a crash loses none of them; off, they are durable within ``lazy_max_delay_ms``
     #: (what it costs: ``docs/ledger.md``, "Throughput")
     journal_lazy_events: bool = True
-    #: the least time between the starts of two journal syncs while a client streams PUT
-    #: frames (or nobody waits): what is appended within it shares one sync, so a streamed
-    #: put's acknowledgement waits up to this much longer for far fewer syncs; a journal idle
-    #: that long, or a put with nothing behind it, syncs at once (``docs/ledger.md``, "The
-    #: local journal"). 0: sync as soon as anything was appended
+    #: the least time between the starts of two journal syncs while every waiting put is
+    #: one its client streams more PUT frames behind (or nobody waits): what is appended
+    #: within it shares one sync, so a streamed put's acknowledgement waits up to this much
+    #: longer for far fewer syncs; a journal idle that long, or a put with nothing behind it
+    #: (whoever else streams), syncs at once (``docs/ledger.md``, "The local journal"). 0:
+    #: sync as soon as anything was appended
     journal_sync_interval_ms: float = Field(default=4.0, ge=0.0, le=1000.0)
     #: Ed25519 public keys ``audit verify`` trusts besides this node's own (the key of
     #: ``signing_key_path``): the keys of the fleet's other sidecars and CLI hosts, each as

@@ -6,6 +6,8 @@ waits for its commit."""
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -17,7 +19,7 @@ from kvgov.config import Settings
 from kvgov.db.models import LedgerEvent
 from kvgov.proxy.app import Sidecar
 from kvgov.types import EventKind
-from kvgov.wire import RequestContext, WireClient
+from kvgov.wire import PutAck, RequestContext, WireClient
 from kvgov.wire.codec import WireConnectionError
 from tests.integration.live import loopback_settings, running_sidecar
 
@@ -158,10 +160,51 @@ async def test_a_streamed_puts_frames_share_journal_syncs_and_a_lone_put_is_not_
         acks = await loop.run_in_executor(None, lambda: stream(sc, 16, first=300, depth=8))
         assert acks == [True] * 16
         assert syncs() - before <= 4  # sixteen frames, a few syncs (each holds up to 1 s)
-        assert not sc.pipeline.more_puts_coming  # every reply sent: nothing held any more
         # a stream's last frame does not say ``more``: its ack is synced at once, not held
         # for the interval behind the frame before it
         started = loop.time()
         acks = await loop.run_in_executor(None, lambda: stream(sc, 2, first=400, depth=8))
         assert acks == [True, True]
         assert loop.time() - started < 0.9
+
+
+async def test_a_client_that_always_says_more_holds_only_its_own_acks(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """The attack the ``more`` hint invites: a client that streams PUT frames saying ``more``
+    without end keeps the journal holding syncs for its puts. Holding is that client's own: a
+    sequential client beside it is synced at once (it used to wait up to the interval, 1 s
+    here, per put: three puts took 2-3 s), and its syncs take the streamer's puts along."""
+    s = settings(tmp_path, pg_url, journal_sync_interval_ms=1000)
+    loop = asyncio.get_running_loop()
+    stop = threading.Event()
+    streamed = threading.Event()
+
+    def frames() -> Iterator[tuple[str, bytes]]:
+        for i in range(1000, 1400):  # each frame says more, until the sequential puts are done
+            if stop.is_set():
+                return
+            yield KEY.format(i), bytes([i % 256]) * 4096
+            if i == 1002:
+                streamed.set()
+
+    def streamer(sc: Sidecar) -> list[PutAck]:
+        ctx = RequestContext(request_id="req-s", user="u42")
+        with WireClient(
+            f"tcp://127.0.0.1:{sc.server.tcp_port}", engine_id="vllm-demo-0", timeout=30
+        ) as client:
+            return client.put_stream(frames(), ctx, depth=8)
+
+    async with running_sidecar(s) as sc:
+        await loop.run_in_executor(None, lambda: puts(sc, 1, first=100))  # warm: keys, policy
+        streaming = loop.run_in_executor(None, streamer, sc)
+        try:
+            assert await loop.run_in_executor(None, streamed.wait, 10)
+            started = loop.time()
+            for i in range(3):  # one at a time, while the streamer says more
+                assert await loop.run_in_executor(None, lambda i=i: puts(sc, 1, first=200 + i))
+            assert loop.time() - started < 1.5
+        finally:
+            stop.set()
+            acks = await streaming
+        assert len(acks) >= 3 and all(a.ok for a in acks)

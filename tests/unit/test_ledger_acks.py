@@ -76,16 +76,16 @@ def count_syncs(journal: Journal, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return synced
 
 
-async def test_while_more_puts_are_coming_syncs_start_at_most_once_per_interval(
+async def test_while_acknowledgements_are_held_syncs_start_at_most_once_per_interval(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     acks, journal, _ = await started(tmp_path, sync_interval_s=1.0)
-    acks.more_coming = lambda: True  # the data plane is receiving more puts
     loop = asyncio.get_running_loop()
     synced = count_syncs(journal, monkeypatch)
 
     def acknowledged(i: int) -> asyncio.Future[None]:
-        return acks.acknowledgement(acks.append(put(i))[1], loop.create_future())
+        # held: the caller streams more puts right behind each one
+        return acks.acknowledgement(acks.append(put(i))[1], loop.create_future(), hold=True)
 
     # idle: the first append is synced and acknowledged at once, not an interval later
     await asyncio.wait_for(acknowledged(1), 0.5)
@@ -122,6 +122,25 @@ async def test_an_acknowledgement_with_nothing_behind_it_is_synced_at_once(
     await asyncio.wait_for(last, 5)  # a waiter with nothing behind it takes the lazy one along
     assert synced == [1, 2, 3, 5]
     await acks.close(applied_upto=5)
+
+
+async def test_an_acknowledgement_not_held_is_synced_at_once_beside_held_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Holding is the caller's own: a streaming client's held acknowledgements do not hold a
+    sequential client's back; its sync takes theirs along."""
+    acks, journal, _ = await started(tmp_path, sync_interval_s=30.0)
+    loop = asyncio.get_running_loop()
+    synced = count_syncs(journal, monkeypatch)
+    first = acks.acknowledgement(acks.append(put(1))[1], loop.create_future(), hold=True)
+    await asyncio.wait_for(first, 5)  # an idle journal syncs at once, held or not
+    held = acks.acknowledgement(acks.append(put(2))[1], loop.create_future(), hold=True)
+    await asyncio.sleep(0.3)
+    assert not held.done()  # held: up to the interval (30 s) for the stream's next puts
+    lone = acks.acknowledgement(acks.append(put(3))[1], loop.create_future())
+    await asyncio.wait_for(asyncio.gather(lone, held), 5)  # at once, the held one along
+    assert synced == [1, 3]
+    await acks.close(applied_upto=3)
 
 
 async def test_an_event_the_ledger_refuses_is_not_journaled(tmp_path: Path) -> None:

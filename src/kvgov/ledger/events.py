@@ -129,8 +129,10 @@ class QueuedEventSink(EventSink, Protocol):
     """An :class:`EventSink` that can acknowledge an event once it is *durably queued* (the
     ledger writer with its local journal), before the database has it."""
 
-    def submit_queued(self, event: Event) -> asyncio.Future[Any]:
-        """Queue an event; the future resolves once it is durable locally or committed."""
+    def submit_queued(self, event: Event, *, hold: bool = False) -> asyncio.Future[Any]:
+        """Queue an event; the future resolves once it is durable locally or committed.
+        ``hold``: more acknowledged events follow right behind it (the sink may let it wait
+        briefly to make them durable together)."""
         ...
 
 

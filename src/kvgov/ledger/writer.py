@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -123,12 +122,6 @@ class LedgerWriter:
         )
         #: journal lazy events too (nothing waits on them; durable at the next sync)
         self._lazy_journal = journal_lazy_events
-
-    def journal_waits_for(self, more_coming: Callable[[], bool]) -> None:
-        """Tell the journal when more acknowledged events are on their way (a client streams
-        PUT frames): a sync waits ``journal_sync_interval_ms`` for them only then."""
-        if self._acks is not None:
-            self._acks.more_coming = more_coming
 
     @property
     def head_seq(self) -> int:
@@ -259,18 +252,21 @@ class LedgerWriter:
         await self._batcher.wait_for_room()
         return await self.submit(event)
 
-    def submit_queued(self, event: Event) -> asyncio.Future[Any]:
+    def submit_queued(self, event: Event, *, hold: bool = False) -> asyncio.Future[Any]:
         """Queue ``event``; the future resolves once it is *durably queued*: fsynced to the
         local journal (the event then waits for company like a lazy one), or, without a
-        working journal, committed. Raises :class:`LedgerError` for an event the ledger could
-        never store, :class:`~kvgov.errors.LedgerBackpressureError` when the queue is full."""
+        working journal, committed. ``hold``: the caller has more acknowledged events right
+        behind this one (a client streaming PUT frames): the journal sync may wait up to
+        ``journal_sync_interval_ms`` for them (:mod:`~kvgov.ledger.writing.acks`). Raises
+        :class:`LedgerError` for an event the ledger could never store,
+        :class:`~kvgov.errors.LedgerBackpressureError` when the queue is full."""
         acks = self._acks
         journaled = self._journal_event(event)  # a refusal raises now, before any ack
         if journaled is None or acks is None:
             # no journal takes it: closed or full (submit raises), or failed
             return self.submit(event)
         commit = self.submit(event, urgent=False, _journaled=journaled)
-        return acks.acknowledgement(journaled[1], commit)
+        return acks.acknowledgement(journaled[1], commit, hold=hold)
 
     async def flush(self) -> None:
         """Commit every event submitted so far now (lazy ones too) and wait until they are

@@ -510,8 +510,6 @@ async def build_sidecar(
     journal = writer.journal if writer is not None else None
     if writer is not None and journal is not None:
         ledger = writer
-        # a put's journal sync waits for the next ones only while a client streams PUT frames
-        ledger.journal_waits_for(lambda: pipeline.more_puts_coming)
         metrics.watch_journal(
             lambda: float(max(0, journal.last_position - ledger.applied_upto)),
             lambda: float(journal.pending_bytes()),

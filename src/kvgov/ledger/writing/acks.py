@@ -6,12 +6,14 @@ refused before any acknowledgement), appends it to the journal and queues it lik
 event. :class:`JournalAcks` runs the journal's sync loop on a thread of its own: it
 ``fdatasync``-s whatever was appended since the last sync (group commit) and then resolves the
 acknowledgements the sync covers, in position order. Syncs start at most once per
-``sync_interval_s`` (``ledger.journal_sync_interval_ms``) while more acknowledged events are
-on their way (:attr:`JournalAcks.more_coming`: a client streams PUT frames) or
+``sync_interval_s`` (``ledger.journal_sync_interval_ms``) while every waiting acknowledgement
+is *held* (its caller has more on the way right behind it: a client streaming PUT frames) or
 nobody waits: the appends of the interval then share one sync (fewer syncs, thread hand-offs
-and wake-ups per put; measured in ``docs/ledger.md``, "The local journal"). A journal idle
-that long, or an acknowledgement with nothing behind it (a client with one put in flight at a
-time), syncs at once, as PostgreSQL's ``commit_delay`` waits only with ``commit_siblings``. The
+and wake-ups per put; measured in ``docs/ledger.md``, "The local journal"). An
+acknowledgement that is not held (a client with one put in flight at a time, a stream's last
+frame) syncs at once, taking whatever is appended along, as PostgreSQL's ``commit_delay``
+waits only with ``commit_siblings``; so does a journal idle for the interval. Holding is the
+caller's own: a client that always says more delays only its own acknowledgements. The
 event's commit still follows, in a large batch; nobody awaits it, so a failure is logged
 (:func:`log_unwritten`) and the record stays in the journal, replayed at the next start.
 
@@ -36,8 +38,8 @@ from kvgov.logging import get_logger
 
 log = get_logger(__name__)
 
-#: an acknowledgement waiting for a sync: (journal position, acknowledgement, commit)
-_Waiter = tuple[int, "asyncio.Future[None]", "asyncio.Future[Appended]"]
+#: an acknowledgement waiting for a sync: (journal position, acknowledgement, commit, held)
+_Waiter = tuple[int, "asyncio.Future[None]", "asyncio.Future[Appended]", bool]
 
 
 class JournalAcks:
@@ -64,12 +66,11 @@ class JournalAcks:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgov-journal")
         #: the writer is closing: the sync loop ends once nothing is left to sync
         self.closing = False
-        #: the least time from the start of one sync to the start of the next, while
-        #: :attr:`more_coming` (or nobody waits)
+        #: the least time from the start of one sync to the start of the next, while every
+        #: waiting acknowledgement is held (or nobody waits)
         self.sync_interval_s = max(0.0, sync_interval_s)
-        #: whether more acknowledged events are on their way (the writer's owner sets it: a
-        #: client streams PUT frames); without, an acknowledgement is synced at once
-        self.more_coming: Callable[[], bool] = _nothing_coming
+        #: waiting acknowledgements that are not held: while there is one, sync at once
+        self._prompt = 0
 
     def start(self, name: str) -> None:
         self._task = asyncio.create_task(self._run(), name=name)
@@ -89,13 +90,17 @@ class JournalAcks:
         return prepared, pos
 
     def acknowledgement(
-        self, position: int, commit: asyncio.Future[Appended]
+        self, position: int, commit: asyncio.Future[Appended], *, hold: bool = False
     ) -> asyncio.Future[None]:
         """A future resolved once the journal is synced past ``position`` (or, if the journal
-        fails first, as ``commit`` is)."""
+        fails first, as ``commit`` is). ``hold``: the caller has more acknowledged events on
+        the way right behind this one; its sync may wait up to the interval for them."""
         commit.add_done_callback(log_unwritten)
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((position, ack, commit))
+        self._waiters.append((position, ack, commit, hold))
+        if not hold:
+            self._prompt += 1
+            self._wake.set()
         return ack
 
     async def _run(self) -> None:
@@ -122,18 +127,19 @@ class JournalAcks:
                 return
             self.stats.journal_syncs += 1
             while waiters and waiters[0][0] <= upto:
-                _, ack, _ = waiters.popleft()
+                _, ack, _, held = waiters.popleft()
+                if not held:
+                    self._prompt -= 1
                 if not ack.done():
                     ack.set_result(None)
 
     async def _gather(self, loop: asyncio.AbstractEventLoop, started: float) -> None:
         """Before a sync: let what is appended until ``sync_interval_s`` after the last sync
-        began share it, while more acknowledged events are on their way or nobody waits;
-        return as soon as an acknowledgement waits with nothing behind it."""
-        waiters = self._waiters
+        began share it, while every waiting acknowledgement is held or nobody waits; return
+        as soon as one that is not held waits."""
         while not self.closing:
             wait = started + self.sync_interval_s - loop.time()
-            if wait <= 0 or (waiters and not self.more_coming()):
+            if wait <= 0 or self._prompt:
                 return
             self._wake.clear()  # set again by the next append: look once more then
             timer = loop.call_later(wait, self._wake.set)
@@ -155,8 +161,9 @@ class JournalAcks:
             },
         )
         waiters, self._waiters = self._waiters, deque()
+        self._prompt = 0
         self._task = None
-        for _, ack, commit in waiters:
+        for _, ack, commit, _ in waiters:
             commit.add_done_callback(functools.partial(_follow, ack))
         self._on_failed()
 
@@ -171,10 +178,6 @@ class JournalAcks:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self.journal.close, applied_upto)
         self._executor.shutdown(wait=True)
-
-
-def _nothing_coming() -> bool:
-    return False
 
 
 def log_unwritten(fut: asyncio.Future[Appended]) -> None:

@@ -191,6 +191,8 @@ class Door:
         self._unsettled: set[asyncio.Future[Ack]] = set()
         #: unstore tasks of puts whose records failed
         self._unstoring: set[asyncio.Task[None]] = set()
+        #: the client streams PUT frames (:meth:`streaming`)
+        self._streaming = False
 
     # -- what the listener needs to receive and send -------------------------------------------
 
@@ -291,7 +293,7 @@ class Door:
             try:
                 with contextlib.suppress(Exception):  # store_put raises it again
                     await plan.sealed()
-                stored = await pipeline.store_put(plan)
+                stored = await pipeline.store_put(plan, hold=self._streaming)
             except asyncio.CancelledError:
                 for left, waiting in self._to_store:
                     await left.discard()
@@ -415,11 +417,10 @@ class Door:
 
     def streaming(self, *, more: bool) -> None:
         """Whether the client sends more PUT frames before it waits for this one's reply (it
-        said so on its latest frame, and that frame's reply is not sent yet)."""
-        if more:
-            self._pipeline.streams.add(self)
-        else:
-            self._pipeline.streams.discard(self)
+        said so on its latest frame, and that frame's reply is not sent yet): the records of
+        the puts it stores meanwhile may wait up to ``ledger.journal_sync_interval_ms`` for
+        the next ones to share a journal sync (this door's own acks only)."""
+        self._streaming = more
 
     def closed(self) -> None:
         """The connection is gone: record what its denial budget still holds."""
@@ -491,14 +492,6 @@ class Pipeline:
         self._get_bytes = metrics.op_bytes.labels("get")
         #: digests of puts planned and not yet stored or dropped (a second put of one is kept)
         self._storing: set[str] = set()
-        #: doors whose client streams PUT frames (:meth:`Door.streaming` keeps it)
-        self.streams: set[Door] = set()
-
-    @property
-    def more_puts_coming(self) -> bool:
-        """A connection is streaming PUT frames (its client said ``more``, and its replies are
-        not all sent): the ledger journal may hold a sync briefly for the next ones."""
-        return bool(self.streams)
 
     @property
     def keyring(self) -> Keyring | None:
@@ -668,9 +661,11 @@ class Pipeline:
         self.recorder.note(event)
         return Kept(who, reason)
 
-    async def store_put(self, plan: PutPlan) -> StoredPut:
+    async def store_put(self, plan: PutPlan, *, hold: bool = False) -> StoredPut:
         """Finish sealing, write the tiers, make the entry visible and queue its ``kv:put``
-        event. Raises (having stored nothing) on failure; releases the plan's buffer."""
+        event (``hold``: the client streams more puts right behind it, whose records may
+        share its journal sync). Raises (having stored nothing) on failure; releases the
+        plan's buffer."""
         who, decision = plan.who, plan.decision
         try:
             writer = await plan.sealed()
@@ -710,7 +705,7 @@ class Pipeline:
         stored = StoredPut(who.digest, entry)
         try:
             stored.recorded = await self.recorder.queue(
-                put_event(op_event, who, decision, entry, written)
+                put_event(op_event, who, decision, entry, written), hold=hold
             )
         except BaseException:
             await self.unstore(stored)

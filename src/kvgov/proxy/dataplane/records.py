@@ -94,12 +94,13 @@ class Recorder:
         except KvgovError as exc:
             log.error(unrecorded, extra={"error": exc.code})
 
-    async def queue(self, event: Event) -> Awaitable[Any]:
-        """Queue ``event``; returns what resolves once it is durable. A full queue is
-        backpressure: wait here (in order) until the event is written."""
+    async def queue(self, event: Event, *, hold: bool = False) -> Awaitable[Any]:
+        """Queue ``event``; returns what resolves once it is durable (``hold``: more follow
+        right behind it, see ``QueuedEventSink``). A full queue is backpressure: wait here (in
+        order) until the event is written."""
         try:
             if self._queued_sink is not None:  # acknowledged once journaled
-                return self._queued_sink.submit_queued(event)
+                return self._queued_sink.submit_queued(event, hold=hold)
             return self.sink.submit(event)
         except LedgerBackpressureError:
             done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
