@@ -79,7 +79,9 @@ class EventDecisionRecorder:
             await self.sink.append(event)
             return
         if self._queued is not None:  # into the local journal, when there is one
-            future = self._queued.submit_queued(event)
+            # nobody awaits it: it shares the next sync (the operation's own, when that one is
+            # acknowledged) rather than forcing one of its own
+            future = self._queued.submit_queued(event, hold=True)
         else:
             future = self.sink.submit(event)
         future.add_done_callback(_log_failure)
