@@ -232,7 +232,11 @@ class WireClient:
         """Store values one PUT frame each, pipelined on one connection: up to ``depth``
         frames are sent before the oldest ack is read, so the sidecar's ledger commits overlap
         the transfers. One ack per item, in order. On any failure the connection is dropped
-        (which of the unacknowledged puts were stored is then unknown) and the error raised."""
+        (which of the unacknowledged puts were stored is then unknown) and the error raised.
+
+        ``items`` is read one item ahead, so that every frame but the last tells the sidecar
+        more follow (``docs/protocol.md``): an iterator that produces its items slowly has
+        each frame sent once the next item is there (or it is exhausted)."""
         if depth < 1:
             raise ValueError("depth must be at least 1")
         ctx_meta = (ctx or EMPTY_CONTEXT).to_meta()
