@@ -16,6 +16,7 @@ from collections.abc import Set
 from dataclasses import dataclass
 from datetime import UTC
 from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 from sqlalchemy import Connection, select, update
@@ -107,6 +108,8 @@ _ENTRY_WIDTHS = (
     ("decision_id", DECISION_ID),
     ("policy_revision", REVISION),
 )
+#: the entry change's texts that have a column width, read in one call
+_ENTRY_TEXTS = attrgetter(*(name for name, _ in _ENTRY_WIDTHS))
 #: no text this long can be too wide for any column (a digest or a pseudonym is exactly this
 #: long: the usual event is checked with one ``max``, not field by field)
 _NARROWEST = min(width for _, width in _EVENT_WIDTHS + _ENTRY_WIDTHS)
@@ -122,18 +125,7 @@ def _check_widths(event: Event, longest: int) -> None:
     e = event.entry
     if e is None:
         return
-    texts = (
-        e.key_digest,
-        e.tenant,
-        e.owner,
-        e.scope_user,
-        e.model,
-        e.key_id,
-        e.request_id,
-        e.decision_id,
-        e.policy_revision,
-    )  # _ENTRY_WIDTHS' fields, read one by one (see prepare)
-    if max(len(t) for t in texts if t is not None) > _NARROWEST:
+    if max(len(t) for t in _ENTRY_TEXTS(e) if t is not None) > _NARROWEST:
         for name, width in _ENTRY_WIDTHS:
             value = getattr(e, name)
             if value is not None and len(value) > width:
