@@ -237,6 +237,85 @@ async def test_lm_hit_corrupt_at_rest_is_a_miss_and_drops_the_entry(
     assert [e.reason for e in _unreadable_deletes(sidecar)] == ["unreadable:seal_error"]
 
 
+@pytest.fixture(params=CRYPTO_PATHS)
+async def memory_sidecar(
+    tmp_path: Path, pg_url: str, request: pytest.FixtureRequest
+) -> AsyncIterator[Sidecar]:
+    """Only a memory tier: its hits are lent in place and opened as they are sent."""
+    settings = loopback_settings(
+        tmp_path / "data",
+        pg_url,
+        lm=True,
+        dataplane={"inline_crypto_bytes": request.param},
+        tiers={"chain": ["memory"]},
+    )
+    async with running_sidecar(settings) as sc:
+        yield sc
+
+
+def _events(sc: Sidecar, kind: EventKind, digest: str) -> list[LedgerEvent]:
+    with Session(sc.engine) as s:
+        return list(
+            s.scalars(
+                select(LedgerEvent)
+                .where(LedgerEvent.kind == kind, LedgerEvent.key_digest == digest)
+                .order_by(LedgerEvent.seq)
+            ).all()
+        )
+
+
+@pytest.mark.postgres
+async def test_lm_hit_failing_as_it_is_sent_sends_nothing_of_the_bad_segment(
+    memory_sidecar: Sidecar,
+) -> None:
+    """A hit the memory tier lends is announced once its first segment is authenticated; each
+    next one is opened as the one before drains. The sidecar's own memory going bad under a
+    later segment (a fault: nothing else writes it) must not put one byte of that segment on
+    the wire: the segments before it go out whole, then the connection closes (LMCache's
+    client reads the short value as a miss), the value is dropped from the tier and the get
+    is recorded as a miss, not as served."""
+    sc = memory_sidecar
+    assert sc.lm_server is not None
+    port = sc.lm_server.port
+    value = os.urandom(3 * MIB + 11)  # segments of 1 MiB, 1 MiB, 1 MiB and 11 bytes
+    key = _lm_key(0xD0)
+    assert await _run(_lm_put_get, port, key, value) == value
+    raw = key.decode().strip()
+    digest = sc.pipeline.pseudonymizer.key_digest(raw)
+    memory = sc.tiers.tier("memory")
+    stored = await memory.get(digest)
+    assert stored is not None
+    edited = bytearray(stored)
+    edited[-1] ^= 0x5A  # the last segment's GCM tag; the first three stay authentic
+    await memory.put(digest, bytes(edited))
+    await _settled(sc)
+    served_before = len(_events(sc, EventKind.KV_GET, digest))
+    assert served_before == 1
+
+    def announced_then_cut() -> tuple[int, int, bytes]:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(LM_REQUEST.pack(2, 0, 0, 0, 0, 0, 0, 0, 0, key))
+            head = LM_REPLY.unpack(recv_exact(s, LM_REPLY.size))
+            got = bytearray()
+            while chunk := s.recv(1 << 20):
+                got += chunk
+            return head[0], head[1], bytes(got)
+
+    code, length, got = await _run(announced_then_cut)
+    assert (code, length) == (200, len(value))
+    assert got == value[: 3 * MIB]  # the authenticated segments, whole; nothing after
+    assert await _run(_lm_get, port, key) is None  # gone for good
+    assert await memory.get(digest) is None
+    await _settled(sc)
+    assert [e.reason for e in _unreadable_deletes(sc)] == ["unreadable:seal_error"]
+    assert len(_events(sc, EventKind.KV_GET, digest)) == served_before
+    # the cut get's miss says why; the next get's is a plain miss (either may be first)
+    assert sorted(str(e.reason) for e in _events(sc, EventKind.KV_MISS, digest)) == [
+        "None",
+        "seal_error",
+    ]
+
+
 class _Holder(StreamProtocol):
     """Sends one large plaintext hit from a sender thread, and meanwhile writes a marker from
     the event loop; the peer must read the whole hit, then the marker."""
@@ -251,7 +330,7 @@ class _Holder(StreamProtocol):
         windows = [memoryview(self.value)[i : i + MIB] for i in range(0, len(self.value), MIB)]
         plan = cast(
             "GetPlan",
-            type("P", (), {"length": len(self.value), "windows": windows})(),
+            type("P", (), {"length": len(self.value), "windows": windows, "opener": None})(),
         )
         send = asyncio.ensure_future(self.send_plan(plan, self.pool))
         await asyncio.sleep(0.2)  # the peer is not reading: the thread waits on a full socket

@@ -71,8 +71,11 @@ def _store(sealer: Sealer, value: bytes, *, reserved: bool) -> bytearray:
     return stored
 
 
-async def _get(sealer: Sealer, stored: bytearray, *, in_place: bool) -> tuple[bytes, bytearray]:
-    """A get of ``stored`` (in the hit's buffer already, or in a tier's own buffer)."""
+async def _get(
+    sealer: Sealer, stored: bytearray, *, in_place: bool, stream: bool = False
+) -> tuple[bytes, bytearray]:
+    """A get of ``stored`` (in the hit's buffer already, or in a tier's own buffer), its
+    windows read as a sender reads them (``stream``: each opened just before)."""
     pool = BufferPool(1 << 20)
     lease = await pool.acquire(len(stored))
     if in_place:
@@ -81,26 +84,78 @@ async def _get(sealer: Sealer, stored: bytearray, *, in_place: bool) -> tuple[by
     else:
         value = memoryview(stored)
     with ThreadPoolExecutor(1) as executor:
-        envelope, windows = await open_value(
-            value, sealer, _who(), lease, in_place=in_place, executor=executor, inline_bytes=0
+        envelope, windows, opener = await open_value(
+            value,
+            sealer,
+            _who(),
+            lease,
+            in_place=in_place,
+            executor=executor,
+            inline_bytes=0,
+            stream=stream,
         )
-    got = b"".join(bytes(w) for w in windows)
+    if opener is not None:  # opened as it is sent: only out of place, in segments
+        assert stream and not in_place
+    elif sealer.sealed:
+        assert not stream or in_place
+    got = bytearray()
+    for i, window in enumerate(windows):
+        if opener is not None and i:
+            opener.open_segment(i, window)
+        got += window
     assert envelope.plain_len == len(got)
-    return got, stored
+    return bytes(got), stored
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["opened", "opened-as-sent"])
 @pytest.mark.parametrize("reserved", [False, True], ids=["in-place", "into-tier-buffer"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["from-lease", "from-tier-buffer"])
 @pytest.mark.parametrize("sealed", [True, False], ids=["keyring", "plaintext"])
 async def test_a_value_round_trips_byte_for_byte_through_either_sealer(
-    keyring: Keyring, sealed: bool, reserved: bool, in_place: bool
+    keyring: Keyring, sealed: bool, reserved: bool, in_place: bool, stream: bool
 ) -> None:
     sealer: Sealer = KeyringSealer(keyring) if sealed else PlaintextSealer()
     value = os.urandom(3 * SEGMENT + 17)
     stored = _store(sealer, value, reserved=reserved)
     assert (value in bytes(stored)) is not sealed  # sealed: no plaintext at rest
-    got, _ = await _get(sealer, stored, in_place=in_place)
+    got, _ = await _get(sealer, stored, in_place=in_place, stream=stream)
     assert got == value
+
+
+@pytest.mark.parametrize("segments", [2, 3, 4])
+async def test_a_hit_opened_as_it_is_sent_takes_turns_in_two_segment_buffers(
+    keyring: Keyring, segments: int
+) -> None:
+    """Opened as sent, a hit's windows alternate between two segment buffers at the start of
+    its lease (each opened into memory just read from), and a segment that fails leaves no
+    plaintext in its window."""
+    sealer = KeyringSealer(keyring)
+    value = os.urandom((segments - 1) * SEGMENT + 5)
+    stored = _store(sealer, value, reserved=False)
+    pool = BufferPool(1 << 20)
+    lease = await pool.acquire(len(stored))
+    with ThreadPoolExecutor(1) as executor:
+        _, windows, opener = await open_value(
+            memoryview(stored),
+            sealer,
+            _who(),
+            lease,
+            in_place=False,
+            executor=executor,
+            inline_bytes=0,
+            stream=True,
+        )
+    assert opener is not None
+    assert bytes(windows[0]) == value[:SEGMENT]
+    stored[-1] ^= 1  # the last segment's tag
+    for i in range(1, segments - 1):
+        opener.open_segment(i, windows[i])
+        assert bytes(windows[i]) == value[i * SEGMENT : (i + 1) * SEGMENT]
+        if i >= 2:  # the window two back is the same buffer: it now holds this segment
+            assert bytes(windows[i - 2]) == bytes(windows[i])
+    with pytest.raises(CorruptValueError):
+        opener.open_segment(segments - 1, windows[-1])
+    assert bytes(windows[-1]) == bytes(windows[-1].nbytes)
 
 
 async def test_a_plaintext_hit_from_a_tiers_buffer_is_copied_into_the_hit() -> None:
@@ -112,7 +167,7 @@ async def test_a_plaintext_hit_from_a_tiers_buffer_is_copied_into_the_hit() -> N
     pool = BufferPool(1 << 20)
     lease = await pool.acquire(len(stored))
     with ThreadPoolExecutor(1) as executor:
-        _, windows = await open_value(
+        _, windows, _ = await open_value(
             memoryview(stored),
             sealer,
             _who(),

@@ -27,11 +27,13 @@ from collections.abc import Coroutine
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
+from kvgov.errors import CorruptValueError
 from kvgov.proxy.dataplane.plans import INLINE_CRYPTO_BYTES
 from kvgov.wire.codec import widen_unix_send_buffer
 
 if TYPE_CHECKING:
     from kvgov.proxy.dataplane.plans import GetPlan
+    from kvgov.proxy.dataplane.sealers import Opener
 
 log = logging.getLogger("kvgov.dataplane.conn")
 
@@ -268,6 +270,18 @@ class StreamProtocol(asyncio.BufferedProtocol):
             if view.nbytes:
                 await self._until_flushed(t)
 
+    def _write_now(self, view: memoryview) -> memoryview:
+        """Write what the socket takes of ``view`` at once, if nothing is queued before it;
+        return the rest."""
+        t = self.transport
+        if t is None or self._fd < 0 or self._closed or t.get_write_buffer_size():
+            return view
+        try:
+            n = os.write(self._fd, view)
+        except OSError:  # full, or failed: send_view goes on with it
+            return view
+        return view[n:]
+
     async def _until_flushed(self, t: asyncio.Transport) -> None:
         """Wait until the transport has handed everything it holds to the socket."""
         if t.get_write_buffer_size() == 0:
@@ -287,16 +301,27 @@ class StreamProtocol(asyncio.BufferedProtocol):
             raise ConnectionClosed
 
     async def send_plan(
-        self, plan: GetPlan, sender: Executor, *, inline_bytes: int = INLINE_CRYPTO_BYTES
+        self,
+        plan: GetPlan,
+        sender: Executor,
+        *,
+        inline_bytes: int = INLINE_CRYPTO_BYTES,
+        pad: bool = False,
     ) -> None:
-        """Stream a hit whose segments the pipeline already opened and authenticated. One up to
-        ``inline_bytes`` is written on the event loop. A larger one is written by a ``sender``
-        thread, waiting on the socket with the GIL released (what ``lmcache_server``'s blocking
-        ``sendall`` does): no event-loop round per socketful. Writes the loop makes meanwhile
-        (other replies) are held back and follow the hit (:meth:`write`)."""
+        """Stream a hit: its segments already opened and authenticated by the pipeline, or, for
+        one opened as it is sent (``plan.opener``: :class:`GetPlan`), the first, and each next
+        one opened while the socket drains the one before. One up to ``inline_bytes`` is
+        written on the event loop. A larger one is written by a ``sender`` thread, waiting on
+        the socket with the GIL released (what ``lmcache_server``'s blocking ``sendall``
+        does): no event-loop round per socketful. Writes the loop makes meanwhile (other
+        replies) are held back and follow the hit (:meth:`write`).
+
+        A segment that fails as it is opened raises its
+        :class:`~kvgov.errors.CorruptValueError` once the segments before it are sent: nothing
+        of it goes out, but for ``pad``: then zeros stand in for the rest of the hit first (the
+        bytes its announcement promised)."""
         if plan.length <= inline_bytes:
-            for window in plan.windows:
-                await self.send_view(window)
+            await self._send_windows(plan.windows, plan.opener, pad)
             return
         t = self.transport
         if t is None or self._fd < 0 or self._closed:
@@ -306,7 +331,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
             await self.drain()
         if self._wfd < 0:
             self._wfd = os.dup(self._fd)
-        job = asyncio.get_running_loop().run_in_executor(sender, _write_windows, self, plan.windows)
+        job = asyncio.get_running_loop().run_in_executor(
+            sender, _write_windows, self, plan.windows, plan.opener, pad
+        )
         self._wjob = job
         try:
             await job
@@ -315,6 +342,32 @@ class StreamProtocol(asyncio.BufferedProtocol):
             held, self._held = self._held, []
             for data in held:
                 self.write(data)
+
+    async def _send_windows(
+        self, windows: list[memoryview], opener: Opener | None, pad: bool
+    ) -> None:
+        """:meth:`send_plan` on the event loop."""
+        last = len(windows) - 1
+        for i, window in enumerate(windows):
+            if opener is None or i == last:
+                await self.send_view(window)
+                continue
+            # opened as it is sent: hand the socket what it takes of this window now, open
+            # the next one while the peer drains it, then send the rest
+            rest = self._write_now(window)
+            t = self.transport
+            if t is not None and t.get_write_buffer_size():
+                await self._until_flushed(t)  # the next window's buffer is free
+            try:
+                opener.open_segment(i + 1, windows[i + 1])
+            except CorruptValueError:
+                if rest.nbytes:
+                    await self.send_view(rest)  # authenticated: it goes whole
+                if pad:
+                    await self.send_view(_zeros(windows[i + 1 :]))
+                raise
+            if rest.nbytes:
+                await self.send_view(rest)
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -367,25 +420,60 @@ class StreamProtocol(asyncio.BufferedProtocol):
             fut.set_exception(ConnectionClosed())
 
 
-def _write_windows(conn: StreamProtocol, windows: list[memoryview]) -> None:
+def _write_windows(
+    conn: StreamProtocol, windows: list[memoryview], opener: Opener | None, pad: bool
+) -> None:
     """A sender-thread job: write ``windows`` to the connection's socket, waiting on the socket
-    (GIL released) while it is full. Raises ConnectionClosed."""
+    (GIL released) while it is full; the windows after the first of a hit opened as it is sent
+    are opened with ``opener``, each while the socket drains the one before. Raises
+    ConnectionClosed, or the failure of a segment as :meth:`StreamProtocol.send_plan` does
+    (after the zeros that stand in for the rest, for ``pad``)."""
     fd = conn._wfd
     poller = select.poll()
     poller.register(fd, select.POLLOUT)
-    for window in windows:
+    last = len(windows) - 1
+    for i, window in enumerate(windows):
         view = window.cast("B") if window.format != "B" or window.ndim != 1 else window
-        while view.nbytes:
-            if conn._closed:
-                raise ConnectionClosed
-            try:
-                n = os.write(fd, view)
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError:
-                raise ConnectionClosed from None
-            view = view[n:]
-            if view.nbytes and not n:
-                for _, ev in poller.poll(100):
-                    if ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
-                        raise ConnectionClosed
+        if opener is None or i == last:
+            _write_all(conn, fd, poller, view)
+            continue
+        # what the socket takes now; the next window is opened while the peer drains it (its
+        # buffer held the window before this one, all written)
+        view = _write_once(conn, fd, view)
+        try:
+            opener.open_segment(i + 1, windows[i + 1])
+        except CorruptValueError:
+            _write_all(conn, fd, poller, view)  # authenticated: it goes whole
+            if pad:
+                _write_all(conn, fd, poller, _zeros(windows[i + 1 :]))
+            raise
+        _write_all(conn, fd, poller, view)
+
+
+def _write_once(conn: StreamProtocol, fd: int, view: memoryview) -> memoryview:
+    """One write of ``view`` to the (non-blocking) socket; the rest."""
+    if conn._closed:
+        raise ConnectionClosed
+    try:
+        n = os.write(fd, view)
+    except (BlockingIOError, InterruptedError):
+        return view
+    except OSError:
+        raise ConnectionClosed from None
+    return view[n:]
+
+
+def _write_all(conn: StreamProtocol, fd: int, poller: select.poll, view: memoryview) -> None:
+    """Write all of ``view``, waiting on the socket (GIL released) while it is full."""
+    while view.nbytes:
+        rest = _write_once(conn, fd, view)
+        if rest.nbytes == view.nbytes:
+            for _, ev in poller.poll(100):
+                if ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                    raise ConnectionClosed
+        view = rest
+
+
+def _zeros(windows: list[memoryview]) -> memoryview:
+    """As many zero bytes as ``windows`` hold: what stands in for a hit's unsent rest."""
+    return memoryview(bytes(sum(w.nbytes for w in windows)))

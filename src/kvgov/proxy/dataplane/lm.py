@@ -10,8 +10,13 @@ the policy admits that engine only where a tenant names it (``"*"`` does not). T
 is off unless configured (``docs/operations.md``, "Running lm:// safely"). The fmt, dtype,
 shape and location a PUT carried are checked (:mod:`kvgov.wire.itemmeta`: an odd one refuses
 the PUT as ``bad_item_meta``, recorded), stored with the entry (the dtype by its name, as the
-kvgov wire stores it) and returned by GET (the name mapped back to LMCache's int). A stored
-value that fails its checks is a miss (``FAIL``), never a dropped connection.
+kvgov wire stores it) and returned by GET (the name mapped back to LMCache's int). A value
+read from a tier that fails its checks is a miss (``FAIL``), not a dropped connection: it is
+authenticated whole before it is announced. A value the memory tier lends (sealed by this
+process into its own memory) has its first segment authenticated before it is announced and
+each next one just before it is sent (:class:`~kvgov.proxy.dataplane.plans.GetPlan`); should
+one fail then (a fault: nothing outside the process writes that memory), nothing of it is sent
+and the connection is closed, which LMCache's client reads as a miss.
 
 A PUT is sealed and stored by its door's storer task (:mod:`kvgov.proxy.dataplane.pipeline`)
 while the next request is read (PUTs of a connection are stored in request order, a run of
@@ -29,7 +34,7 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
-from kvgov.errors import ConfigError
+from kvgov.errors import ConfigError, CorruptValueError
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.limits import ConnectionLimits, Watchdog
@@ -223,7 +228,7 @@ class LmConnection(StreamProtocol):
 
     async def _get(self, key: str) -> None:
         door = self.door
-        plan = await door.get(self.server.identity, key, EMPTY)
+        plan = await door.get(self.server.identity, key, EMPTY, stream=True)
         if plan is None:
             self.reply(FAIL)
             return
@@ -231,8 +236,12 @@ class LmConnection(StreamProtocol):
             fmt, dtype, shape, location = to_lm(plan.item_meta)
             self.reply(OK, length=plan.length, fmt=fmt, dtype=dtype, shape=shape, location=location)
             self.arm(self.server.frame_timeout_s, "reply")  # the hit's buffer is held meanwhile
-            # opened and authenticated before it was announced: only its bytes go out now
-            await self.send_plan(plan, door.sender, inline_bytes=door.inline_bytes)
+            try:
+                await self.send_plan(plan, door.sender, inline_bytes=door.inline_bytes)
+            except CorruptValueError as exc:  # a segment opened as it was sent: see the top
+                self.close()
+                await door.unsent(plan, exc)
+                raise ConnectionClosed from exc
             self.disarm()
             await door.sent(plan)
         finally:

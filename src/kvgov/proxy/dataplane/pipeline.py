@@ -34,7 +34,8 @@ A get, in order: admit (:meth:`Door.get`, :meth:`Door.get_many` -> :meth:`Pipeli
 readable by this requester, judged again by what was recorded at put; a miss is recorded) ->
 load (:meth:`Pipeline.load`: the value read from a tier, its envelope
 (:mod:`kvgov.keys.sealformat`: length and item metadata, bound into the sealed chunk's AAD) and
-every segment authenticated and opened into the hit's buffer before the hit is announced) ->
+every segment authenticated and opened into the hit's buffer before the hit is announced, or,
+asked to ``stream`` a value the memory tier lends, the first: :class:`GetPlan`) ->
 sent (the listener hands it to the socket and tells :meth:`Door.sent`) -> served
 (:meth:`Pipeline.served`: the ``kv:get`` is recorded then, not before). A value edited,
 truncated, extended, flipped or moved at rest is a miss, never bytes on the wire: it is dropped
@@ -345,19 +346,29 @@ class Door:
 
     # -- get: admit and find, load (Pipeline), sent -> served ----------------------------------
 
-    async def get(self, identity: Identity, key: str, ctx: RequestContext) -> GetPlan | None:
-        """One key's hit, authenticated and ready to send, or None (a miss or a denial)."""
-        plan = await self._pipeline.get(identity, key, ctx, self.budget)
+    async def get(
+        self, identity: Identity, key: str, ctx: RequestContext, *, stream: bool = False
+    ) -> GetPlan | None:
+        """One key's hit, ready to send, or None (a miss or a denial). ``stream``: one the
+        memory tier lends may be opened as it is sent (:class:`GetPlan`; :meth:`unsent` if a
+        segment fails its checks then)."""
+        plan = await self._pipeline.get(identity, key, ctx, self.budget, stream=stream)
         if plan is None:
             self._count("get", "miss")
         return plan
 
     async def get_many(
-        self, identity: Identity, keys: Sequence[str], ctx: RequestContext, max_bytes: int
+        self,
+        identity: Identity,
+        keys: Sequence[str],
+        ctx: RequestContext,
+        max_bytes: int,
+        *,
+        stream: bool = False,
     ) -> list[GetPlan | None]:
-        """Each key's hit or None. Every key is admitted and found first, then the hits'
-        buffers are taken all at once, then read; hits beyond ``max_bytes`` in all or what the
-        pool holds for one engine are misses."""
+        """Each key's hit or None (``stream``: as for :meth:`get`). Every key is admitted and
+        found first, then the hits' buffers are taken all at once, then read; hits beyond
+        ``max_bytes`` in all or what the pool holds for one engine are misses."""
         pipeline = self._pipeline
         finds: list[Found | None] = []
         for i, key in enumerate(keys):
@@ -379,7 +390,8 @@ class Door:
             for found in finds:
                 plan = None
                 if found is not None:
-                    plan = await pipeline.load(found, leases.pop(id(found), None))
+                    lease = leases.pop(id(found), None)
+                    plan = await pipeline.load(found, lease, stream=stream)
                 if plan is None:
                     self._count("get", "miss")
                 plans.append(plan)
@@ -397,6 +409,13 @@ class Door:
         """The hit's bytes were handed to the socket: record and count it."""
         self._count("get", "hit")
         await self._pipeline.served(plan)
+
+    async def unsent(self, plan: GetPlan, error: CorruptValueError) -> None:
+        """A segment of a hit opened as it is sent failed its checks after the hit was
+        announced (the listener closed the connection, so its peer never gets the whole
+        value): drop the value, record that and the get as a miss."""
+        self._count("get", "miss")
+        await self._pipeline.unsent(plan, error)
 
     # -- exists / remove -----------------------------------------------------------------------
 
@@ -728,6 +747,8 @@ class Pipeline:
         raw_key: str,
         ctx: RequestContext,
         budget: DenialBudget | None = None,
+        *,
+        stream: bool = False,
     ) -> GetPlan | None:
         """A hit ready to stream (:meth:`find`, a buffer, :meth:`load`), or None: a miss."""
         found = await self.find(identity, raw_key, ctx, budget)
@@ -735,7 +756,8 @@ class Pipeline:
             return None
         if size_class(found.size) > self.pool.owner_max_bytes:
             return await self.load(found, None)  # waiting for that much could wait for ever
-        return await self.load(found, await self.pool.acquire(found.size, identity.engine))
+        lease = await self.pool.acquire(found.size, identity.engine)
+        return await self.load(found, lease, stream=stream)
 
     async def find(
         self,
@@ -757,12 +779,15 @@ class Pipeline:
             return None
         return Found(who, entry, decision, size)
 
-    async def load(self, found: Found, lease: Lease | None) -> GetPlan | None:
+    async def load(
+        self, found: Found, lease: Lease | None, *, stream: bool = False
+    ) -> GetPlan | None:
         """A get's second step: read the value into ``lease`` (which the plan then owns; None:
-        a miss) and authenticate every segment. A miss is recorded here; a hit once it was
-        handed to the socket (:meth:`served`)."""
+        a miss) and authenticate every segment, or, with ``stream``, for a value the memory
+        tier lends, the first (:class:`GetPlan`: the rest are opened as they are sent). A miss
+        is recorded here; a hit once it was handed to the socket (:meth:`served`)."""
         plan, reason = (
-            await self._load(found.who, found.entry, found.decision, lease)
+            await self._load(found.who, found.entry, found.decision, lease, stream)
             if lease is not None
             else (None, None)
         )
@@ -786,7 +811,12 @@ class Pipeline:
         return entry, decision
 
     async def _load(
-        self, who: Who, entry: EntryMeta, decision: Decision | None, lease: Lease
+        self,
+        who: Who,
+        entry: EntryMeta,
+        decision: Decision | None,
+        lease: Lease,
+        stream: bool = False,
     ) -> tuple[GetPlan | None, str | None]:
         """The plan, its bytes opened and checked, or None and why the stored value could
         not be served (None: not there). A value that fails its checks is dropped here."""
@@ -802,7 +832,7 @@ class Pipeline:
                     return None, None
                 tier = hit.tier
                 value = lease.view[: hit.nbytes]
-            envelope, windows = await open_value(
+            envelope, windows, opener = await open_value(
                 value,
                 self.sealer,
                 who,
@@ -810,10 +840,16 @@ class Pipeline:
                 in_place=src is None,
                 executor=self.executor,
                 inline_bytes=self.inline_crypto_bytes,
+                stream=stream and src is not None,
+            )
+            plan = GetPlan(
+                who, lease, envelope.plain_len, envelope.meta, windows, decision, opener, tier
             )
             if src is not None:
-                src.release()
-            plan = GetPlan(who, lease, envelope.plain_len, envelope.meta, windows, decision)
+                if opener is None:
+                    src.release()
+                else:  # still read from as the hit is sent
+                    plan.borrowed = src
             return plan, None
         except CorruptValueError as exc:
             if src is not None:
@@ -862,6 +898,12 @@ class Pipeline:
             await self.recorder.record(entry_gone(event, EntryState.DELETED), durable=True)
         except KvgovError as exc:
             log.error("dataplane.event.unrecorded", extra={"error": exc.code})
+
+    async def unsent(self, plan: GetPlan, error: CorruptValueError) -> None:
+        """A hit that failed its checks after it was announced (:meth:`Door.unsent`): dropped
+        like any unreadable value, its get recorded as a miss."""
+        await self.drop_unreadable(plan.who, error, plan.tier)
+        await self._record_get(plan.who, None, plan.decision, error.code)
 
     async def served(self, plan: GetPlan) -> None:
         """A get's last step: its bytes were authenticated and handed to the socket; record

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgov.connectors.tiers.base import Reserved
+from kvgov.connectors.tiers.base import BorrowedValue, Reserved
 from kvgov.keys import sealformat
 from kvgov.keys.sealformat import Envelope
 from kvgov.policy.interfaces import Decision
@@ -241,24 +241,40 @@ async def open_value(
     in_place: bool,
     executor: Executor,
     inline_bytes: int,
-) -> tuple[Envelope, list[memoryview]]:
-    """A stored value's envelope and its plaintext windows, every segment authenticated and
-    opened into ``lease`` (``in_place``: ``value`` is in the lease already, else it is the
-    tier's own buffer, read under its guard). Raises
-    :class:`~kvgov.errors.CorruptValueError` for a value that fails its checks."""
+    stream: bool = False,
+) -> tuple[Envelope, list[memoryview], Opener | None]:
+    """A stored value's envelope and its plaintext windows in ``lease`` (``in_place``:
+    ``value`` is in the lease already, else it is the tier's own buffer, read under its
+    guard), every segment authenticated and opened into its window; raises
+    :class:`~kvgov.errors.CorruptValueError` for a value that fails its checks.
+
+    A ``stream`` of more than one segment is opened as it is sent instead: only the first
+    segment here (which checks the key, tenant and envelope binding every segment shares),
+    and the opener is returned for the sender, which opens each next window just before it
+    sends it (:class:`GetPlan`). Out of place, the windows then take turns in two segment
+    buffers at the start of the lease: each segment is opened into memory the socket has just
+    read from, still in the CPU's cache."""
     envelope = sealformat.parse(value)
     opener = sealer.opener(envelope, who, in_place=in_place)
     windows: list[memoryview] = []
+    stream = stream and not in_place and opener.segments > 1
+    seg = opener.segment_size
     for i in range(opener.segments):
         start, plen = opener.plain_span(i)
-        if not in_place:  # opened from the tier's buffer into the lease
+        if stream:  # two segment buffers, in turn
+            start = (i & 1) * seg
+            windows.append(lease.view[start : start + plen])
+        elif not in_place:  # opened from the tier's buffer into the lease
             windows.append(lease.view[start : start + plen])
         else:  # opened in place in the lease
             off, _ = opener.body_span(i)
             windows.append(envelope.body[off : off + plen])
+    if stream:
+        opener.open_segment(0, windows[0])
+        return envelope, windows, opener
     # every segment authenticated before the hit is announced: a bad one is a miss
     await open_all(opener, windows, opener.plain_len, executor, inline_bytes)
-    return envelope, windows
+    return envelope, windows, None
 
 
 async def open_all(
@@ -348,9 +364,11 @@ class Found:
 
 @dataclass(slots=True)
 class GetPlan:
-    """A hit ready to stream: every segment already opened and authenticated into its window
-    in the lease (:meth:`~kvgov.proxy.dataplane.pipeline.Pipeline.load`). :meth:`release`
-    when done with it."""
+    """A hit ready to stream: its segments opened and authenticated into their windows in the
+    lease (:meth:`~kvgov.proxy.dataplane.pipeline.Pipeline.load`), or, for a streamed hit
+    (``opener`` set), the first one: the sender opens each next window with ``opener`` just
+    before it sends it, and sends nothing of a segment that fails (:func:`open_value`).
+    :meth:`release` when done with it."""
 
     who: Who
     lease: Lease
@@ -359,6 +377,15 @@ class GetPlan:
     windows: list[memoryview]
     #: the decision that admitted the read (recorded with the ``kv:get`` once it was sent)
     decision: Decision | None = None
+    #: opens windows 1.. of a streamed hit, in order, as they are sent (None: all opened)
+    opener: Opener | None = None
+    #: the tier the value was read from (recorded if a streamed segment fails its checks)
+    tier: str | None = None
+    #: the tier's buffer a streamed hit is opened from, held until the plan is released
+    borrowed: BorrowedValue | None = None
 
     def release(self) -> None:
+        if self.borrowed is not None:
+            self.borrowed.release()
+            self.borrowed = None
         self.lease.release()
