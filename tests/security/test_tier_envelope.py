@@ -277,3 +277,61 @@ async def test_lm_stream_stays_usable_after_a_corrupt_value(
         finally:
             client.close()
             rig.close()
+
+
+@pytest.mark.parametrize("late_miss", [True, False], ids=["late-miss", "without-feature"])
+async def test_a_memory_hit_failing_as_it_is_sent_is_withdrawn_never_its_bytes(
+    tmp_path: Path, prod_db: doors.ProdDatabase, request: pytest.FixtureRequest, late_miss: bool
+) -> None:
+    """A hit the memory tier lends is announced once its first segment is authenticated and
+    the rest are opened as they are sent, to a client that agreed to ``late_miss``: a later
+    segment found edited then goes out as zeros, never as its bytes, after the authenticated
+    segments before it, and GET_END withdraws the hit; the frame's other hits are whole and
+    the connection serves on. A client that did not agree gets every hit authenticated
+    before the reply, so the same edit is a plain miss in the reply itself."""
+    from kvgov.wire.codec import ErrorCode, FrameType
+
+    async with _sidecar(tmp_path, prod_db, "memory", request) as sc:
+        rig = Rig(sc, "memory")
+        raw = doors.RawWire(sc.server.tcp_port)
+        try:
+            good, good_value = key(0x300, "demo"), os.urandom(3 * MIB + 11)
+            bad, bad_value = key(0x301, "demo"), os.urandom(3 * MIB + 11)
+            await rig.put(rig.demo, good, good_value, DEMO)
+            await rig.put(rig.demo, bad, bad_value, DEMO)
+            # the last segment's tag: segments 0-2 (1 MiB each) stay authentic
+            await rig.rewrite(bad, _flip_last_byte(await rig.stored(bad)))
+            features = ["late_miss"] if late_miss else []
+            hello = await run(lambda: raw.hello("tok-demo", features=features))
+            assert hello.meta["features"] == features
+
+            def get(keys: list[str]) -> tuple[doors.Frame, doors.Frame | None]:
+                raw.send(FrameType.GET, 7, {"keys": keys, "ctx": DEMO.to_meta()})
+                reply = raw.read()
+                return reply, raw.read() if reply.meta.get("tail") else None
+
+            reply, end = await run(get, [good, bad, good])
+            assert reply.type == FrameType.GET and reply.stream_id == 7
+            codes = [item["code"] for item in reply.meta["items"]]
+            if late_miss:
+                assert codes == [0, 0, 0]
+                n = len(good_value)
+                assert reply.payload[:n] == good_value == reply.payload[2 * n :]
+                assert reply.payload[n : 2 * n] == bad_value[: 3 * MIB] + bytes(11)
+                assert end is not None and end.type == FrameType.GET_END
+                assert end.stream_id == 7 and end.meta == {"missed": [1]}
+            else:
+                assert codes == [0, ErrorCode.NOT_FOUND, 0] and end is None
+                assert reply.payload == good_value + good_value
+            # recorded, counted, dropped; the connection serves on
+            assert rig.unreadable("seal_error") == 1
+            assert sc.pipeline.index.get(rig.digest(bad)) is None
+            again, _ = await run(get, [good])
+            assert again.payload == good_value
+        finally:
+            raw.close()
+            rig.close()
+
+
+def _flip_last_byte(value: bytes) -> bytes:
+    return value[:-1] + bytes([value[-1] ^ 0x5A])

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvgov.wire.codec import (
+    FEATURES,
     HEADER_SIZE,
     MAX_STREAM_ID,
     PROTOCOL_VERSION,
@@ -100,6 +101,7 @@ class Connection:
             "engine": engine_id,
             "role": role,
             "client": "kvgov-python",
+            "features": sorted(FEATURES),
         }
         if token is not None:
             meta["token"] = token

@@ -303,13 +303,18 @@ class WireClient:
         alloc: Allocator | None = None,
     ) -> list[tuple[GetResult | None, Any]]:
         """Read several values in one frame. For each key: ``(result, buffer)`` on a hit (the
-        buffer is what ``alloc`` returned, or a new bytearray), ``(None, None)`` on a miss."""
+        buffer is what ``alloc`` returned, or a new bytearray), ``(None, None)`` on a miss.
+
+        A hit the sidecar withdrew after announcing it (feature ``late_miss``: a segment failed
+        its checks as it was sent) is a miss too, though ``alloc`` was asked for its buffer
+        (which then holds the hit's authenticated start and zeros, to be ignored)."""
         if not keys:
             return []
         meta = {"keys": list(keys), "ctx": (ctx or EMPTY_CONTEXT).to_meta()}
 
         def op(conn: Connection) -> list[tuple[GetResult | None, Any]]:
             header, reply = conn.call(FrameType.GET, meta)
+            tail = reply.get("tail") is True  # a GET_END frame follows the payload
             items = reply.get("items")
             if not isinstance(items, list) or len(items) != len(keys):
                 conn.close()
@@ -341,6 +346,8 @@ class WireClient:
                 out.append((result, buf))
             if remaining:
                 conn.discard(remaining)
+            if tail:
+                _withdraw(conn, header.stream_id, items, out)
             if pending_error is not None:
                 raise pending_error
             return out
@@ -353,6 +360,27 @@ class WireClient:
         channel = ControlChannel(self, on_evict, reconnect_delay=reconnect_delay)
         channel.start()
         return channel
+
+
+def _withdraw(
+    conn: Connection, stream_id: int, items: list[Any], out: list[tuple[GetResult | None, Any]]
+) -> None:
+    """Read a GET's GET_END frame and turn the hits it withdraws into misses."""
+    header, end = conn.read_reply(FrameType.GET_END, stream_id)
+    if header.payload_len:
+        conn.discard(header.payload_len)
+    missed = end.get("missed")
+    if not isinstance(missed, list) or not all(
+        type(i) is int
+        and 0 <= i < len(items)
+        and isinstance(items[i], dict)
+        and items[i].get("code") == ErrorCode.OK
+        for i in missed
+    ):
+        conn.close()
+        raise WireError(ErrorCode.BAD_FRAME, "malformed GET_END")
+    for i in missed:
+        out[i] = (None, None)
 
 
 def _read_put_ack(conn: Connection, stream_id: int, key: str) -> PutAck:

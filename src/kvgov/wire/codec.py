@@ -49,7 +49,13 @@ class FrameType(IntEnum):
     REMOVE = 6
     EVICT = 7  # server -> engine, on a control connection
     EVICT_ACK = 8  # engine -> server, same stream id as the EVICT
+    GET_END = 9  # server -> engine, after a GET reply that said "tail" (feature "late_miss")
     ERROR = 15
+
+
+#: the protocol features this code speaks, offered in HELLO and agreed in its reply:
+#: ``late_miss``: a GET hit may be withdrawn after it was announced (``docs/protocol.md``)
+FEATURES = frozenset({"late_miss"})
 
 
 class Flag(IntFlag):

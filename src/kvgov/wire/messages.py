@@ -121,12 +121,17 @@ class ServerInfo:
     #: the sidecar's key digester (``key_digest_key``), given only on an authenticated
     #: control connection: it matches EVICT digests against the engine's local keys
     digester: KeyDigester | None = field(default=None, repr=False, compare=False)
+    #: the protocol features the sidecar agreed to (of those the client offered)
+    features: frozenset[str] = frozenset()
 
     @classmethod
     def from_reply(cls, reply: Mapping[str, Any]) -> ServerInfo:
         """Parse a HELLO reply. Raises :class:`WireError` (BAD_FRAME) when malformed."""
         try:
             key = reply.get("key_digest_key")
+            features = reply.get("features", [])
+            if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
+                raise TypeError("features")
             return cls(
                 server=str(reply["server"]),
                 version=str(reply["version"]),
@@ -136,6 +141,7 @@ class ServerInfo:
                 max_batch=int(reply["max_batch"]),
                 engine=str(reply["engine"]),
                 digester=KeyDigester.from_hex(key) if isinstance(key, str) else None,
+                features=frozenset(features),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise WireError(ErrorCode.BAD_FRAME, "malformed HELLO reply") from exc

@@ -187,13 +187,15 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
             return out
         full = int(self.full_chunk_size_bytes)
         for group in self._frames(keys, [full] * len(keys)):
-            allocated: list[MemoryObj] = []
+            #: each hit's result and buffer, by the result's id (a hit the sidecar withdrew
+            #: after announcing it comes back a miss: its buffer goes back)
+            allocated: dict[int, tuple[GetResult, MemoryObj]] = {}
 
-            def alloc(result: GetResult, allocated: list[MemoryObj] = allocated) -> Any:
+            def alloc(result: GetResult, allocated: dict[int, Any] = allocated) -> Any:
                 obj = self._allocate(result)
                 if obj is None:
                     return None
-                allocated.append(obj)
+                allocated[id(result)] = (result, obj)
                 return obj.byte_array
 
             try:
@@ -201,13 +203,14 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
                     [key_string(keys[i]) for i in group], request_context(keys[group[0]]), alloc
                 )
             except BaseException:
-                for obj in allocated:
+                for _, obj in allocated.values():
                     obj.ref_count_down()
                 raise
-            by_buffer = iter(allocated)
             for i, (result, _buf) in zip(group, replies, strict=True):
                 if result is not None:
-                    out[i] = next(by_buffer)
+                    out[i] = allocated.pop(id(result))[1]
+            for _, obj in allocated.values():
+                obj.ref_count_down()
         return out
 
     def _allocate(self, result: GetResult) -> MemoryObj | None:

@@ -412,8 +412,9 @@ class Door:
 
     async def unsent(self, plan: GetPlan, error: CorruptValueError) -> None:
         """A segment of a hit opened as it is sent failed its checks after the hit was
-        announced (the listener closed the connection, so its peer never gets the whole
-        value): drop the value, record that and the get as a miss."""
+        announced (nothing of it was sent; the listener withdrew the hit, or closed the
+        connection where its protocol cannot): drop the value, record that and the get as a
+        miss."""
         self._count("get", "miss")
         await self._pipeline.unsent(plan, error)
 

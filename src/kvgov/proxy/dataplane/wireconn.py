@@ -28,12 +28,14 @@ from typing import Any, Protocol
 
 from pydantic import SecretStr
 
+from kvgov.errors import CorruptValueError
 from kvgov.proxy.dataplane.buffers import Lease
 from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.limits import ConnectionLimits
 from kvgov.proxy.dataplane.pipeline import SLICE, Ack, Door, Pipeline, PutSession
 from kvgov.wire.codec import (
+    FEATURES,
     HEADER_SIZE,
     PROTOCOL_VERSION,
     ErrorCode,
@@ -120,6 +122,9 @@ class WireConnection(StreamProtocol):
         self.unix = unix
         self.peer_uid: int | None = None
         self.identity: Identity | None = None
+        #: the protocol features agreed in HELLO (``late_miss``: hits the memory tier lends
+        #: are opened as they are sent, and one failing then is withdrawn in GET_END)
+        self.features: frozenset[str] = frozenset()
         self._handling = False
         #: this connection's way into the pipeline
         self.door = Door(server.pipeline, self.listener)
@@ -282,6 +287,9 @@ class WireConnection(StreamProtocol):
         version = meta.get("version", PROTOCOL_VERSION)
         if version != PROTOCOL_VERSION:
             raise WireError(ErrorCode.VERSION_MISMATCH, f"protocol {version} not supported")
+        offered = meta.get("features", [])
+        if not isinstance(offered, list):
+            raise WireError(ErrorCode.BAD_REQUEST, "features must be a list")
         identity = self.server.authenticate(meta, self)
         if not self.server.limits.admit_engine(self, identity.engine):
             raise WireError(
@@ -290,6 +298,7 @@ class WireConnection(StreamProtocol):
                 hint="close idle connections or raise dataplane.max_connections_per_engine",
             )
         self.identity = identity
+        self.features = FEATURES.intersection(f for f in offered if isinstance(f, str))
         self.door.budget.principal = identity.principal
         self.disarm()  # authenticated in time
         cfg = self.server.config
@@ -302,6 +311,7 @@ class WireConnection(StreamProtocol):
             "engine": self.identity.engine,
             "max_frame_bytes": cfg.max_frame_bytes,
             "max_batch": cfg.max_frame_items,
+            "features": sorted(self.features),
         }
         if control and cfg.digester is not None:
             # only now, after authentication, and only where EVICT is received (never logged)
@@ -411,7 +421,10 @@ class WireConnection(StreamProtocol):
         ctx = RequestContext.from_meta(meta.get("ctx"))
         if self.identity is None:
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
-        plans = await door.get_many(self.identity, keys, ctx, self.server.config.max_frame_bytes)
+        late = "late_miss" in self.features
+        plans = await door.get_many(
+            self.identity, keys, ctx, self.server.config.max_frame_bytes, stream=late
+        )
         try:
             items = [
                 {"code": 0, "len": p.length, "meta": dict(p.item_meta)}
@@ -420,16 +433,32 @@ class WireConnection(StreamProtocol):
                 for p in plans
             ]
             total = sum(p.length for p in plans if p is not None)
-            self.send(FrameType.GET, sid, {"items": items}, total)
+            reply: dict[str, Any] = {"items": items}
+            tail = any(p is not None and p.opener is not None for p in plans)
+            if tail:
+                reply["tail"] = True  # a GET_END frame follows the payload
+            self.send(FrameType.GET, sid, reply, total)
             if total:  # the reader must take the hits in time (they hold buffers)
                 self.arm(self.server.config.frame_timeout_s, "reply")
-            # every hit was opened and authenticated before it was announced (a bad one is a
-            # miss above): only its bytes go out now
-            for hit in (h for h in plans if h is not None):
-                await self.send_plan(hit, door.sender, inline_bytes=door.inline_bytes)
+            # a hit read from a tier was authenticated before it was announced (a bad one is a
+            # miss above); one the memory tier lends (``late_miss``) only its first segment,
+            # the rest as they are sent: one failing then is withdrawn, zeros standing in for
+            # its rest, and GET_END says so
+            missed: list[int] = []
+            for i, hit in enumerate(plans):
+                if hit is None:
+                    continue
+                try:
+                    await self.send_plan(hit, door.sender, inline_bytes=door.inline_bytes, pad=True)
+                except CorruptValueError as exc:
+                    missed.append(i)
+                    await door.unsent(hit, exc)
+                    continue
                 await door.sent(hit)
             if total:
                 self.disarm()
+            if tail:
+                self.send(FrameType.GET_END, sid, {"missed": missed})
         finally:
             for p in plans:
                 if p is not None:
