@@ -28,6 +28,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from kvgov.config import Settings
 from kvgov.db.models import LedgerEvent
 from kvgov.proxy.app import Sidecar
 from kvgov.proxy.dataplane.conn import StreamProtocol
@@ -47,18 +48,30 @@ def _key(h: str) -> str:
     return f"meta-llama/Llama-3.1-8B@1@0@{h}@bfloat16@tenant%demo@user%u9"
 
 
+def _settings(tmp_path: Path, pg_url: str, inline_crypto_bytes: int, chain: list[str]) -> Settings:
+    return loopback_settings(
+        tmp_path / "data",
+        pg_url,
+        lm=True,
+        dataplane={"inline_crypto_bytes": inline_crypto_bytes},
+        tiers={"chain": chain, "filesystem_fsync": False},
+    )
+
+
 @pytest.fixture(params=CRYPTO_PATHS)
 async def sidecar(
     tmp_path: Path, pg_url: str, request: pytest.FixtureRequest
 ) -> AsyncIterator[Sidecar]:
-    settings = loopback_settings(
-        tmp_path / "data",
-        pg_url,
-        lm=True,
-        dataplane={"inline_crypto_bytes": request.param},
-        tiers={"chain": ["filesystem"], "filesystem_fsync": False},
-    )
-    async with running_sidecar(settings) as sc:
+    async with running_sidecar(_settings(tmp_path, pg_url, request.param, ["filesystem"])) as sc:
+        yield sc
+
+
+@pytest.fixture(params=CRYPTO_PATHS)
+async def memory_sidecar(
+    tmp_path: Path, pg_url: str, request: pytest.FixtureRequest
+) -> AsyncIterator[Sidecar]:
+    """Only a memory tier: its hits are lent in place and opened as they are sent."""
+    async with running_sidecar(_settings(tmp_path, pg_url, request.param, ["memory"])) as sc:
         yield sc
 
 
@@ -235,22 +248,6 @@ async def test_lm_hit_corrupt_at_rest_is_a_miss_and_drops_the_entry(
     assert await _run(_lm_get, port, key) is None  # gone for good
     await _settled(sidecar)
     assert [e.reason for e in _unreadable_deletes(sidecar)] == ["unreadable:seal_error"]
-
-
-@pytest.fixture(params=CRYPTO_PATHS)
-async def memory_sidecar(
-    tmp_path: Path, pg_url: str, request: pytest.FixtureRequest
-) -> AsyncIterator[Sidecar]:
-    """Only a memory tier: its hits are lent in place and opened as they are sent."""
-    settings = loopback_settings(
-        tmp_path / "data",
-        pg_url,
-        lm=True,
-        dataplane={"inline_crypto_bytes": request.param},
-        tiers={"chain": ["memory"]},
-    )
-    async with running_sidecar(settings) as sc:
-        yield sc
 
 
 def _events(sc: Sidecar, kind: EventKind, digest: str) -> list[LedgerEvent]:

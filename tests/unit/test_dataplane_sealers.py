@@ -21,7 +21,7 @@ from kvgov.keys.store import InMemoryKeyStore
 from kvgov.proxy.dataplane.buffers import BufferPool
 from kvgov.proxy.dataplane.identity import Identity, Who
 from kvgov.proxy.dataplane.plans import open_value
-from kvgov.proxy.dataplane.sealers import KeyringSealer, Sealer
+from kvgov.proxy.dataplane.sealers import KeyringSealer, Opener, Sealer
 from kvgov.proxy.dataplane.unsafe import PlaintextSealer
 from kvgov.wire.messages import RequestContext, parse_cache_key
 
@@ -122,6 +122,26 @@ async def test_a_value_round_trips_byte_for_byte_through_either_sealer(
     assert got == value
 
 
+async def _open_from_tier(
+    sealer: Sealer, stored: bytearray, *, inline_bytes: int, stream: bool = False
+) -> tuple[list[memoryview], Opener | None]:
+    """``open_value`` of ``stored`` read in a tier's own buffer: the windows and the opener
+    (for ``stream``)."""
+    lease = await BufferPool(1 << 20).acquire(len(stored))
+    with ThreadPoolExecutor(1) as executor:
+        _, windows, opener = await open_value(
+            memoryview(stored),
+            sealer,
+            _who(),
+            lease,
+            in_place=False,
+            executor=executor,
+            inline_bytes=inline_bytes,
+            stream=stream,
+        )
+    return windows, opener
+
+
 @pytest.mark.parametrize("segments", [2, 3, 4])
 async def test_a_hit_opened_as_it_is_sent_takes_turns_in_two_segment_buffers(
     keyring: Keyring, segments: int
@@ -132,19 +152,7 @@ async def test_a_hit_opened_as_it_is_sent_takes_turns_in_two_segment_buffers(
     sealer = KeyringSealer(keyring)
     value = os.urandom((segments - 1) * SEGMENT + 5)
     stored = _store(sealer, value, reserved=False)
-    pool = BufferPool(1 << 20)
-    lease = await pool.acquire(len(stored))
-    with ThreadPoolExecutor(1) as executor:
-        _, windows, opener = await open_value(
-            memoryview(stored),
-            sealer,
-            _who(),
-            lease,
-            in_place=False,
-            executor=executor,
-            inline_bytes=0,
-            stream=True,
-        )
+    windows, opener = await _open_from_tier(sealer, stored, inline_bytes=0, stream=True)
     assert opener is not None
     assert bytes(windows[0]) == value[:SEGMENT]
     stored[-1] ^= 1  # the last segment's tag
@@ -164,18 +172,7 @@ async def test_a_plaintext_hit_from_a_tiers_buffer_is_copied_into_the_hit() -> N
     sealer = PlaintextSealer()
     value = os.urandom(2 * SEGMENT)
     stored = _store(sealer, value, reserved=False)
-    pool = BufferPool(1 << 20)
-    lease = await pool.acquire(len(stored))
-    with ThreadPoolExecutor(1) as executor:
-        _, windows, _ = await open_value(
-            memoryview(stored),
-            sealer,
-            _who(),
-            lease,
-            in_place=False,
-            executor=executor,
-            inline_bytes=1 << 30,
-        )
+    windows, _ = await _open_from_tier(sealer, stored, inline_bytes=1 << 30)
     stored[:] = bytes(len(stored))  # the tier reuses its buffer
     assert b"".join(bytes(w) for w in windows) == value
 
