@@ -33,6 +33,7 @@ import pytest
 from kvgov.connectors.tiers.filesystem import FilesystemTier
 from kvgov.keys import sealformat
 from kvgov.proxy.app import Sidecar, build_sidecar
+from kvgov.proxy.dataplane.plans import INLINE_ALL
 from kvgov.types import EventKind, Outcome
 from kvgov.wire import RequestContext, WireClient
 from tests.security import doors
@@ -279,9 +280,14 @@ async def test_lm_stream_stays_usable_after_a_corrupt_value(
             rig.close()
 
 
+@pytest.mark.parametrize("inline", [MIB, INLINE_ALL], ids=["sender-thread", "event-loop"])
 @pytest.mark.parametrize("late_miss", [True, False], ids=["late-miss", "without-feature"])
 async def test_a_memory_hit_failing_as_it_is_sent_is_withdrawn_never_its_bytes(
-    tmp_path: Path, prod_db: doors.ProdDatabase, request: pytest.FixtureRequest, late_miss: bool
+    tmp_path: Path,
+    prod_db: doors.ProdDatabase,
+    request: pytest.FixtureRequest,
+    late_miss: bool,
+    inline: int,
 ) -> None:
     """A hit the memory tier lends is announced once its first segment is authenticated and
     the rest are opened as they are sent, to a client that agreed to ``late_miss``: a later
@@ -291,7 +297,7 @@ async def test_a_memory_hit_failing_as_it_is_sent_is_withdrawn_never_its_bytes(
     before the reply, so the same edit is a plain miss in the reply itself."""
     from kvgov.wire.codec import ErrorCode, FrameType
 
-    async with _sidecar(tmp_path, prod_db, "memory", request) as sc:
+    async with _sidecar(tmp_path, prod_db, "memory", request, inline_crypto_bytes=inline) as sc:
         rig = Rig(sc, "memory")
         raw = doors.RawWire(sc.server.tcp_port)
         try:

@@ -19,6 +19,7 @@ up to ``dataplane.inline_crypto_bytes`` (every size on two CPUs or fewer) from t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -28,7 +29,7 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 from kvgov.errors import CorruptValueError
-from kvgov.proxy.dataplane.plans import INLINE_CRYPTO_BYTES
+from kvgov.proxy.dataplane.plans import INLINE_CRYPTO_BYTES, settle
 from kvgov.wire.codec import widen_unix_send_buffer
 
 if TYPE_CHECKING:
@@ -270,18 +271,6 @@ class StreamProtocol(asyncio.BufferedProtocol):
             if view.nbytes:
                 await self._until_flushed(t)
 
-    def _write_now(self, view: memoryview) -> memoryview:
-        """Write what the socket takes of ``view`` at once, if nothing is queued before it;
-        return the rest."""
-        t = self.transport
-        if t is None or self._fd < 0 or self._closed or t.get_write_buffer_size():
-            return view
-        try:
-            n = os.write(self._fd, view)
-        except OSError:  # full, or failed: send_view goes on with it
-            return view
-        return view[n:]
-
     async def _until_flushed(self, t: asyncio.Transport) -> None:
         """Wait until the transport has handed everything it holds to the socket."""
         if t.get_write_buffer_size() == 0:
@@ -305,23 +294,30 @@ class StreamProtocol(asyncio.BufferedProtocol):
         plan: GetPlan,
         sender: Executor,
         *,
+        crypto: Executor | None = None,
         inline_bytes: int = INLINE_CRYPTO_BYTES,
         pad: bool = False,
     ) -> None:
         """Stream a hit: its segments already opened and authenticated by the pipeline, or, for
         one opened as it is sent (``plan.opener``: :class:`GetPlan`), the first, and each next
-        one opened while the socket drains the one before. One up to ``inline_bytes`` is
-        written on the event loop. A larger one is written by a ``sender`` thread, waiting on
-        the socket with the GIL released (what ``lmcache_server``'s blocking ``sendall``
-        does): no event-loop round per socketful. Writes the loop makes meanwhile (other
-        replies) are held back and follow the hit (:meth:`write`).
+        one opened while the one before goes out. One up to ``inline_bytes`` is written on the
+        event loop. A larger one is written by a ``sender`` thread, waiting on the socket with
+        the GIL released (what ``lmcache_server``'s blocking ``sendall`` does): no event-loop
+        round per socketful. Writes the loop makes meanwhile (other replies) are held back and
+        follow the hit (:meth:`write`).
+
+        The next segment of a hit opened as it is sent is opened by the writing thread once
+        the socket took what it could of this one (while the peer drains it), or, on the event
+        loop given a ``crypto`` pool, there, while this one is written: a peer that waits for
+        each hit (``lm://``) gets it sooner, while for frames of many hits in flight the hand-off
+        measured worse (``docs/operations.md``, "Threads").
 
         A segment that fails as it is opened raises its
         :class:`~kvgov.errors.CorruptValueError` once the segments before it are sent: nothing
         of it goes out, but for ``pad``: then zeros stand in for the rest of the hit first (the
         bytes its announcement promised)."""
         if plan.length <= inline_bytes:
-            await self._send_windows(plan.windows, plan.opener, pad)
+            await self._send_windows(plan.windows, plan.opener, crypto, pad)
             return
         t = self.transport
         if t is None or self._fd < 0 or self._closed:
@@ -344,30 +340,60 @@ class StreamProtocol(asyncio.BufferedProtocol):
                 self.write(data)
 
     async def _send_windows(
-        self, windows: list[memoryview], opener: Opener | None, pad: bool
+        self,
+        windows: list[memoryview],
+        opener: Opener | None,
+        crypto: Executor | None,
+        pad: bool,
     ) -> None:
-        """:meth:`send_plan` on the event loop."""
+        """:meth:`send_plan` on the event loop. Each next window of a hit opened as it is sent
+        goes into the buffer of the one before this one, all handed to the socket by then."""
         last = len(windows) - 1
         for i, window in enumerate(windows):
             if opener is None or i == last:
                 await self.send_view(window)
                 continue
-            # opened as it is sent: hand the socket what it takes of this window now, open
-            # the next one while the peer drains it, then send the rest
-            rest = self._write_now(window)
             t = self.transport
             if t is not None and t.get_write_buffer_size():
                 await self._until_flushed(t)  # the next window's buffer is free
-            try:
-                opener.open_segment(i + 1, windows[i + 1])
-            except CorruptValueError:
-                if rest.nbytes:
-                    await self.send_view(rest)  # authenticated: it goes whole
+            failed: CorruptValueError | None = None
+            if crypto is None:  # what the socket takes now; the next opened as it drains
+                rest = self._write_now(window)
+                try:
+                    opener.open_segment(i + 1, windows[i + 1])
+                except CorruptValueError as exc:
+                    failed = exc
+                await self.send_view(rest)
+            else:  # the next opened in the pool while this one is written
+                job = crypto.submit(opener.open_segment, i + 1, windows[i + 1])
+                try:
+                    await self.send_view(window)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await settle([job])  # the pool is done with the buffer
+                    raise
+                try:
+                    if not job.done():  # (a done one costs no pass of the event loop)
+                        await settle([job])
+                    job.result()
+                except CorruptValueError as exc:
+                    failed = exc
+            if failed is not None:
                 if pad:
                     await self.send_view(_zeros(windows[i + 1 :]))
-                raise
-            if rest.nbytes:
-                await self.send_view(rest)
+                raise failed
+
+    def _write_now(self, view: memoryview) -> memoryview:
+        """Write what the socket takes of ``view`` at once, if nothing is queued before it;
+        return the rest."""
+        t = self.transport
+        if t is None or self._fd < 0 or self._closed or t.get_write_buffer_size():
+            return view
+        try:
+            n = os.write(self._fd, view)
+        except OSError:  # full, or failed: send_view goes on with it
+            return view
+        return view[n:]
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():

@@ -237,7 +237,9 @@ class LmConnection(StreamProtocol):
             self.reply(OK, length=plan.length, fmt=fmt, dtype=dtype, shape=shape, location=location)
             self.arm(self.server.frame_timeout_s, "reply")  # the hit's buffer is held meanwhile
             try:
-                await self.send_plan(plan, door.sender, inline_bytes=door.inline_bytes)
+                await self.send_plan(
+                    plan, door.sender, crypto=door.crypto, inline_bytes=door.inline_bytes
+                )
             except CorruptValueError as exc:  # a segment opened as it was sent: see the top
                 self.close()
                 await door.unsent(plan, exc)

@@ -203,6 +203,11 @@ class Door:
         return self._pipeline.sender
 
     @property
+    def crypto(self) -> Executor:
+        """Threads that seal and open segments (a hit opened as it is sent: its next one)."""
+        return self._pipeline.executor
+
+    @property
     def inline_bytes(self) -> int:
         """Hits up to this size are opened and written on the event loop."""
         return self._pipeline.inline_crypto_bytes

@@ -301,7 +301,7 @@ async def open_all(
         try:
             open_segments(opener, indexed[:half])
         except BaseException:
-            await _settle(jobs)
+            await settle(jobs)
             raise
     else:
         step = segments_per_job(opener.segment_size)
@@ -309,10 +309,10 @@ async def open_all(
             executor.submit(open_segments, opener, indexed[i : i + step])
             for i in range(0, len(indexed), step)
         ]
-    await _settle(jobs)
+    await settle(jobs)
 
 
-async def _settle(jobs: list[Future[None]]) -> None:
+async def settle(jobs: list[Future[None]]) -> None:
     """Wait for every job (a cancelled caller waits for those started too); raise the first
     failure."""
     waiting = [asyncio.wrap_future(job) for job in jobs]
