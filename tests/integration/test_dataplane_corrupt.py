@@ -19,6 +19,7 @@ import asyncio
 import os
 import socket
 import struct
+import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -357,6 +358,88 @@ async def test_loop_writes_wait_for_a_sender_thread_hit() -> None:
         assert got[: len(value)] == value
         assert got[len(value) :] == b"MARKER"
         await asyncio.wait_for(sent, 10)
+        writer.close()
+    finally:
+        for p in protocols:
+            p.close()
+            p.pool.shutdown(wait=True)
+        server.close()
+        await server.wait_closed()
+
+
+class _BlockingOpener:
+    """Opens (copies) segment ``i`` of ``value`` into its window, blocking in segment 1 until
+    ``go`` is set."""
+
+    def __init__(self, value: bytes) -> None:
+        self.value = value
+        self.entered = threading.Event()
+        self.go = threading.Event()
+        self.opened: list[int] = []
+
+    def open_segment(self, index: int, window: memoryview) -> None:
+        if index == 1:
+            self.entered.set()
+            self.go.wait(10)
+        window[:] = self.value[index * MIB : index * MIB + window.nbytes]
+        self.opened.append(index)
+
+
+class _Cancelled(StreamProtocol):
+    """Sends one hit opened as it is sent from a sender thread; the test cancels it while the
+    thread is inside an open."""
+
+    def __init__(self, value: bytes, started: asyncio.Future[asyncio.Future[None]]) -> None:
+        super().__init__()
+        self.opener = _BlockingOpener(value)
+        self.pool = ThreadPoolExecutor(1)
+        self.started = started
+        self.buffer = bytearray(len(value))
+        self.buffer[:MIB] = value[:MIB]
+
+    async def handle(self) -> None:
+        view = memoryview(self.buffer)
+        windows = [view[i : i + MIB] for i in range(0, len(view), MIB)]
+        plan = cast(
+            "GetPlan",
+            type("P", (), {"length": len(view), "windows": windows, "opener": self.opener})(),
+        )
+        self.started.set_result(asyncio.ensure_future(self.send_plan(plan, self.pool)))
+        await asyncio.sleep(3600)
+
+
+async def test_a_cancelled_send_returns_only_once_the_sender_thread_let_go_of_the_hit() -> None:
+    """A sender thread opens a hit's next segment into the hit's buffer as it writes: a send
+    cancelled meanwhile (a sidecar stopping) must not hand the buffer back while the thread
+    still writes into it (the pool would lend it to another hit, another tenant's, whose
+    bytes this one would then overwrite). It waits for the thread, and closes the connection
+    (a hit cut short leaves the stream out of step), which stops the thread."""
+    loop = asyncio.get_running_loop()
+    value = os.urandom(4 * MIB)
+    started: asyncio.Future[asyncio.Future[None]] = loop.create_future()
+    protocols: list[_Cancelled] = []
+
+    def factory() -> _Cancelled:
+        protocols.append(_Cancelled(value, started))
+        return protocols[-1]
+
+    server = await loop.create_server(factory, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        send = await asyncio.wait_for(started, 10)
+        opener = protocols[0].opener
+        assert await loop.run_in_executor(None, opener.entered.wait, 10)
+        send.cancel()
+        await asyncio.sleep(0.3)
+        assert not send.done()  # the thread is still inside the open: the buffer is its
+        opener.go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(send, 10)
+        assert opener.opened == [1]  # it stopped at its next write: nothing opened after
+        assert protocols[0].closed
+        got = await asyncio.wait_for(reader.read(), 10)  # what came before the cut, then EOF
+        assert value.startswith(got) and len(got) < len(value)
         writer.close()
     finally:
         for p in protocols:

@@ -25,7 +25,7 @@ import math
 import os
 import select
 from collections.abc import Coroutine
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any
 
 from kvgov.errors import CorruptValueError
@@ -83,8 +83,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
         #: a duplicate of the socket's fd for the sender threads (:meth:`send_plan`; closed when the
         #: connection is lost and no thread job uses it any more)
         self._wfd = -1
-        #: the sender-thread job writing a hit to ``_wfd`` now; ``write`` holds data meanwhile
-        self._wjob: asyncio.Future[None] | None = None
+        #: the sender-thread job writing a hit to ``_wfd`` now (done only once the thread let go
+        #: of the hit's buffers); ``write`` holds data meanwhile
+        self._wjob: Future[None] | None = None
         self._held: list[bytes] = []
         #: loop time after which the listener's watchdog closes this connection (math.inf:
         #: none); set by :meth:`arm`, or by the first byte after :meth:`arm_on_data`
@@ -327,12 +328,18 @@ class StreamProtocol(asyncio.BufferedProtocol):
             await self.drain()
         if self._wfd < 0:
             self._wfd = os.dup(self._fd)
-        job = asyncio.get_running_loop().run_in_executor(
-            sender, _write_windows, self, plan.windows, plan.opener, pad
-        )
+        job = sender.submit(_write_windows, self, plan.windows, plan.opener, pad)
         self._wjob = job
         try:
-            await job
+            await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            # the thread still reads the hit's buffers (and opens segments into them): a hit
+            # cut short leaves the stream out of step, so the connection goes, which stops the
+            # thread at its next write; the buffers are the caller's again only after that
+            self.close()
+            with contextlib.suppress(Exception):
+                await settle([job])
+            raise
         finally:
             self._wjob = None
             held, self._held = self._held, []
