@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -384,3 +385,40 @@ async def test_tokens_are_compared_in_constant_time(
             assert len(spy.calls) == len(TOKENS), presented
             assert {a for a, _ in spy.calls} == {t.encode() for t in TOKENS}
             assert all(b == presented.encode() for _, b in spy.calls)
+
+
+async def test_hello_features_are_what_both_speak_and_nothing_else(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    """HELLO's ``features`` is a list: the reply agrees to the known ones offered (unknown or
+    odd entries are ignored, none offered is version 1 exactly); anything but a list is a
+    ``bad_request`` that authenticates nothing. A GET_END is the sidecar's to send: one from an
+    engine is refused."""
+    async with doors.sidecar(tmp_path, prod_db) as sc:
+        port = _port(sc)
+        for offered, agreed in (
+            (["late_miss", "zstd", 7, None], ["late_miss"]),
+            ([], []),
+            (None, []),
+        ):
+            raw = RawWire(port)
+            try:
+                extra = {} if offered is None else {"features": offered}
+                reply = await run(partial(raw.hello, "tok-acme", **extra))
+                assert reply.error is None, reply
+                assert reply.meta["features"] == agreed
+                raw.send(FrameType.GET_END, 2, {"missed": [0]})
+                refused = await run(raw.read)
+                assert refused.error == "bad_request" and refused.stream_id == 2
+            finally:
+                raw.close()
+        for odd in ("late_miss", {"late_miss": True}, 1):
+            raw = RawWire(port)
+            try:
+                refused = await run(partial(raw.hello, "tok-acme", features=odd))
+                assert refused.error == "bad_request", refused
+                raw.send(FrameType.PING, 3, {})  # still not authenticated
+                await run(_refused, raw, "unauthenticated", 3)
+            finally:
+                raw.close()
+        await _honest_round_trip(sc, 12)
