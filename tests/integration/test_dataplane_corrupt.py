@@ -22,6 +22,7 @@ import struct
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -39,6 +40,7 @@ from kvgov.wire import RequestContext, WireClient
 from tests.integration.live import CRYPTO_PATHS, loopback_settings, recv_exact, running_sidecar
 
 T = TypeVar("T")
+P = TypeVar("P", "_Holder", "_Cancelled")
 MIB = 1 << 20
 CTX = RequestContext(request_id="req-corrupt", user="u9")
 LM_REQUEST = struct.Struct("=iiiiiiiii150s")
@@ -339,19 +341,32 @@ class _Holder(StreamProtocol):
         await asyncio.sleep(3600)
 
 
+@asynccontextmanager
+async def _serving(factory: Callable[[], P]) -> AsyncIterator[tuple[int, list[P]]]:
+    """A loopback server of ``factory``'s protocols: its port and the protocols made."""
+    loop = asyncio.get_running_loop()
+    protocols: list[P] = []
+
+    def made() -> P:
+        protocols.append(factory())
+        return protocols[-1]
+
+    server = await loop.create_server(made, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], protocols
+    finally:
+        for p in protocols:
+            p.close()
+            p.pool.shutdown(wait=True)
+        server.close()
+        await server.wait_closed()
+
+
 async def test_loop_writes_wait_for_a_sender_thread_hit() -> None:
     loop = asyncio.get_running_loop()
     value = os.urandom(24 * MIB)
     sent: asyncio.Future[None] = loop.create_future()
-    protocols: list[_Holder] = []
-
-    def factory() -> _Holder:
-        protocols.append(_Holder(value, sent))
-        return protocols[-1]
-
-    server = await loop.create_server(factory, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    async with _serving(lambda: _Holder(value, sent)) as (port, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         await asyncio.sleep(0.4)
         got = await asyncio.wait_for(reader.readexactly(len(value) + 6), 30)
@@ -359,12 +374,6 @@ async def test_loop_writes_wait_for_a_sender_thread_hit() -> None:
         assert got[len(value) :] == b"MARKER"
         await asyncio.wait_for(sent, 10)
         writer.close()
-    finally:
-        for p in protocols:
-            p.close()
-            p.pool.shutdown(wait=True)
-        server.close()
-        await server.wait_closed()
 
 
 class _BlockingOpener:
@@ -417,15 +426,7 @@ async def test_a_cancelled_send_returns_only_once_the_sender_thread_let_go_of_th
     loop = asyncio.get_running_loop()
     value = os.urandom(4 * MIB)
     started: asyncio.Future[asyncio.Future[None]] = loop.create_future()
-    protocols: list[_Cancelled] = []
-
-    def factory() -> _Cancelled:
-        protocols.append(_Cancelled(value, started))
-        return protocols[-1]
-
-    server = await loop.create_server(factory, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    async with _serving(lambda: _Cancelled(value, started)) as (port, protocols):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         send = await asyncio.wait_for(started, 10)
         opener = protocols[0].opener
@@ -441,9 +442,3 @@ async def test_a_cancelled_send_returns_only_once_the_sender_thread_let_go_of_th
         got = await asyncio.wait_for(reader.read(), 10)  # what came before the cut, then EOF
         assert value.startswith(got) and len(got) < len(value)
         writer.close()
-    finally:
-        for p in protocols:
-            p.close()
-            p.pool.shutdown(wait=True)
-        server.close()
-        await server.wait_closed()

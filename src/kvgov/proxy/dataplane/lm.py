@@ -14,9 +14,11 @@ kvgov wire stores it) and returned by GET (the name mapped back to LMCache's int
 read from a tier that fails its checks is a miss (``FAIL``), not a dropped connection: it is
 authenticated whole before it is announced. A value the memory tier lends (sealed by this
 process into its own memory) has its first segment authenticated before it is announced and
-each next one just before it is sent (:class:`~kvgov.proxy.dataplane.plans.GetPlan`); should
-one fail then (a fault: nothing outside the process writes that memory), nothing of it is sent
-and the connection is closed, which LMCache's client reads as a miss.
+each next one opened in the crypto pool while the one before is written
+(:class:`~kvgov.proxy.dataplane.plans.GetPlan`): LMCache asks one chunk at a time and waits for
+it, so the decrypt no longer comes before the first byte. Should a segment fail then (a fault:
+nothing outside the process writes that memory), nothing of it is sent and the connection is
+closed, which LMCache's client reads as a miss.
 
 A PUT is sealed and stored by its door's storer task (:mod:`kvgov.proxy.dataplane.pipeline`)
 while the next request is read (PUTs of a connection are stored in request order, a run of

@@ -248,12 +248,12 @@ async def open_value(
     guard), every segment authenticated and opened into its window; raises
     :class:`~kvgov.errors.CorruptValueError` for a value that fails its checks.
 
-    A ``stream`` of more than one segment is opened as it is sent instead: only the first
-    segment here (which checks the key, tenant and envelope binding every segment shares),
-    and the opener is returned for the sender, which opens each next window just before it
-    sends it (:class:`GetPlan`). Out of place, the windows then take turns in two segment
-    buffers at the start of the lease: each segment is opened into memory the socket has just
-    read from, still in the CPU's cache."""
+    A ``stream`` of more than one segment read from a tier's own buffer is opened as it is
+    sent instead: only the first segment here (which checks the key, tenant and envelope
+    binding every segment shares), and the opener is returned for the sender, which opens each
+    next window while the one before goes out (:class:`GetPlan`). The windows then take turns
+    in two segment buffers at the start of the lease: each segment is opened into memory the
+    socket has just read from, still in the CPU's cache."""
     envelope = sealformat.parse(value)
     opener = sealer.opener(envelope, who, in_place=in_place)
     windows: list[memoryview] = []
@@ -263,8 +263,7 @@ async def open_value(
         start, plen = opener.plain_span(i)
         if stream:  # two segment buffers, in turn
             start = (i & 1) * seg
-            windows.append(lease.view[start : start + plen])
-        elif not in_place:  # opened from the tier's buffer into the lease
+        if not in_place:  # opened from the tier's buffer into the lease
             windows.append(lease.view[start : start + plen])
         else:  # opened in place in the lease
             off, _ = opener.body_span(i)
@@ -365,10 +364,11 @@ class Found:
 @dataclass(slots=True)
 class GetPlan:
     """A hit ready to stream: its segments opened and authenticated into their windows in the
-    lease (:meth:`~kvgov.proxy.dataplane.pipeline.Pipeline.load`), or, for a streamed hit
-    (``opener`` set), the first one: the sender opens each next window with ``opener`` just
-    before it sends it, and sends nothing of a segment that fails (:func:`open_value`).
-    :meth:`release` when done with it."""
+    lease (:meth:`~kvgov.proxy.dataplane.pipeline.Pipeline.load`), or, for a hit opened as it
+    is sent (``opener`` set), the first one: the sender opens each next window with ``opener``
+    while the one before goes out, and sends nothing of a segment that fails
+    (:func:`open_value`, :meth:`~kvgov.proxy.dataplane.conn.StreamProtocol.send_plan`).
+    :meth:`release` when done with it (after the sender let go of it)."""
 
     who: Who
     lease: Lease
