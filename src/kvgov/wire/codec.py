@@ -55,7 +55,8 @@ class FrameType(IntEnum):
 
 #: the protocol features this code speaks, offered in HELLO and agreed in its reply:
 #: ``late_miss``: a GET hit may be withdrawn after it was announced (``docs/protocol.md``)
-FEATURES = frozenset({"late_miss"})
+LATE_MISS = "late_miss"
+FEATURES = frozenset({LATE_MISS})
 
 
 class Flag(IntFlag):

@@ -37,6 +37,7 @@ from kvgov.proxy.dataplane.pipeline import SLICE, Ack, Door, Pipeline, PutSessio
 from kvgov.wire.codec import (
     FEATURES,
     HEADER_SIZE,
+    LATE_MISS,
     PROTOCOL_VERSION,
     ErrorCode,
     Flag,
@@ -421,9 +422,12 @@ class WireConnection(StreamProtocol):
         ctx = RequestContext.from_meta(meta.get("ctx"))
         if self.identity is None:
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
-        late = "late_miss" in self.features
         plans = await door.get_many(
-            self.identity, keys, ctx, self.server.config.max_frame_bytes, stream=late
+            self.identity,
+            keys,
+            ctx,
+            self.server.config.max_frame_bytes,
+            stream=LATE_MISS in self.features,
         )
         try:
             items = [
