@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 from kvgov.config import Settings
 from kvgov.db.models import LedgerEvent
 from kvgov.proxy.app import Sidecar
+from kvgov.proxy.dataplane import lm
 from kvgov.proxy.dataplane.conn import StreamProtocol
 from kvgov.proxy.dataplane.plans import GetPlan
 from kvgov.types import EventKind, Outcome
@@ -265,19 +266,24 @@ def _events(sc: Sidecar, kind: EventKind, digest: str) -> list[LedgerEvent]:
 
 
 @pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("whole_mib", "over_loop_max"), [(3, False), (5, True)], ids=["3MiB", "5MiB-sender-thread"]
+)
 async def test_lm_hit_failing_as_it_is_sent_sends_nothing_of_the_bad_segment(
-    memory_sidecar: Sidecar,
+    memory_sidecar: Sidecar, whole_mib: int, over_loop_max: bool
 ) -> None:
     """A hit the memory tier lends is announced once its first segment is authenticated; each
     next one is opened as the one before drains. The sidecar's own memory going bad under a
     later segment (a fault: nothing else writes it) must not put one byte of that segment on
     the wire: the segments before it go out whole, then the connection closes (LMCache's
     client reads the short value as a miss), the value is dropped from the tier and the get
-    is recorded as a miss, not as served."""
+    is recorded as a miss, not as served. (A hit over ``lm.STREAM_LOOP_MAX_BYTES`` is written
+    by a sender thread whatever the crypto path says: both writers are covered.)"""
+    assert (whole_mib * MIB + 11 > lm.STREAM_LOOP_MAX_BYTES) is over_loop_max
     sc = memory_sidecar
     assert sc.lm_server is not None
     port = sc.lm_server.port
-    value = os.urandom(3 * MIB + 11)  # segments of 1 MiB, 1 MiB, 1 MiB and 11 bytes
+    value = os.urandom(whole_mib * MIB + 11)  # whole MiB segments, then 11 bytes
     key = _lm_key(0xD0)
     assert await _run(_lm_put_get, port, key, value) == value
     raw = key.decode().strip()
@@ -303,7 +309,7 @@ async def test_lm_hit_failing_as_it_is_sent_sends_nothing_of_the_bad_segment(
 
     code, length, got = await _run(announced_then_cut)
     assert (code, length) == (200, len(value))
-    assert got == value[: 3 * MIB]  # the authenticated segments, whole; nothing after
+    assert got == value[: whole_mib * MIB]  # the authenticated segments, whole; nothing after
     assert await _run(_lm_get, port, key) is None  # gone for good
     assert await memory.get(digest) is None
     await _settled(sc)
