@@ -310,8 +310,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
         The next segment of a hit opened as it is sent is opened by the writing thread once
         the socket took what it could of this one (while the peer drains it), or, on the event
         loop given a ``crypto`` pool, there, while this one is written: a peer that waits for
-        each hit (``lm://``) gets it sooner, while for frames of many hits in flight the hand-off
-        measured worse (``docs/operations.md``, "Threads").
+        each hit of a few MiB (``lm://``) gets it sooner, while for frames of many hits in
+        flight, and for larger ``lm://`` hits, which ``lm://`` therefore gives a sender thread,
+        the hand-off measured worse (``docs/operations.md``, "Threads").
 
         A segment that fails as it is opened raises its
         :class:`~kvgov.errors.CorruptValueError` once the segments before it are sent: nothing

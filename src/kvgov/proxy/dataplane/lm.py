@@ -55,9 +55,8 @@ OK, FAIL = 200, 400
 MAX_UNSETTLED_PUTS = 64
 #: a hit opened as it is sent larger than this is written by a sender thread, which waits on
 #: the socket with the GIL released and opens each next segment itself, instead of by the event
-#: loop (a loop pass per socketful, a hand-off to the crypto pool per segment): for 32 MiB hits
-#: on two CPUs, +15% throughput and -28% sidecar CPU per get; about even at 4 MiB
-#: (``docs/operations.md``, "Threads")
+#: loop (a loop pass per socketful, a hand-off to the crypto pool per segment); measured in
+#: ``docs/operations.md``, "Threads"
 STREAM_LOOP_MAX_BYTES = 4 << 20
 
 log = logging.getLogger("kvgov.dataplane.lm")
