@@ -191,7 +191,9 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
             #: after announcing it comes back a miss: its buffer goes back)
             allocated: dict[int, tuple[GetResult, MemoryObj]] = {}
 
-            def alloc(result: GetResult, allocated: dict[int, Any] = allocated) -> Any:
+            def alloc(
+                result: GetResult, allocated: dict[int, tuple[GetResult, MemoryObj]] = allocated
+            ) -> Any:
                 obj = self._allocate(result)
                 if obj is None:
                     return None

@@ -846,7 +846,7 @@ class Pipeline:
                 in_place=src is None,
                 executor=self.executor,
                 inline_bytes=self.inline_crypto_bytes,
-                stream=stream and src is not None,
+                stream=stream,
             )
             plan = GetPlan(
                 who, lease, envelope.plain_len, envelope.meta, windows, decision, opener, tier
