@@ -15,6 +15,7 @@ Throughput is the KV bytes moved per second; the ratio governed / ungoverned is 
 
     python bench/engine.py                 # 32 MiB chunks (Llama-3.1-8B bf16 geometry)
     python bench/engine.py --chunk-mib 4 --chunks 16 --rounds 3
+    python bench/engine.py --connector get_frame_bytes=33554432   # a connector setting, A/B
 """
 
 from __future__ import annotations
@@ -100,7 +101,15 @@ def main() -> None:
         help="KvgovConnector to sidecar: a Unix socket (a sidecar's normal set-up) or loopback "
         "TCP (the transport lm:// always uses)",
     )
+    parser.add_argument(
+        "--connector",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a KvgovConnector setting (kvgov.NAME in extra_config), e.g. get_frame_bytes=8388608",
+    )
     args = parser.parse_args()
+    extra = {"kvgov." + k: v for k, _, v in (s.partition("=") for s in args.connector)}
     logging.disable(logging.WARNING)  # LMCache logs every store/retrieve at INFO/WARNING
 
     g = geometry_for(args.chunk_mib, args.chunks)
@@ -127,7 +136,11 @@ def main() -> None:
                 )
             )
             cfg = h.kvgov_config(
-                endpoint, geometry=g, cpu_staging_gb=staging_gb, engine_id="bench-engine"
+                endpoint,
+                geometry=g,
+                cpu_staging_gb=staging_gb,
+                engine_id="bench-engine",
+                extra=extra,
             )
             a, b = stack.enter_context(h.engines(cfg, cfg, geometry=g))
             sides.append(Side("KvgovConnector + kvgov serve (governed)", a, b, g, args.chunks))
