@@ -444,3 +444,26 @@ async def test_admin_reads_are_recorded_without_query_values(
         "query": ["tenant"],
     }
     assert "alice" not in json.dumps(row.attrs)
+
+
+@pytest.mark.parametrize("user", ["alice%40acme.example", "jo%41n", "alice%2Facme"])
+async def test_an_admin_read_never_records_a_user_id_holding_percent_escapes(
+    world: ApiWorld, client: httpx.AsyncClient, user: str
+):
+    """Attack (privacy): a user id holding ``%XX`` sent percent-encoded. The route template was
+    rebuilt from the path by matching path parameter values after decoding the path a second
+    time, so such an id no longer matched its parameter and went, decoded, into the chain
+    (``/v1/users/alice@acme.example/footprint``), where no purge can erase it."""
+    from urllib.parse import quote
+
+    r = await client.get(
+        f"/v1/users/{quote(user, safe='')}/footprint",
+        params={"tenant": "acme"},
+        headers=bearer(world.tokens.admin),
+    )
+    assert r.status_code == 200
+    with Session(world.engine) as session:
+        row = session.execute(
+            select(LedgerEvent).where(LedgerEvent.kind == "api:access")
+        ).scalar_one()
+    assert row.attrs["route"] == "/v1/users/{user}/footprint"

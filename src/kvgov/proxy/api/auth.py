@@ -28,7 +28,6 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Annotated, Any, Protocol
-from urllib.parse import unquote
 
 from fastapi import Depends, Request
 from fastapi.concurrency import run_in_threadpool
@@ -262,10 +261,21 @@ async def record_admin_access(ctx: ApiContext, request: Request, principal: Prin
 
 
 def route_template(request: Request) -> str:
-    """The request path with each path parameter's value replaced by ``{name}``."""
-    by_value = {str(v): k for k, v in request.path_params.items()}
-    parts = [unquote(p) for p in request.url.path.split("/")]
-    return "/".join("{" + by_value[p] + "}" if p in by_value else p for p in parts)
+    """The matched route's template as the app serves it (``/v1/users/{user}/footprint``):
+    never a path parameter's value, however it is encoded. (Rebuilding the template from the
+    path by matching values missed a user id holding a ``%XX`` sequence and wrote it, decoded,
+    into the chain.) FastAPI leaves the included router's own route in ``scope["route"]``, its
+    template without the routers' prefixes (``/v1``): those are the path's leading segments,
+    literal, as many as the path has beyond the template's (no route here takes a ``:path``
+    parameter, which could span segments)."""
+    template = getattr(request.scope.get("route"), "path_format", None)
+    if not isinstance(template, str) or not template.startswith("/"):
+        return "(no route)"
+    path = request.url.path.rstrip("/").split("/")
+    tail = template.rstrip("/").split("/")
+    if len(tail) > len(path):
+        return "(no route)"
+    return "/".join(path[: len(path) - len(tail) + 1]) + template
 
 
 def require(*roles: Role) -> Callable[..., Awaitable[Principal]]:
