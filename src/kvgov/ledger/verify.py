@@ -2,7 +2,8 @@
 
 ``verify(engine)`` streams each chain in ``seq`` order, recomputes every hash from the row's
 columns, checks each link, checks each checkpoint's Ed25519 signature and that it matches the
-chain, and re-hashes every payload that has not been erased. For each chain it reports either
+chain, re-hashes every payload that has not been erased and checks that every other payload
+row is a complete erasure (not a payload stripped of its salt). For each chain it reports either
 ``ok`` or the problems found, the first bad position first, with what kind of tampering the
 evidence points to.
 
@@ -47,7 +48,7 @@ class Problem(StrEnum):
     CHECKPOINT_MISMATCH = "checkpoint_mismatch"  # a checkpoint naming another head than the chain
     KEY_MISMATCH = "key_mismatch"  # a checkpoint signed with a key other than the chain's
     UNTRUSTED_KEY = "untrusted_key"  # the chain's key is not among the trusted ones
-    PAYLOAD_MISMATCH = "payload_mismatch"  # a kept payload that does not match its digest
+    PAYLOAD_MISMATCH = "payload_mismatch"  # a payload not matching its digest, or half-erased
     MISSING_CHAIN = "missing_chain"  # a chain the ledger or the fleet names but does not hold
     UNSIGNED = "unsigned"  # events no checkpoint covers (a failure only when asked for)
 
@@ -291,22 +292,52 @@ def _checkpoints(engine: Engine, chain_id: str) -> list[Any]:
 
 
 def _verify_payloads(engine: Engine, chain: ChainReport, digests: dict[int, str]) -> None:
+    """Check every payload row of the chain up to its verified head. A row is consistent in one
+    of two shapes only: kept (payload and salt present, not erased, hashing to the chained
+    digest) or erased (no payload, ``erased_at`` stamped). Any other shape (a payload without
+    its salt, a payload or salt left unstamped without the other, an erased row still holding a
+    payload) cannot be checked against the chain and is reported: the runtime role may erase,
+    never rewrite. Details name the position only, never the payload."""
     t = table(EventPayload)
     query = (
-        select(t.c.seq, t.c.salt, t.c.payload)
-        .where(t.c.chain_id == chain.chain_id, t.c.payload.is_not(None), t.c.salt.is_not(None))
+        select(t.c.seq, t.c.salt, t.c.payload, t.c.payload.is_(None), t.c.erased_at)
+        .where(t.c.chain_id == chain.chain_id)
         .order_by(t.c.seq)
     )
     with engine.connect() as conn:
         result = conn.execution_options(yield_per=_STREAM_ROWS).execute(query)
         try:
-            for seq, salt, payload in result:
+            for seq, salt, payload, payload_null, erased_at in result:
                 if seq > chain.head_seq:
                     break
-                if digests.get(seq) != payload_digest(bytes(salt), payload):
-                    chain.findings.append(
-                        Finding(Problem.PAYLOAD_MISMATCH, seq, "payload does not match its digest")
-                    )
+                problem = _payload_problem(
+                    digests.get(seq), salt, payload, bool(payload_null), erased_at is not None
+                )
+                if problem is not None:
+                    chain.findings.append(Finding(Problem.PAYLOAD_MISMATCH, seq, problem))
                     break
         finally:
             result.close()
+
+
+def _payload_problem(
+    digest: str | None, salt: Any, payload: Any, payload_null: bool, erased: bool
+) -> str | None:
+    """What is wrong with one payload row (None: consistent). ``payload_null`` is SQL NULL,
+    told apart from a stored JSON ``null``."""
+    if digest is None:
+        return "payload row for an event that commits to no payload"
+    if erased:
+        # a salt left behind is a weaker erasure, not a rewrite: there is no payload to forge
+        if not payload_null:
+            return "payload marked erased but still present"
+        return None
+    if payload_null and salt is None:
+        return "payload and salt missing but not marked erased"
+    if payload_null:
+        return "payload missing (salt kept) but not marked erased"
+    if salt is None:
+        return "payload kept without its salt: it cannot be checked against its digest"
+    if payload is None or digest != payload_digest(bytes(salt), payload):
+        return "payload does not match its digest"
+    return None

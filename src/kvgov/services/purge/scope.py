@@ -102,7 +102,7 @@ def erase_payloads(s: Session, tenant: str, subject: str | None, *, now: datetim
             tuple_(EventPayload.chain_id, EventPayload.seq).in_(events),
             EventPayload.erased_at.is_(None),
         )
-        .values(payload=None, erased_at=now)
+        .values(payload=None, salt=None, erased_at=now)
         .execution_options(synchronize_session=False)
     )
     return int(getattr(result, "rowcount", 0) or 0)
