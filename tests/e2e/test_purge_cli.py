@@ -13,11 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from sqlalchemy.orm import Session
 
 from kvgov.config import Settings, load_settings
 from kvgov.connectors.tiers.filesystem import FilesystemTier
 from kvgov.db.engine import make_engine
 from kvgov.db.keystore import SqlKeyStore
+from kvgov.db.models import PurgeReceipt
 from kvgov.errors import KeyDestroyedError
 from kvgov.keys.kek import FileKekProvider
 from kvgov.keys.keyring import Keyring
@@ -210,6 +212,27 @@ def test_cli_purge_user_end_to_end(
     assert r2["entries_purged"] == 0
     assert r2["tiers"] == {"filesystem": 0}
     assert r2["keys_destroyed"] == []
+
+    # a receipt is bound to its purge: verify-receipt --purge-id, and status checks it
+    first, second = doc["receipt"]["purge_id"], r2["purge_id"]
+    own = kvgov(env, "purge", "verify-receipt", str(receipt), "--purge-id", first)
+    assert own.returncode == 0, own.stdout + own.stderr
+    other = kvgov(env, "purge", "verify-receipt", str(receipt), "--purge-id", second)
+    assert other.returncode == 1 and "the receipt of purge" in other.stdout, other.stdout
+    assert "receipt signature: valid" in kvgov(env, "purge", "status", second).stdout
+    # attack (runtime-role rights: UPDATE purge_receipts): the first purge's validly signed
+    # receipt copied onto the second's row; status must not call it the second's
+    engine = make_engine(settings.database_url)
+    try:
+        with Session(engine) as session, session.begin():
+            src = session.get(PurgeReceipt, first)
+            dst = session.get(PurgeReceipt, second)
+            assert src is not None and dst is not None
+            dst.receipt, dst.signature = src.receipt, src.signature
+    finally:
+        engine.dispose()
+    swapped = kvgov(env, "purge", "status", second).stdout
+    assert "receipt signature: INVALID" in swapped and f"of purge {first}" in swapped, swapped
 
 
 def test_cli_purge_unreachable_engine_is_incomplete(

@@ -11,6 +11,7 @@ goldens did not change.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -20,6 +21,7 @@ from pydantic import ValidationError
 from kvgov.db.purge_views import JobView, StepName, StepView
 from kvgov.services.purge.documents import Receipt
 from kvgov.services.purge.receipts import (
+    ReceiptFor,
     canonical,
     raw_public_key,
     sign_receipt,
@@ -324,3 +326,20 @@ def test_a_tampered_typed_receipt_does_not_verify() -> None:
     signed["receipt"]["entries_purged"] = 2
     check = verify_receipt(signed, [raw_public_key(KEY.public_key())])
     assert (check.ok, check.reason) == (False, "signature does not match the receipt")
+
+
+def test_a_receipt_verifies_for_its_own_purge_only() -> None:
+    """A genuine receipt copied onto another job's row is not that job's receipt."""
+    signed = sign_receipt(build_receipt(full, PurgeState.COMPLETED, finished_at=FINISHED), KEY)
+    trusted = [raw_public_key(KEY.public_key())]
+    body = signed["receipt"]
+    own = ReceiptFor(body["purge_id"], body["kind"], body["tenant"], body["subject"])
+    assert verify_receipt(signed, trusted, job=own).ok
+    for other in (
+        replace(own, purge_id="another-purge"),
+        replace(own, tenant="globex"),
+        replace(own, subject="someone-else"),
+        replace(own, kind="tenant"),
+    ):
+        check = verify_receipt(signed, trusted, job=other)
+        assert not check.ok and "the receipt of purge" in check.reason, other

@@ -218,7 +218,7 @@ def _purge(sidecar: _SidecarThread, tenant: str, user: str) -> bool:
     sidecar's executor, wait for the receipt); print the receipt and check its signature."""
     from kvgov.db.purge_views import JobView, PurgeRequest
     from kvgov.ledger.chain import load_public_key
-    from kvgov.services.purge.receipts import verify_receipt
+    from kvgov.services.purge.receipts import ReceiptFor, verify_receipt
 
     executor = sidecar.running.purge
     if executor is None:
@@ -253,7 +253,7 @@ def _purge(sidecar: _SidecarThread, tenant: str, user: str) -> bool:
     for line in receipt.get("incomplete") or []:
         echo(f"   - NOT DONE: {line}")
     trusted = [load_public_key(sidecar.settings.signing_key_path)]
-    check = verify_receipt(job.receipt, trusted)
+    check = verify_receipt(job.receipt, trusted, job=ReceiptFor.of(job))
     mark = "valid" if check.ok else f"INVALID: {check.reason}"
     echo(f"   receipt signature: {mark} (Ed25519, this ledger's key {str(check.key_id)[:16]})")
     return bool(check.ok and job.state == "completed" and receipt.get("state") == "completed")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -94,9 +95,14 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option("--public-key", help="Trusted Ed25519 key (PEM); default: the ledger's."),
         ] = None,
+        purge_id: Annotated[
+            str | None,
+            typer.Option("--purge-id", help="Also require it to be this purge's receipt."),
+        ] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     ) -> None:
-        """Check a receipt's signature against the ledger's key. Exit 0 valid, 1 not."""
+        """Check a receipt's signature against the ledger's key (and, with --purge-id, that it
+        is that purge's receipt). Exit 0 valid, 1 not."""
         from kvgov.ledger.chain import load_public_key
         from kvgov.services.purge.receipts import verify_receipt as check
 
@@ -108,6 +114,12 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"not a receipt: {exc}", err=True)
             raise typer.Exit(EXIT_FAILED) from exc
         result = check(doc, trusted)
+        if result.ok and purge_id is not None and result.purge_id != purge_id:
+            result = replace(
+                result,
+                ok=False,
+                reason=f"validly signed, but the receipt of purge {result.purge_id}",
+            )
         if as_json:
             emit_json(
                 {
@@ -150,7 +162,7 @@ async def _purge(
                 typer.echo(f"purge {job.id} created ({job.state}); `kvgov purge status {job.id}`")
             return EXIT_OK
         job = await service.wait(job.id)
-    return _report(job, as_json=as_json, out=out)
+    return _report(job, as_json=as_json, out=out, trusted=_trusted(cfg))
 
 
 async def _status(cfg: Settings, purge_id: str, *, as_json: bool) -> int:
@@ -158,13 +170,23 @@ async def _status(cfg: Settings, purge_id: str, *, as_json: bool) -> int:
 
     async with cli_service(cfg, writer=False) as service:
         job = await service.get(purge_id)
-    return _report(job, as_json=as_json, out=None)
+    return _report(job, as_json=as_json, out=None, trusted=_trusted(cfg))
 
 
-def _report(job: JobView, *, as_json: bool, out: Path | None) -> int:
+def _trusted(cfg: Settings) -> tuple[bytes, ...]:
+    """The ledger's public key, which a receipt must be signed by (none: nothing verifies)."""
+    from kvgov.ledger.chain import load_public_key
+
+    path = cfg.signing_key_path
+    return (load_public_key(path),) if path.exists() else ()
+
+
+def _report(job: JobView, *, as_json: bool, out: Path | None, trusted: tuple[bytes, ...]) -> int:
     """Print the job: with ``--json`` its :class:`PurgeJobDocument` (what ``GET /v1/purges/{id}``
-    answers), else its receipt in words."""
+    answers), else its receipt in words with whether it verifies as this job's (signed by the
+    ledger's key, naming this purge)."""
     from kvgov.services.purge.documents import job_document
+    from kvgov.services.purge.receipts import ReceiptFor, verify_receipt
     from kvgov.types import PurgeState
 
     if out is not None and job.receipt is not None:
@@ -187,6 +209,9 @@ def _report(job: JobView, *, as_json: bool, out: Path | None) -> int:
                 typer.echo(f"  NOT DONE: {line}")
             erasure = receipt.ledger.erasure_event if receipt.ledger else None
             typer.echo(f"  erasure event: {erasure.model_dump() if erasure else None}")
+            check = verify_receipt(job.receipt, trusted, job=ReceiptFor.of(job))
+            mark = "valid" if check.ok else "INVALID"
+            typer.echo(f"  receipt signature: {mark} ({check.reason})")
         else:
             for step in job.steps:
                 typer.echo(f"  {step.label}: {step.state}")

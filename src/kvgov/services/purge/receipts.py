@@ -16,7 +16,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -58,6 +58,34 @@ def sign_receipt(receipt: Receipt, key: Ed25519PrivateKey) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
+class ReceiptFor:
+    """The purge job a receipt is shown for: a validly signed receipt of another purge (copied
+    onto this job's row by someone with write access to the database) must not verify for it."""
+
+    purge_id: str
+    kind: str
+    tenant: str
+    subject: str | None
+
+    @classmethod
+    def of(cls, job: _Job) -> ReceiptFor:
+        return cls(job.id, str(job.kind), job.tenant, job.subject)
+
+
+class _Job(Protocol):
+    """A stored purge job (the ORM row or its view)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def subject(self) -> str | None: ...
+
+
+@dataclass(frozen=True, slots=True)
 class ReceiptCheck:
     ok: bool
     reason: str
@@ -66,11 +94,15 @@ class ReceiptCheck:
     purge_id: str | None = None
 
 
-def verify_receipt(doc: object, trusted: Iterable[bytes]) -> ReceiptCheck:
-    """Check a signed receipt against raw Ed25519 public keys the caller trusts.
+def verify_receipt(
+    doc: object, trusted: Iterable[bytes], *, job: ReceiptFor | None = None
+) -> ReceiptCheck:
+    """Check a signed receipt against raw Ed25519 public keys the caller trusts and, given
+    ``job``, that it is that purge's receipt.
 
     Fails (``ok=False`` with a reason) on a malformed document, an unknown format, a key that is
-    not trusted, or a signature that does not match the receipt's canonical bytes.
+    not trusted, a signature that does not match the receipt's canonical bytes, or a receipt
+    whose purge id, kind, tenant or subject is not ``job``'s.
     """
     if not isinstance(doc, Mapping):
         return _fail("not a receipt: expected a JSON object")
@@ -97,6 +129,15 @@ def verify_receipt(doc: object, trusted: Iterable[bytes]) -> ReceiptCheck:
         Ed25519PublicKey.from_public_bytes(public).verify(value, canonical(receipt))
     except (InvalidSignature, ValueError):
         return _fail("signature does not match the receipt", kid, state, purge_id)
+    if job is not None:
+        named = (purge_id, receipt.get("kind"), receipt.get("tenant"), receipt.get("subject"))
+        if named != (job.purge_id, job.kind, job.tenant, job.subject):
+            return _fail(
+                f"validly signed, but the receipt of purge {purge_id}, not of {job.purge_id}",
+                kid,
+                state,
+                purge_id,
+            )
     return ReceiptCheck(
         ok=True, reason="signature valid", key_id=kid, state=state, purge_id=purge_id
     )

@@ -32,7 +32,7 @@ from kvgov.proxy.api.pagination import (
 from kvgov.proxy.api.problems import problem_responses
 from kvgov.proxy.api.v1.params import SinceQuery, TenantQuery, UntilQuery, utc
 from kvgov.services.purge.documents import PurgeJobDocument, job_document
-from kvgov.services.purge.receipts import verify_receipt
+from kvgov.services.purge.receipts import ReceiptFor, verify_receipt
 from kvgov.types import PurgeKind, PurgeState
 
 router = APIRouter(tags=["purges"])
@@ -187,7 +187,7 @@ def purge_summary(row: qa.PurgeRow, trusted: tuple[bytes, ...]) -> PurgeSummary:
     keys = body.get("keys_destroyed")
     status = ReceiptStatus(present=False, signature_valid=None, key_id=None, reason=None, url=None)
     if doc is not None:
-        check = verify_receipt(doc, trusted)
+        check = verify_receipt(doc, trusted, job=ReceiptFor.of(job))
         status = ReceiptStatus(
             present=True,
             signature_valid=check.ok,
