@@ -16,6 +16,15 @@ only a hash of its id): sign-out deletes it, so a copy of the cookie opens nothi
 it also ends at its expiry and with the token's revocation. The ``/v1`` API ignores the
 cookie, so it gives no cross-site request power. Pages are sent with a strict
 Content-Security-Policy and no caching.
+
+Sign-in and sign-out refuse cross-site requests (:func:`_cross_site`): ``SameSite=Strict`` keeps
+the cookie from being *sent* cross-site, but not from being *set* by the answer to a top-level
+cross-site POST, so without this a page elsewhere could sign a visitor's browser into the
+attacker's session (login CSRF), or sign them out.
+
+A tenant-scoped token sees the ledger's verdict but not the per-chain table: chains are shared
+by every tenant, so their event counts and checkpoints move with other tenants' traffic (the
+same rule as ``/v1/audit/verify`` and ``/metrics``).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import functools
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -50,7 +59,7 @@ from kvgov.proxy.api.auth import (
     record_admin_access,
     verify_token,
 )
-from kvgov.proxy.api.v1.audit import report_out, stats_out
+from kvgov.proxy.api.v1.audit import is_fleet_reader, report_out, scoped_report_out, stats_out
 from kvgov.proxy.api.v1.purge_reads import purge_summary
 from kvgov.types import Role
 
@@ -66,6 +75,9 @@ _SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 _MAX_FORM_BYTES = 4096
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+#: ``Sec-Fetch-Site`` values of a request this site itself (or the user, typing) started
+_SAME_SITE_FETCH = frozenset({"same-origin", "none"})
 
 
 def _human_bytes(value: int | None) -> str:
@@ -101,9 +113,70 @@ def _html(env: Environment, name: str, status: int, **context: Any) -> HTMLRespo
     return HTMLResponse(body, status_code=status, headers=_SECURITY_HEADERS)
 
 
+def _origin(scheme: str, netloc: str) -> tuple[str, str, int | None] | None:
+    """``(scheme, host, port)`` with the scheme's default port filled in; None if malformed."""
+    try:
+        parts = urlsplit(f"{scheme}://{netloc}")
+        port = parts.port
+    except ValueError:
+        return None
+    if not parts.hostname:
+        return None
+    scheme = parts.scheme.lower()
+    return scheme, parts.hostname.lower(), port if port is not None else _DEFAULT_PORTS.get(scheme)
+
+
+def _cross_site(request: Request) -> str | None:
+    """Why a state-changing dashboard POST is refused as cross-site, or None to allow it.
+
+    Refused: a ``Sec-Fetch-Site`` other than ``same-origin`` / ``none``, or an ``Origin`` that is
+    not this server's own (scheme, host and port as this server sees the request; behind a
+    TLS-terminating proxy, run uvicorn with ``--proxy-headers`` so the scheme is https).
+
+    Allowed when the request carries *neither* header, on purpose: non-browser clients (curl,
+    scripts, reverse-proxy health checks) send neither and cannot be made to post by another
+    site, and every current browser sends ``Origin`` on a POST form submission (and
+    ``Sec-Fetch-Site``), so a cross-site sign-in from one is always caught here. Only a browser
+    old enough to predate both headers is not covered; it gets no fetch-metadata protection
+    from any site.
+    """
+    fetch_site = request.headers.get("sec-fetch-site")
+    if fetch_site is not None and fetch_site.strip().lower() not in _SAME_SITE_FETCH:
+        return f"Sec-Fetch-Site is {fetch_site.strip()[:32]!r}"
+    origin = request.headers.get("origin")
+    if origin is not None:
+        raw = origin.strip()
+        scheme, sep, netloc = raw.partition("://")
+        plain = sep and not any(c in netloc for c in "/@?#")
+        theirs = _origin(scheme, netloc) if plain else None
+        ours = _origin(request.url.scheme, request.url.netloc)
+        if theirs is None or ours is None or theirs != ours:
+            return "Origin is not this site"
+    return None
+
+
+def _refuse_cross_site(env: Environment, request: Request) -> HTMLResponse | None:
+    """A 403 (no cookie set or cleared) for a cross-site sign-in or sign-out, else None."""
+    why = _cross_site(request)
+    if why is None:
+        return None
+    return _html(
+        env,
+        "login.html",
+        403,
+        error=(
+            "Refused: this request came from another site "
+            f"({why}). Sign in from this dashboard's own page."
+        ),
+    )
+
+
 def _load(ctx: ApiContext, principal: Principal) -> dict[str, Any]:
     """Everything the page shows, read in one session."""
-    verify_report = report_out(ctx.verify_ledger())
+    report = ctx.verify_ledger()
+    fleet = is_fleet_reader(principal)
+    # per-chain counts and checkpoints only for fleet-wide readers (chains span every tenant)
+    verify_report = report_out(report) if fleet else scoped_report_out(report)
     with ctx.session() as session:
         stats = q.tenant_stats(
             session, tenants=None if principal.tenant is None else [principal.tenant]
@@ -114,6 +187,7 @@ def _load(ctx: ApiContext, principal: Principal) -> dict[str, Any]:
     purges = [(purge_summary(r, trusted), r.receipt) for r in purge_rows]
     return {
         "verify": verify_report,
+        "chain_detail": fleet,
         "stats": [stats_out(s) for s in stats],
         "denials": denials,
         "purges": purges,
@@ -173,19 +247,27 @@ async def dashboard(request: Request, ctx: Context, principal: MaybePrincipal) -
 @router.post(
     "/dashboard/login",
     summary="Dashboard sign-in",
-    description="Exchange a token (form field `token`) for a dashboard session cookie.",
+    description=(
+        "Exchange a token (form field `token`) for a dashboard session cookie. Refused (403, "
+        "no cookie) when `Sec-Fetch-Site` is present and not `same-origin`/`none`, or `Origin` "
+        "is present and not this server's own origin (login CSRF); a request with neither "
+        "header (scripts, curl) is allowed."
+    ),
     response_class=HTMLResponse,
     responses={
         303: {"description": "Signed in; redirect to /dashboard"},
         401: {"description": "Invalid token: the form again", "content": {"text/html": {}}},
         403: {
-            "description": "Engine tokens cannot open the dashboard",
+            "description": "Engine tokens cannot open the dashboard, or a cross-site request",
             "content": {"text/html": {}},
         },
     },
 )
 async def login(request: Request, ctx: Context) -> Response:
     env = _env()
+    refused = _refuse_cross_site(env, request)
+    if refused is not None:
+        return refused
     raw = await request.body()
     form = parse_qs(raw[:_MAX_FORM_BYTES].decode("utf-8", "replace"))
     token = (form.get("token") or [""])[0].strip()
@@ -212,11 +294,20 @@ async def login(request: Request, ctx: Context) -> Response:
 @router.post(
     "/dashboard/logout",
     summary="Dashboard sign-out",
-    description="End the dashboard session on the server and clear its cookie.",
+    description=(
+        "End the dashboard session on the server and clear its cookie. Cross-site requests "
+        "are refused (403) like sign-in's."
+    ),
     response_class=HTMLResponse,
-    responses={303: {"description": "Signed out; redirect to /dashboard"}},
+    responses={
+        303: {"description": "Signed out; redirect to /dashboard"},
+        403: {"description": "A cross-site request", "content": {"text/html": {}}},
+    },
 )
 async def logout(request: Request, ctx: Context) -> Response:
+    refused = _refuse_cross_site(_env(), request)
+    if refused is not None:
+        return refused
     cookie = request.cookies.get(SESSION_COOKIE)
     claims = read_session_claims(ctx.session_secret, cookie) if cookie else None
     if claims is not None and claims[1]:

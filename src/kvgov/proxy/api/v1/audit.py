@@ -1,19 +1,27 @@
-"""``/v1`` routes for auditors: policy decisions, ledger integrity, checkpoints, tenant stats."""
+"""``/v1`` routes for auditors: policy decisions, ledger integrity, checkpoints, tenant stats.
+
+Ledger chains are per sidecar, not per tenant: every tenant's cache traffic is an event on the
+same chain. A chain's event count, head and checkpoints therefore move with *every* tenant's
+traffic, so (like ``/metrics``) they are shown only to callers that are not tenant-scoped. A
+tenant-scoped caller of ``/v1/audit/verify`` learns whether the ledger verifies, nothing more,
+and gets an empty page from ``/v1/audit/checkpoints``.
+"""
 
 from __future__ import annotations
 
 import base64
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvgov.db.engine import utcnow
 from kvgov.ledger import queries_api as q
 from kvgov.ledger.verify import VerifyReport
-from kvgov.proxy.api.auth import Context, DbSession, Reader
+from kvgov.proxy.api.auth import Context, DbSession, Principal, Reader
 from kvgov.proxy.api.pagination import (
     DEFAULT_LIMIT,
     CursorParam,
@@ -142,6 +150,63 @@ def report_out(report: VerifyReport) -> VerifyOut:
     )
 
 
+#: what a tenant-scoped caller is told when the ledger does not verify (the real problems name
+#: chains, positions and what the database holds: other tenants' activity)
+SCOPED_PROBLEM = (
+    "the ledger failed verification; a token that is not tenant-scoped sees which chain and "
+    "position"
+)
+
+
+class ScopedVerifyOut(BaseModel):
+    """``/v1/audit/verify`` for a tenant-scoped caller: the verdict only. Chains are shared by
+    every tenant, so their event counts, heads, checkpoints and bad positions are withheld."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "ok": True,
+                    "verified_at": "2026-11-20T09:00:00Z",
+                    "problems": [],
+                    "trusted_keys": ["3f2a9c41d0e7b815"],
+                    "scope": "tenant",
+                }
+            ]
+        }
+    )
+
+    ok: bool
+    verified_at: datetime
+    problems: list[str] = Field(
+        default_factory=list,
+        description=f"empty when ok, else one generic statement ({SCOPED_PROBLEM!r})",
+    )
+    trusted_keys: list[str] = Field(
+        default_factory=list, description="fingerprints of the keys chains were checked against"
+    )
+    scope: Literal["tenant"] = Field(
+        default="tenant",
+        description="the caller is tenant-scoped: per-chain detail (`chains`) is withheld",
+    )
+
+
+def is_fleet_reader(principal: Principal) -> bool:
+    """Whether ``principal`` may see fleet-wide figures: not tenant-scoped (the rule
+    :func:`~kvgov.proxy.api.auth.require_fleet_reader` applies to ``/metrics``)."""
+    return principal.tenant is None
+
+
+def scoped_report_out(report: VerifyReport) -> ScopedVerifyOut:
+    """The verdict of ``report`` without anything that moves with other tenants' traffic."""
+    return ScopedVerifyOut(
+        ok=report.ok,
+        verified_at=utcnow(),
+        problems=[] if report.ok else [SCOPED_PROBLEM],
+        trusted_keys=report.trusted or [],
+    )
+
+
 @router.get(
     "/audit/verify",
     summary="Verify the ledger",
@@ -150,20 +215,31 @@ def report_out(report: VerifyReport) -> VerifyOut:
         "keys (this sidecar's own and `ledger.trusted_keys`, never keys stored in the ledger; "
         "the same check as `kvgov audit verify`). `ok` is false, with the first bad position "
         "per chain, when anything was modified, deleted, inserted or reordered, a chain is "
-        "signed by an unknown key or missing, or the ledger was emptied (`problems`)."
+        "signed by an unknown key or missing, or the ledger was emptied (`problems`). "
+        "Per-chain detail (`chains`: event counts, heads, checkpoints, bad positions) is for "
+        "tokens that are not tenant-scoped: chains are shared by every tenant, so these move "
+        "with other tenants' traffic. A tenant-scoped token gets the verdict only "
+        "(`ScopedVerifyOut`: `ok`, `verified_at`, a generic `problems` line, `trusted_keys`, "
+        '`scope: "tenant"`, no `chains`).'
     ),
-    response_model=VerifyOut,
+    response_model=VerifyOut | ScopedVerifyOut,
     responses=problem_responses(401, 403),
 )
-async def audit_verify(principal: Reader, ctx: Context) -> VerifyOut:
+async def audit_verify(principal: Reader, ctx: Context) -> VerifyOut | ScopedVerifyOut:
     report = await run_in_threadpool(ctx.verify_ledger)
+    if not is_fleet_reader(principal):
+        return scoped_report_out(report)
     return report_out(report)
 
 
 @router.get(
     "/audit/checkpoints",
     summary="List signed checkpoints",
-    description="Signed chain heads, newest first (Ed25519 over chain id, size and head hash).",
+    description=(
+        "Signed chain heads, newest first (Ed25519 over chain id, size and head hash). "
+        "For tokens that are not tenant-scoped: a checkpoint's size moves with every tenant's "
+        "traffic, so a tenant-scoped token gets an empty page."
+    ),
     response_model=Page[CheckpointOut],
     responses=problem_responses(401, 403, 422),
 )
@@ -181,6 +257,8 @@ def list_checkpoints(
     limit: LimitParam = DEFAULT_LIMIT,
     cursor: CursorParam = None,
 ) -> Page[CheckpointOut]:
+    if not is_fleet_reader(principal):
+        return Page[CheckpointOut](items=[], limit=limit, next=None)
     rows = q.list_checkpoints(
         session, chain_id=chain_id, after=time_seq_key(cursor), limit=limit + 1
     )
