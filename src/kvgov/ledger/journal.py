@@ -33,10 +33,11 @@ import contextlib
 import fcntl
 import marshal
 import os
+import stat
 import struct
 import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -58,6 +59,25 @@ MAX_RECORD_BYTES = 1 << 20
 _PREFIX, _SUFFIX = "journal-", ".log"
 _LOCK_NAME = "lock"
 _OWNER_NAME = "chain"
+
+
+def _check_private(path: Path, what: str, is_kind: Callable[[int], bool]) -> None:
+    """Refuse a journal directory or segment that is not this process's own, or that another
+    user may write: replay chains whatever records the segments hold, so whoever could write
+    them could forge acknowledged events (docs/threat-model.md: "0600 files in a 0700
+    directory"; an emptyDir or a shared host path is 0777 until kvgov makes its own)."""
+    st = os.lstat(path)
+    loose = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if not is_kind(st.st_mode) or st.st_uid != os.geteuid() or loose:
+        raise LedgerError(
+            f"the ledger journal {what} {path} is not this process's own and private"
+            f" ({stat.filemode(st.st_mode)}, owner uid {st.st_uid}; this process runs as uid"
+            f" {os.geteuid()}): anyone who can write it could forge ledger events",
+            hint=(
+                "point ledger.journal_dir at a directory only the sidecar's user owns and"
+                " writes (chmod 700, no symlink), e.g. a new one inside data_dir"
+            ),
+        )
 
 
 def _segment_paths(directory: Path) -> list[Path]:
@@ -244,6 +264,7 @@ class Journal:
         d = self.directory
         try:
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            _check_private(d, "directory", stat.S_ISDIR)
             self._lock_fd = os.open(d / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as err:
             raise LedgerError(
@@ -265,6 +286,11 @@ class Journal:
         expect: int | None = None
         last_pos = 0
         for i, path in enumerate(paths):
+            try:
+                _check_private(path, "segment", stat.S_ISREG)
+            except LedgerError:
+                self.close(applied_upto=-1)
+                raise
             data = path.read_bytes()
             scan = _scan(data, expect)
             is_last = i == len(paths) - 1

@@ -1,0 +1,140 @@
+"""Attack: records planted in a journal directory others can write, replayed into the chain.
+
+docs/threat-model.md promises the journal is "0600 files in a 0700 directory", so that a writer
+there could already read the KEK beside it. ``Journal.open`` created the directory 0700 but
+never checked an existing one's mode or owner, nor its segments': a pre-existing world-writable
+journal directory (an emptyDir is 0777, a shared host path, ``ledger.journal_dir`` under /tmp)
+was accepted, and a record planted in it was chained as an acknowledged event, with its
+``cache_entries`` row and its entry in the index. Now the journal refuses a directory or a
+segment that is not the process's own or that group or others may write, or a segment that is
+not a regular file, and the sidecar does not start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import stat
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from kvgov.db.models import CacheEntry, LedgerEvent
+from kvgov.errors import KvgovError
+from kvgov.ledger.events import EntryChange, Event
+from kvgov.ledger.journal import MAGIC, Journal, encode_event, encode_record
+from kvgov.proxy.app import build_sidecar
+from kvgov.types import EntryState, EventKind, Outcome, Scope
+from tests.security import doors
+
+CHAIN = "audit-chain-1"
+FORGED_DIGEST = "f" * 64
+
+
+def _forged_segment(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o777)  # world-writable, as an emptyDir or a shared dir is
+    (directory / "chain").write_text(CHAIN)
+    forged = Event(
+        kind=EventKind.KV_PUT,
+        tenant="acme",
+        key_digest=FORGED_DIGEST,
+        principal="engine:vllm-acme",
+        outcome=Outcome.ALLOW,
+        reason="forged by a local user",
+        entry=EntryChange(
+            key_digest=FORGED_DIGEST,
+            state=EntryState.LIVE,
+            tenant="acme",
+            scope=Scope.TENANT,
+            size=1,
+            tiers=("memory",),
+        ),
+    )
+    seg = directory / f"journal-{1:020d}.log"
+    seg.write_bytes(MAGIC + encode_record(1, encode_event(forged)))
+    seg.chmod(0o666)
+
+
+def test_journal_open_refuses_a_world_writable_directory(tmp_path: Path) -> None:
+    d = tmp_path / "journal"
+    _forged_segment(d)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o777
+    j = Journal(d)
+    try:
+        with pytest.raises(KvgovError):
+            replay = j.open(0, chain_id=CHAIN)
+            # what actually happens: the forged record is handed back for replay
+            pytest.fail(f"loose journal dir accepted; {len(replay)} record(s) to replay")
+    finally:
+        j.close(applied_upto=-1)
+
+
+async def test_a_sidecar_does_not_start_on_a_journal_others_can_write(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    base = doors.settings(tmp_path, prod_db)
+    s = base.model_copy(update={"ledger": base.ledger.model_copy(update={"chain_id": CHAIN})})
+    _forged_segment(s.journal_path)
+    sc = None
+    try:
+        sc = await build_sidecar(s)
+        await sc.start()
+    except KvgovError as exc:
+        assert "could forge ledger events" in str(exc)
+        if sc is not None:
+            with contextlib.suppress(Exception):
+                await sc.stop()
+        return
+    try:
+        assert sc.writer is not None
+        await sc.writer.flush()
+        with Session(sc.engine) as db:
+            forged = db.scalars(
+                select(LedgerEvent).where(LedgerEvent.key_digest == FORGED_DIGEST)
+            ).all()
+            entry = db.get(CacheEntry, FORGED_DIGEST)
+        in_index = sc.pipeline.index.get(FORGED_DIGEST) is not None
+    finally:
+        await sc.stop()
+    pytest.fail(
+        f"started on a 0777 journal dir: a planted record was chained as {len(forged)}"
+        f" event(s), cache_entries row={entry is not None}, in entry index={in_index}"
+    )
+
+
+def _refused(d: Path) -> str:
+    j = Journal(d)
+    try:
+        with pytest.raises(KvgovError) as info:
+            j.open(0, chain_id=CHAIN)
+    finally:
+        j.close(applied_upto=-1)
+    return str(info.value)
+
+
+def test_journal_open_refuses_a_segment_others_can_write(tmp_path: Path) -> None:
+    d = tmp_path / "journal"
+    _forged_segment(d)
+    d.chmod(0o700)
+    assert "segment" in _refused(d)
+    next(d.glob("journal-*.log")).chmod(0o620)  # group-writable is as bad
+    assert "segment" in _refused(d)
+    next(d.glob("journal-*.log")).chmod(0o600)  # its own and private: replayed
+    j = Journal(d)
+    try:
+        assert [pos for pos, _ in j.open(0, chain_id=CHAIN)] == [1]
+    finally:
+        j.close(applied_upto=-1)
+
+
+def test_journal_open_refuses_a_segment_that_is_a_symlink(tmp_path: Path) -> None:
+    d = tmp_path / "journal"
+    _forged_segment(tmp_path / "elsewhere")
+    d.mkdir(mode=0o700)
+    (d / "chain").write_text(CHAIN)
+    seg = next((tmp_path / "elsewhere").glob("journal-*.log"))
+    seg.chmod(0o600)
+    (d / seg.name).symlink_to(seg)
+    assert "segment" in _refused(d)
