@@ -46,6 +46,7 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 TierName = Literal["memory", "filesystem", "redis"]
 _DEFAULT_CHAIN: tuple[TierName, ...] = ("memory", "filesystem")
+_DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 #: the ``--config`` file for the settings being built (set only inside :func:`load_settings`)
 _CONFIG_FILE: ContextVar[Path | None] = ContextVar("kvgov_config_file", default=None)
@@ -190,10 +191,22 @@ class TierSettings(_Section):
     #: filesystem tier root; empty means ``<data_dir>/tiers/fs``
     filesystem_path: Path | None = None
     filesystem_fsync: bool = True
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    #: the Redis tier's URL (``redis://[:password@]host:port/db``); it may hold a password, so
+    #: it is a secret and never logged. Empty, with no ``redis_url_file``, means
+    #: ``redis://127.0.0.1:6379/0``
+    redis_url: SecretStr = SecretStr("")
+    #: a file holding that URL (a mounted Secret; read when used, surrounding whitespace
+    #: ignored): set this or ``redis_url``, not both
+    redis_url_file: Path | None = None
     redis_prefix: str = "kvgov:"
     #: seconds between TTL sweeps
     sweep_interval_s: float = Field(default=30.0, ge=0.1)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TierSettings:
+        if self.redis_url.get_secret_value() and self.redis_url_file is not None:
+            raise ValueError("set tiers.redis_url or tiers.redis_url_file, not both")
+        return self
 
 
 class DataPlaneSettings(_Section):
@@ -434,9 +447,22 @@ class Settings(BaseSettings):
         url = self._url(db.migration_url, db.migration_url_file, "database.migration_url_file")
         return url or self.database_url
 
-    def _url(self, value: SecretStr, path: Path | None, name: str) -> str:
+    @property
+    def redis_url(self) -> str:
+        """The Redis tier's URL (``tiers.redis_url`` or ``redis_url_file``, read now; else
+        ``redis://127.0.0.1:6379/0``). It may hold a password: never log it."""
+        tiers = self.tiers
+        value: SecretStr | str = tiers.redis_url
+        if isinstance(value, str):  # set by ``model_copy(update=...)``, which skips validation
+            value = SecretStr(value)
+        name = "tiers.redis_url_file"
+        url = self._url(value, tiers.redis_url_file, name, database=False)
+        return url or _DEFAULT_REDIS_URL
+
+    def _url(self, value: SecretStr, path: Path | None, name: str, *, database: bool = True) -> str:
         """A URL setting's value, or the content of its file (read now: a rotated Secret is
-        picked up by the next process). Errors name the file, never what it holds."""
+        picked up by the next process). Errors name the file, never what it holds. ``database``:
+        a database URL (else the Redis tier's)."""
         if path is None:
             return value.get_secret_value()
         try:
@@ -445,8 +471,9 @@ class Settings(BaseSettings):
             reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
             raise ConfigError(f"cannot read {name} {path}: {reason}") from None
         if not url:
-            raise ConfigError(f"{name} {path} is empty", hint="it must hold the database URL")
-        if self.environment is Environment.PRODUCTION and url.startswith("sqlite"):
+            what = "the database URL" if database else "the Redis URL"
+            raise ConfigError(f"{name} {path} is empty", hint=f"it must hold {what}")
+        if database and self.environment is Environment.PRODUCTION and url.startswith("sqlite"):
             raise ConfigError(f"{name} {path} names SQLite: production needs a Postgres ledger")
         return url
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
 
 from kvgov.config import Settings
 from kvgov.connectors.tiers.base import EvictListener, Tier
 from kvgov.connectors.tiers.chain import TierChain
 from kvgov.connectors.tiers.filesystem import FilesystemTier
 from kvgov.connectors.tiers.memory import MemoryTier
-from kvgov.errors import KvgovError, StartupError
+from kvgov.errors import ConfigError, KvgovError, StartupError, TierError
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,36 @@ async def _filesystem(settings: Settings, hooks: TierHooks) -> Tier:
 async def _redis(settings: Settings, hooks: TierHooks) -> Tier:
     from kvgov.connectors.tiers.redis import RedisTier
 
-    return await RedisTier.connect(settings.tiers.redis_url, prefix=settings.tiers.redis_prefix)
+    url = settings.redis_url  # tiers.redis_url or its file; a bad file raises ConfigError
+    try:
+        return await RedisTier.connect(url, prefix=settings.tiers.redis_prefix)
+    except Exception as exc:
+        said = " ".join(str(e) for e in (exc, exc.__cause__) if e is not None)
+        if any(secret in said for secret in _redis_passwords(url)):
+            # the URL's password must never reach an error message or a log line
+            raise TierError(
+                f"tier redis: {type(exc).__name__} connecting to {_redis_where(url)}"
+                " (details withheld: they held the Redis password)"
+            ) from None
+        raise
+
+
+def _redis_passwords(url: str) -> set[str]:
+    """The URL's password as written and decoded (empty: none)."""
+    try:
+        raw = urlsplit(url).password or ""
+    except ValueError:
+        return set()
+    return {p for p in (raw, unquote(raw)) if p}
+
+
+def _redis_where(url: str) -> str:
+    """Host and port of a Redis URL, for messages (never its credentials)."""
+    try:
+        parts = urlsplit(url)
+        return f"{parts.hostname or '?'}:{parts.port or 6379}"
+    except ValueError:
+        return "the configured Redis"
 
 
 #: every tier backend kvgov can build, by the name used in ``tiers.chain`` and in policy
@@ -79,8 +109,8 @@ async def build_tiers(
             try:
                 built.append(await builder(settings, hooks))
             except KvgovError as exc:
-                if isinstance(exc, StartupError):
-                    raise
+                if isinstance(exc, StartupError | ConfigError):
+                    raise  # a misconfiguration (a bad tiers.redis_url_file) reads as one
                 raise StartupError(
                     f"tier {name} failed to start: {exc.message}", hint=exc.hint
                 ) from exc
