@@ -77,10 +77,20 @@ class Envelope:
             )
         return self.body
 
-    def reader(self, keyring: Sealing, *, tenant: str, cache_key: bytes) -> SealReader:
+    def reader(
+        self,
+        keyring: Sealing,
+        *,
+        tenant: str,
+        cache_key: bytes,
+        sealed_with: tuple[str, int] | None = None,
+    ) -> SealReader:
         """A reader of the sealed body, bound to this head; raises :class:`CorruptValueError`
         (a ``SealError`` for the sealed chunk's own checks) when the head and the sealed
-        header disagree."""
+        header disagree, or when the chunk is sealed under another key than ``sealed_with``
+        (the key id and version the ledger recorded at put): an older value of the same cache
+        key, sealed under a since-retired version, put back in a tier, authenticates under
+        that version but is not the entry the index holds."""
         if not self.sealed:
             raise CorruptValueError("stored value is plaintext where a sealed one is required")
         reader = keyring.reader(self.body, tenant=tenant, cache_key=cache_key, context=self.head)
@@ -88,6 +98,12 @@ class Envelope:
             raise CorruptValueError(
                 f"stored envelope says {self.plain_len} bytes, its sealed chunk"
                 f" {reader.header.plain_len}"
+            )
+        found = (reader.header.key_id, reader.header.key_version)
+        if sealed_with is not None and found != sealed_with:
+            raise CorruptValueError(
+                f"stored value is sealed under key {found[0]!r} v{found[1]}, the entry was put"
+                f" under {sealed_with[0]!r} v{sealed_with[1]} (rolled back or substituted)"
             )
         return reader
 

@@ -377,7 +377,20 @@ async def build_sidecar(
     policy: PolicyEngine | None = None,
     sink: EventSink | None = None,
 ) -> Sidecar:
-    """Build (not start) a sidecar. ``policy``/``sink`` override the configured ones (tests)."""
+    """Build (not start) a sidecar. ``policy``/``sink`` override the configured ones (tests).
+    A build that fails (a misconfiguration found on the way) releases what it had made."""
+    async with contextlib.AsyncExitStack() as undo:
+        sidecar = await _build_sidecar(settings, policy, sink, undo)
+        undo.pop_all()  # built: its stop() releases all of it from now on
+        return sidecar
+
+
+async def _build_sidecar(
+    settings: Settings,
+    policy: PolicyEngine | None,
+    sink: EventSink | None,
+    undo: contextlib.AsyncExitStack,
+) -> Sidecar:
     dp = settings.dataplane
     recorded = dp.events == "ledger"
     sealed = dp.sealer == "aes-256-gcm"
@@ -395,6 +408,8 @@ async def build_sidecar(
     metrics = DataPlaneMetrics()
     executor = ThreadPoolExecutor(max_workers=dp.crypto_threads, thread_name_prefix="kvgov-crypto")
     sender = ThreadPoolExecutor(max_workers=dp.send_threads, thread_name_prefix="kvgov-send")
+    undo.callback(executor.shutdown, wait=False)
+    undo.callback(sender.shutdown, wait=False)
     settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     generate_pseudonym_key_file(settings.pseudonym_key_path)
     pseudonymizer = Pseudonymizer.from_file(settings.pseudonym_key_path)
@@ -411,6 +426,7 @@ async def build_sidecar(
 
             check_schema(settings)
         engine = make_engine(settings.database_url, pool_size=settings.database.pool_size)
+        undo.callback(engine.dispose)
     if sink is None and not recorded:
         sink = NullEventSink()
     if sink is None and engine is not None:
@@ -438,6 +454,7 @@ async def build_sidecar(
             journal_sync_interval_ms=settings.ledger.journal_sync_interval_ms,
         )
         await writer.start()
+        undo.push_async_callback(writer.close, checkpoint=False)
         sink = writer
     assert sink is not None  # the configured ledger, the given sink or the null one
     if sealed and engine is not None:
@@ -471,6 +488,7 @@ async def build_sidecar(
         )
     # capacity evictions become kv:evict events (late bound: the pipeline is built below)
     tiers = await build_tiers(settings, on_evict=lambda *ev: pipeline.tier_evicted(*ev))  # noqa: PLW0108
+    undo.push_async_callback(tiers.close)
     cpus = usable_cpus()
     inline = inline_crypto_bytes(dp.inline_crypto_bytes, cpus)
     log.info(

@@ -37,6 +37,13 @@ class EntryMeta:
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and self.expires_at <= now
 
+    @property
+    def sealed_with(self) -> tuple[str, int] | None:
+        """The key id and version the value was sealed under at put (None: not sealed)."""
+        if self.key_id is None or self.key_version is None:
+            return None
+        return self.key_id, self.key_version
+
 
 class EntryIndex:
     def __init__(self) -> None:

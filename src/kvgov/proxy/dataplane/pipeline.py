@@ -847,6 +847,7 @@ class Pipeline:
                 executor=self.executor,
                 inline_bytes=self.inline_crypto_bytes,
                 stream=stream,
+                sealed_with=entry.sealed_with,
             )
             plan = GetPlan(
                 who, lease, envelope.plain_len, envelope.meta, windows, decision, opener, tier

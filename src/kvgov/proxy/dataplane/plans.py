@@ -242,11 +242,13 @@ async def open_value(
     executor: Executor,
     inline_bytes: int,
     stream: bool = False,
+    sealed_with: tuple[str, int] | None = None,
 ) -> tuple[Envelope, list[memoryview], Opener | None]:
     """A stored value's envelope and its plaintext windows in ``lease`` (``in_place``:
     ``value`` is in the lease already, else it is the tier's own buffer, read under its
     guard), every segment authenticated and opened into its window; raises
-    :class:`~kvgov.errors.CorruptValueError` for a value that fails its checks.
+    :class:`~kvgov.errors.CorruptValueError` for a value that fails its checks (one sealed
+    under another key than ``sealed_with``, the key the entry was put under, too).
 
     A ``stream`` of more than one segment read from a tier's own buffer is opened as it is
     sent instead: only the first segment here (which checks the key, tenant and envelope
@@ -255,7 +257,7 @@ async def open_value(
     in two segment buffers at the start of the lease: each segment is opened into memory the
     socket has just read from, still in the CPU's cache."""
     envelope = sealformat.parse(value)
-    opener = sealer.opener(envelope, who, in_place=in_place)
+    opener = sealer.opener(envelope, who, in_place=in_place, sealed_with=sealed_with)
     windows: list[memoryview] = []
     stream = stream and not in_place and opener.segments > 1
     seg = opener.segment_size

@@ -106,9 +106,17 @@ class Sealer(Protocol):
         ``context`` (the envelope head)."""
         ...
 
-    def opener(self, envelope: Envelope, who: Who, *, in_place: bool) -> Opener:
+    def opener(
+        self,
+        envelope: Envelope,
+        who: Who,
+        *,
+        in_place: bool,
+        sealed_with: tuple[str, int] | None = None,
+    ) -> Opener:
         """The opener of a stored ``envelope`` for ``who`` (``in_place``: the windows are in
-        the envelope's own buffer)."""
+        the envelope's own buffer; ``sealed_with``: the key id and version the entry was put
+        under, which a sealed value must carry)."""
         ...
 
 
@@ -194,8 +202,20 @@ class KeyringSealer:
             context=context,
         )
 
-    def opener(self, envelope: Envelope, who: Who, *, in_place: bool) -> Opener:
+    def opener(
+        self,
+        envelope: Envelope,
+        who: Who,
+        *,
+        in_place: bool,
+        sealed_with: tuple[str, int] | None = None,
+    ) -> Opener:
         del in_place  # opened from wherever the body is, into the windows given
         return _SealedOpener(
-            envelope.reader(self._keyring, tenant=who.tenant, cache_key=who.digest.encode())
+            envelope.reader(
+                self._keyring,
+                tenant=who.tenant,
+                cache_key=who.digest.encode(),
+                sealed_with=sealed_with,
+            )
         )

@@ -127,8 +127,15 @@ class PlaintextSealer:
         del who, scope_user, context
         return _PlainWriter(length, body, dst, segment_size)
 
-    def opener(self, envelope: Envelope, who: Who, *, in_place: bool) -> Opener:
-        del who
+    def opener(
+        self,
+        envelope: Envelope,
+        who: Who,
+        *,
+        in_place: bool,
+        sealed_with: tuple[str, int] | None = None,
+    ) -> Opener:
+        del who, sealed_with  # nothing is sealed: no key to check
         if envelope.sealed:
             raise ProtocolError("a sealed value needs the keyring to open")
         return _PlainOpener(envelope.plain_body(), in_place=in_place)
