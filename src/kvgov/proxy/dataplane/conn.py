@@ -290,6 +290,23 @@ class StreamProtocol(asyncio.BufferedProtocol):
         if self._closed:
             raise ConnectionClosed
 
+    async def replies_read(self, seconds: float) -> None:
+        """Before the next request is read: wait until the peer has read its replies down to
+        the write buffer's high-water mark, for at most ``seconds`` (then the connection is
+        closed, phase ``reply``). Small replies (errors, pings, misses, EXISTS) go to the
+        transport without waiting, so a peer that kept asking and never read would otherwise
+        have them queued in the sidecar without limit."""
+        if self._write_ready.is_set():
+            return
+        if self.deadline != math.inf:  # a deadline runs already (HELLO's): it bounds this too
+            await self.drain()
+            return
+        self.arm(seconds, phase="reply")
+        try:
+            await self.drain()
+        finally:
+            self.disarm()
+
     async def send_plan(
         self,
         plan: GetPlan,

@@ -179,6 +179,7 @@ class LmConnection(StreamProtocol):
         frame_s = self.server.frame_timeout_s
         loop = asyncio.get_running_loop()
         while True:
+            await self.replies_read(frame_s)
             self.arm_on_data(frame_s)  # idle between requests is allowed, not a partial one
             await self.read_into(head)
             self.disarm()

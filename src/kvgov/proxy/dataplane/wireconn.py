@@ -203,6 +203,7 @@ class WireConnection(StreamProtocol):
         frame_s = cfg.frame_timeout_s
         head = memoryview(bytearray(HEADER_SIZE))
         while True:
+            await self.replies_read(frame_s)
             if self.identity is not None:  # before HELLO its own deadline runs
                 self.arm_on_data(frame_s)
             await self.read_into(head)
