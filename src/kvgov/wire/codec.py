@@ -169,7 +169,12 @@ def decode_header(
 def encode_meta(meta: Mapping[str, Any] | None) -> bytes:
     if not meta:
         return b""
-    return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
+    try:
+        return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        # a string UTF-8 cannot carry (a lone surrogate a peer sent as ``"\ud800"``, echoed
+        # in an error message): JSON's own escapes carry it, so the reply still goes out
+        return json.dumps(meta, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 def decode_meta(data: bytes | bytearray | memoryview) -> dict[str, Any]:
@@ -215,19 +220,35 @@ def error_from_meta(meta: Mapping[str, Any]) -> WireError:
 
 # -- metadata field helpers (shared by client and server) -------------------------------------
 # Strings never carry NUL: the ledger refuses it, so such a request is malformed at the edge.
+# Nor a lone surrogate: JSON's ``"\ud800"`` escape decodes to one, but it is no text UTF-8 (or
+# the ledger) can hold, so a peer's string is measured with :func:`utf8`, never encoded bare.
+
+
+def utf8(value: str) -> bytes | None:
+    """``value`` encoded as UTF-8, or None if it is not text (it holds a lone surrogate)."""
+    try:
+        return value.encode()
+    except UnicodeEncodeError:
+        return None
+
+
+def _fits(value: str, max_len: int) -> bool:
+    """Text (see :func:`utf8`) of at most ``max_len`` UTF-8 bytes, without NUL."""
+    if "\x00" in value:
+        return False
+    data = utf8(value)
+    return data is not None and len(data) <= max_len
 
 
 def valid_key(key: object) -> TypeGuard[str]:
-    """A non-empty string of at most :data:`MAX_KEY_BYTES`, without NUL (no ledger could
-    record it faithfully)."""
-    if not isinstance(key, str) or not key or "\x00" in key:
-        return False
-    return len(key.encode()) <= MAX_KEY_BYTES
+    """A non-empty string of at most :data:`MAX_KEY_BYTES`, without NUL or lone surrogates (no
+    ledger could record it faithfully)."""
+    return isinstance(key, str) and bool(key) and _fits(key, MAX_KEY_BYTES)
 
 
 def require_str(meta: Mapping[str, Any], name: str, *, max_len: int = MAX_KEY_BYTES) -> str:
     value = meta.get(name)
-    if not isinstance(value, str) or "\x00" in value or not value or len(value.encode()) > max_len:
+    if not isinstance(value, str) or not value or not _fits(value, max_len):
         raise WireError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a non-empty string")
     return value
 
@@ -236,7 +257,7 @@ def optional_str(meta: Mapping[str, Any], name: str, *, max_len: int = 256) -> s
     value = meta.get(name)
     if value is None:
         return None
-    if not isinstance(value, str) or len(value.encode()) > max_len or "\x00" in value:
+    if not isinstance(value, str) or not _fits(value, max_len):
         raise WireError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a string")
     return value or None
 

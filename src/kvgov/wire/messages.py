@@ -243,6 +243,17 @@ class CacheKey:
         return self.tag("user")
 
 
+def _decimal(text: str) -> int | None:
+    """A key's number field: ASCII digits only (``int()`` also reads signs, spaces, ``_`` and
+    other scripts' digits, and ``"²".isdigit()`` holds though ``int("²")`` fails), else None."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    try:
+        return int(text)
+    except ValueError:  # more digits than ``int()`` reads (``sys.get_int_max_str_digits``)
+        return None
+
+
 @functools.lru_cache(1 << 16)
 def parse_cache_key(raw: str) -> CacheKey:
     """Parse a key string; raises :class:`WireError` (BAD_REQUEST) if it is not one.
@@ -256,14 +267,12 @@ def parse_cache_key(raw: str) -> CacheKey:
     model, world, worker, chunk_hash, dtype, *rest = parts
     if not model or not chunk_hash or not dtype:
         raise WireError(ErrorCode.BAD_REQUEST, "cache key has empty fields")
-    try:
-        world_size = int(world)
-        worker_id = int(worker)
-    except ValueError:
-        raise WireError(ErrorCode.BAD_REQUEST, "cache key world size/worker not integers") from None
+    world_size = _decimal(world)
+    worker_id = _decimal(worker)
+    if world_size is None or worker_id is None:
+        raise WireError(ErrorCode.BAD_REQUEST, "cache key world size/worker not integers")
     layer: int | None = None
-    if rest and rest[0].isdigit():
-        layer = int(rest[0])
+    if rest and (layer := _decimal(rest[0])) is not None:
         rest = rest[1:]
     tags: list[tuple[str, str]] = []
     seen: set[str] = set()

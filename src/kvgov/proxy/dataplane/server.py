@@ -27,7 +27,7 @@ from kvgov.proxy.dataplane.wireconn import (
     ServerConfig,
     WireConnection,
 )
-from kvgov.wire.codec import ErrorCode, WireError
+from kvgov.wire.codec import ErrorCode, WireError, utf8
 
 __all__ = [
     "MAX_BATCH",
@@ -136,16 +136,25 @@ class WireServer:
 
     def authenticate(self, meta: Mapping[str, Any], conn: WireConnection) -> Identity:
         engine = meta.get("engine")
-        if not isinstance(engine, str) or not engine or len(engine) > 128:
+        if (
+            not isinstance(engine, str)
+            or not engine
+            or len(engine) > 128
+            or "\x00" in engine
+            or utf8(engine) is None  # a lone surrogate: no text the ledger can record
+        ):
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO needs an engine id")
         token = meta.get("token")
         tokens = self.config.engine_tokens
         if tokens:
             if not isinstance(token, str):
                 raise WireError(ErrorCode.UNAUTHENTICATED, "engine token required")
+            presented = utf8(token)
+            if presented is None:  # not text (a lone surrogate): equal to no configured token
+                raise WireError(ErrorCode.UNAUTHENTICATED, "engine token refused")
             matched: str | None = None
             for known, engine_id in tokens.items():  # every comparison runs: constant time
-                if hmac.compare_digest(known.encode(), token.encode()):
+                if hmac.compare_digest(known.encode(), presented):
                     matched = engine_id.get_secret_value()
             if matched is None:
                 raise WireError(ErrorCode.UNAUTHENTICATED, "engine token refused")
