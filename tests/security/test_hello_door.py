@@ -25,6 +25,7 @@ import pytest
 
 from kvgov.proxy.app import Sidecar
 from kvgov.proxy.dataplane import server as server_module
+from kvgov.proxy.dataplane.wireconn import PREAUTH_META_BYTES
 from kvgov.types import EventKind
 from kvgov.wire import RequestContext
 from kvgov.wire.codec import HEADER, MAGIC, MAX_META_BYTES, FrameType, encode_frame
@@ -87,7 +88,7 @@ async def _stored_nothing(sc: Sidecar, *chunks: int) -> None:
         pytest.param({"version": 1, "engine": "vllm-acme", "token": "TOK-ACME"}, id="case"),
         pytest.param({"version": 1, "engine": "vllm-acme", "token": 12345}, id="not-a-string"),
         pytest.param({"version": 1, "engine": "vllm-acme", "token": ["tok-acme"]}, id="list"),
-        pytest.param({"version": 1, "engine": "vllm-acme", "token": "x" * 100_000}, id="huge"),
+        pytest.param({"version": 1, "engine": "vllm-acme", "token": "x" * 10_000}, id="huge"),
         pytest.param({"version": 1, "token": "tok-acme"}, id="no-engine-id"),
         pytest.param({"version": 1, "engine": "e" * 129, "token": "tok-acme"}, id="long-id"),
     ],
@@ -217,28 +218,28 @@ async def test_truncated_hellos_authenticate_nothing(
 async def test_oversize_hellos_are_refused_before_they_are_read(
     tmp_path: Path, prod_db: doors.ProdDatabase
 ) -> None:
+    """Before HELLO authenticated the peer, a frame may carry at most ``PREAUTH_META_BYTES`` of
+    metadata and no payload, judged from the header: a peer with no token used to have up to
+    1 MiB of JSON read and parsed on the event loop per connection (a HELLO needs well under
+    1 KiB), stalling every engine's requests behind it."""
     async with doors.sidecar(tmp_path, prod_db) as sc:
         port = _port(sc)
+        for meta_len, payload_len in (
+            (MAX_META_BYTES + 1, 0),  # over the wire's own limit
+            (PREAUTH_META_BYTES + 1, 0),  # over what a frame before HELLO may carry
+            (100, 1),  # a HELLO has no payload
+            (0, 1 << 63),
+        ):
+            raw = RawWire(port)
+            try:  # announced, never sent: refused on the header alone
+                raw.send_raw(HEADER.pack(MAGIC, 1, FrameType.HELLO, 0, 1, meta_len, payload_len))
+                await run(_refused, raw, "too_large")
+            finally:
+                raw.close()
         raw = RawWire(port)
-        try:  # a metadata section over 1 MiB announced: refused on the header alone
-            raw.send_raw(HEADER.pack(MAGIC, 1, FrameType.HELLO, 0, 1, MAX_META_BYTES + 1, 0))
-            await run(_refused, raw, "too_large")
-        finally:
-            raw.close()
-        raw = RawWire(port)
-        try:  # a payload of 2**63 bytes announced
-            raw.send_raw(HEADER.pack(MAGIC, 1, FrameType.HELLO, 0, 1, 0, 1 << 63))
-            await run(_refused, raw, "too_large")
-        finally:
-            raw.close()
-        raw = RawWire(port)
-        try:  # a HELLO just under the metadata limit, all of it padding: still no identity
-            meta = {
-                "version": 1,
-                "engine": "e",
-                "token": "nope",
-                "pad": "p" * (MAX_META_BYTES - 100),
-            }
+        try:  # a HELLO just under the limit, all of it padding: read, and still no identity
+            pad = "p" * (PREAUTH_META_BYTES - 100)
+            meta = {"version": 1, "engine": "e", "token": "nope", "pad": pad}
             raw.send(FrameType.HELLO, 1, meta)
             await run(_refused, raw, "unauthenticated")
         finally:

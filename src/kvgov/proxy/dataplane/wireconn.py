@@ -57,6 +57,9 @@ log = logging.getLogger("kvgov.dataplane.server")
 MAX_BATCH = 4096
 #: PUT frames per connection whose replies wait for their ledger commit
 MAX_PIPELINED_PUTS = 32
+#: the metadata a frame may carry before HELLO authenticated the peer (a HELLO needs well
+#: under 1 KiB): a peer with no token is not made to read and parse a MiB of JSON
+PREAUTH_META_BYTES = 16 * 1024
 
 
 @dataclass(slots=True)
@@ -209,7 +212,10 @@ class WireConnection(StreamProtocol):
             await self.read_into(head)
             try:
                 header = decode_header(head, max_payload=max_payload)
-                meta = decode_meta(await self.read_exact(header.meta_len))
+                if self.identity is None and header.type is FrameType.HELLO:
+                    # small, no payload, judged from the header: a peer with no token is
+                    # not made to read and parse a MiB of JSON
+                    decode_header(head, max_payload=0, max_meta=PREAUTH_META_BYTES)
             except WireError as exc:
                 await self._replies_sent()
                 self.send_error(0, exc)
@@ -218,7 +224,13 @@ class WireConnection(StreamProtocol):
                 self.send_error(
                     header.stream_id, WireError(ErrorCode.UNAUTHENTICATED, "HELLO first")
                 )
-                return
+                return  # refused from the header: nothing of the frame is read
+            try:
+                meta = decode_meta(await self.read_exact(header.meta_len))
+            except WireError as exc:
+                await self._replies_sent()
+                self.send_error(0, exc)
+                return  # fatal: close only this connection
             put = header.type is FrameType.PUT and not self.server.draining
             payload_len = header.payload_len
             if not put:
