@@ -85,6 +85,8 @@ def _has_example(spec: dict[str, Any], schema: dict[str, Any]) -> bool:
         return _has_example(spec, spec["components"]["schemas"][name])
     if "examples" in schema or "example" in schema:
         return True
+    if "anyOf" in schema:  # a union (a fleet reader's answer or a tenant's): each documented
+        return all(_has_example(spec, member) for member in schema["anyOf"])
     if schema.get("type") == "array":
         return _has_example(spec, schema["items"])
     # a Page[T]: the items carry the example

@@ -50,6 +50,8 @@ SAME_ORIGIN = {
     "our origin, explicit default port": {"Origin": "http://KVGOV.test:80"},
     "same-origin fetch": {"Origin": BASE, "Sec-Fetch-Site": "same-origin"},
     "typed by the user": {"Sec-Fetch-Site": "none"},
+    # what Chromium sends on the page's own form POST under ``Referrer-Policy: no-referrer``
+    "opaque origin, same-origin fetch": {"Origin": "null", "Sec-Fetch-Site": "same-origin"},
 }
 
 

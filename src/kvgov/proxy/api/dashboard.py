@@ -131,7 +131,9 @@ def _cross_site(request: Request) -> str | None:
 
     Refused: a ``Sec-Fetch-Site`` other than ``same-origin`` / ``none``, or an ``Origin`` that is
     not this server's own (scheme, host and port as this server sees the request; behind a
-    TLS-terminating proxy, run uvicorn with ``--proxy-headers`` so the scheme is https).
+    TLS-terminating proxy, run uvicorn with ``--proxy-headers`` so the scheme is https). An
+    opaque ``Origin: null`` passes only where ``Sec-Fetch-Site`` vouches for the request:
+    Chromium sends it on the page's own sign-in, as the page's ``no-referrer`` policy asks.
 
     Allowed when the request carries *neither* header, on purpose: non-browser clients (curl,
     scripts, reverse-proxy health checks) send neither and cannot be made to post by another
@@ -144,6 +146,10 @@ def _cross_site(request: Request) -> str | None:
     if fetch_site is not None and fetch_site.strip().lower() not in _SAME_SITE_FETCH:
         return f"Sec-Fetch-Site is {fetch_site.strip()[:32]!r}"
     origin = request.headers.get("origin")
+    if origin is not None and origin.strip() == "null" and fetch_site is not None:
+        # an opaque origin vouched for by fetch metadata: Chromium sends ``Origin: null`` on
+        # this page's own form POST, as its ``Referrer-Policy: no-referrer`` asks
+        return None
     if origin is not None:
         raw = origin.strip()
         scheme, sep, netloc = raw.partition("://")
