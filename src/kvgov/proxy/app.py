@@ -42,7 +42,7 @@ from kvgov.proxy.dataplane.plans import inline_crypto_bytes, usable_cpus
 from kvgov.proxy.dataplane.sealers import KeyringSealer, Sealer
 from kvgov.proxy.dataplane.server import WireServer
 from kvgov.proxy.dataplane.unsafe import NullEventSink, PlaintextSealer
-from kvgov.proxy.dataplane.upkeep import expired, sweep
+from kvgov.proxy.dataplane.upkeep import expired, reconcile, sweep
 from kvgov.proxy.dataplane.wireconn import ServerConfig
 from kvgov.types import Environment, EventKind, Outcome
 
@@ -489,6 +489,10 @@ async def _build_sidecar(
     # capacity evictions become kv:evict events (late bound: the pipeline is built below)
     tiers = await build_tiers(settings, on_evict=lambda *ev: pipeline.tier_evicted(*ev))  # noqa: PLW0108
     undo.push_async_callback(tiers.close)
+    if recorded and engine is not None:
+        removed = await reconcile(index, tiers)
+        if removed:
+            log.warning("tiers.reconciled", extra={"removed_not_live": removed})
     cpus = usable_cpus()
     inline = inline_crypto_bytes(dp.inline_crypto_bytes, cpus)
     log.info(

@@ -26,6 +26,29 @@ async def expired(index: EntryIndex, tiers: TierChain, now: float) -> list[tuple
     return out
 
 
+#: tiers whose values only this sidecar writes (a Redis may be shared with other sidecars)
+LOCAL_TIERS = frozenset({"filesystem"})
+
+
+async def reconcile(index: EntryIndex, tiers: TierChain) -> dict[str, int]:
+    """At start, once the index holds every live entry the ledger knows: delete what a local
+    tier holds that no live entry names, and return how many per tier. A purge or deletion
+    made while this sidecar was down went to the sidecars alive then, so the values it erased
+    stayed on this disk, where nothing would serve, expire or delete them (and, under a key
+    not shredded, they stay readable to whoever reads the disk)."""
+    removed: dict[str, int] = {}
+    for name in tiers.names:
+        if name not in LOCAL_TIERS:
+            continue
+        tier = tiers.tier(name)
+        orphans = [key async for key in tier.iter_keys() if index.get(key) is None]
+        for key in orphans:
+            await tier.delete(key)
+        if orphans:
+            removed[name] = len(orphans)
+    return removed
+
+
 async def sweep(index: EntryIndex, tiers: TierChain, now: float) -> int:
     """Without a ledger (benchmarks): drop what is past its TTL, unrecorded."""
     due = await expired(index, tiers, now)
