@@ -452,11 +452,9 @@ class Settings(BaseSettings):
         """The Redis tier's URL (``tiers.redis_url`` or ``redis_url_file``, read now; else
         ``redis://127.0.0.1:6379/0``). It may hold a password: never log it."""
         tiers = self.tiers
-        value: SecretStr | str = tiers.redis_url
-        if isinstance(value, str):  # set by ``model_copy(update=...)``, which skips validation
-            value = SecretStr(value)
-        name = "tiers.redis_url_file"
-        url = self._url(value, tiers.redis_url_file, name, database=False)
+        url = self._url(
+            tiers.redis_url, tiers.redis_url_file, "tiers.redis_url_file", database=False
+        )
         return url or _DEFAULT_REDIS_URL
 
     def _url(self, value: SecretStr, path: Path | None, name: str, *, database: bool = True) -> str:

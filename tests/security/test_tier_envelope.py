@@ -95,13 +95,11 @@ EDITS: list[tuple[str, Callable[[bytes], bytes], str]] = [
 async def _sidecar(
     tmp_path: Path, db: doors.ProdDatabase, tier: str, request: pytest.FixtureRequest, **dp: Any
 ) -> AsyncIterator[Sidecar]:
-    settings = doors.settings(tmp_path, db, **dp)
     tiers: dict[str, Any] = {"chain": [tier]}
     if tier == "redis":
         tiers["redis_url"] = request.getfixturevalue("redis_url")
         tiers["redis_prefix"] = request.getfixturevalue("redis_prefix")
-    settings = settings.model_copy(update={"tiers": settings.tiers.model_copy(update=tiers)})
-    sc = await build_sidecar(settings)
+    sc = await build_sidecar(doors.tiered_settings(tmp_path, db, tiers, **dp))
     await sc.start()
     try:
         yield sc
