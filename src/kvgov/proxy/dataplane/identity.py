@@ -79,7 +79,7 @@ def resolve(
 ) -> tuple[Who | None, Denied | None]:
     try:
         key = parse_cache_key(raw_key)
-    except (WireError, ValueError):  # ValueError too: a client's text never fails the connection
+    except WireError:
         return None, Denied("malformed_key", identity, ctx)
     tenant = key.tenant or default_tenant
     if not tenant:
