@@ -123,6 +123,12 @@ class Principal:
     def is_admin(self) -> bool:
         return self.role is Role.ADMIN
 
+    @property
+    def fleet_wide(self) -> bool:
+        """Whether this caller may see figures that move with every tenant's traffic
+        (``/metrics``, ledger chains' counts and checkpoints): not tenant-scoped."""
+        return self.tenant is None
+
     def tenant_filter(self, requested: str | None) -> str | None:
         """The tenant a list query must be restricted to (forced for tenant-scoped tokens)."""
         if self.tenant is None:
@@ -316,7 +322,7 @@ async def require_fleet_reader(
     """Auditors and admins that are not tenant-scoped: fleet-wide figures (``/metrics``)."""
     if principal.role not in (Role.AUDITOR, Role.ADMIN):
         raise ForbiddenError(f"role {principal.role.value!r} may not use this endpoint")
-    if principal.tenant is not None:
+    if not principal.fleet_wide:
         raise ForbiddenError("fleet-wide figures need a token that is not tenant-scoped")
     await record_admin_access(ctx, request, principal)
     return principal

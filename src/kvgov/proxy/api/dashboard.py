@@ -59,7 +59,7 @@ from kvgov.proxy.api.auth import (
     record_admin_access,
     verify_token,
 )
-from kvgov.proxy.api.v1.audit import is_fleet_reader, report_out, scoped_report_out, stats_out
+from kvgov.proxy.api.v1.audit import report_out, scoped_report_out, stats_out
 from kvgov.proxy.api.v1.purge_reads import purge_summary
 from kvgov.types import Role
 
@@ -180,7 +180,7 @@ def _refuse_cross_site(env: Environment, request: Request) -> HTMLResponse | Non
 def _load(ctx: ApiContext, principal: Principal) -> dict[str, Any]:
     """Everything the page shows, read in one session."""
     report = ctx.verify_ledger()
-    fleet = is_fleet_reader(principal)
+    fleet = principal.fleet_wide
     # per-chain counts and checkpoints only for fleet-wide readers (chains span every tenant)
     verify_report = report_out(report) if fleet else scoped_report_out(report)
     with ctx.session() as session:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvgov.db.engine import utcnow
 from kvgov.ledger import queries_api as q
 from kvgov.ledger.verify import VerifyReport
-from kvgov.proxy.api.auth import Context, DbSession, Principal, Reader
+from kvgov.proxy.api.auth import Context, DbSession, Reader
 from kvgov.proxy.api.pagination import (
     DEFAULT_LIMIT,
     CursorParam,
@@ -191,12 +191,6 @@ class ScopedVerifyOut(BaseModel):
     )
 
 
-def is_fleet_reader(principal: Principal) -> bool:
-    """Whether ``principal`` may see fleet-wide figures: not tenant-scoped (the rule
-    :func:`~kvgov.proxy.api.auth.require_fleet_reader` applies to ``/metrics``)."""
-    return principal.tenant is None
-
-
 def scoped_report_out(report: VerifyReport) -> ScopedVerifyOut:
     """The verdict of ``report`` without anything that moves with other tenants' traffic."""
     return ScopedVerifyOut(
@@ -227,7 +221,7 @@ def scoped_report_out(report: VerifyReport) -> ScopedVerifyOut:
 )
 async def audit_verify(principal: Reader, ctx: Context) -> VerifyOut | ScopedVerifyOut:
     report = await run_in_threadpool(ctx.verify_ledger)
-    if not is_fleet_reader(principal):
+    if not principal.fleet_wide:
         return scoped_report_out(report)
     return report_out(report)
 
@@ -257,7 +251,7 @@ def list_checkpoints(
     limit: LimitParam = DEFAULT_LIMIT,
     cursor: CursorParam = None,
 ) -> Page[CheckpointOut]:
-    if not is_fleet_reader(principal):
+    if not principal.fleet_wide:
         return Page[CheckpointOut](items=[], limit=limit, next=None)
     rows = q.list_checkpoints(
         session, chain_id=chain_id, after=time_seq_key(cursor), limit=limit + 1
