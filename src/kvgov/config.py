@@ -227,7 +227,8 @@ class DataPlaneSettings(_Section):
     #: are denied before the policy is asked
     lm_tenants: list[str] = Field(default_factory=list)
     #: tenant assumed for ``lm://`` keys that carry no tenant tag (empty: such keys are denied);
-    #: must be one of ``lm_tenants``
+    #: must be one of ``lm_tenants``. The kvgov wire never assumes one: an untagged key there is
+    #: refused (``no_tenant``) before the policy sees it
     lm_default_tenant: str = ""
     #: engine tokens: ``{"token": "engine-id"}``. Empty in development accepts any engine id.
     engine_tokens: dict[str, SecretStr] = Field(default_factory=dict)

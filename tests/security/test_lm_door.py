@@ -22,7 +22,7 @@ from kvgov.errors import ConfigError
 from kvgov.types import EventKind
 from kvgov.wire import RequestContext
 from tests.security import doors
-from tests.security.doors import LmClient, engine, key, run
+from tests.security.doors import MODEL, LmClient, engine, key, run
 
 pytestmark = pytest.mark.postgres
 
@@ -170,3 +170,41 @@ async def test_lm_put_cannot_replace_what_an_engine_stored(
         kept = doors.events(sc, EventKind.KV_PUT_KEPT)
         assert [(e.principal, e.tenant) for e in kept] == [("lm:lm-acme", "acme")]
         assert len(doors.events(sc, EventKind.KV_PUT)) == 1
+
+
+async def test_lm_default_tenant_stays_on_the_lm_listener(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    """``dataplane.lm_default_tenant`` stands for the tenant of untagged keys on ``lm://``
+    only (LMCache's own keys carry no tenant). Attack: it also applied on the kvgov wire, so an
+    untagged key sent by any engine was taken as acme's, and only the policy's
+    ``missing_key_tenant`` rule kept that engine out of acme's space (a policy written without
+    that rule let it read and write acme's untagged chunks). It is refused before the policy
+    now, and its denial names no tenant. And on ``lm://``, where it belongs, the setting did
+    nothing: the policy saw no key tenant and denied every untagged key as
+    ``missing_key_tenant``; it now sees the declared tenant."""
+    async with doors.sidecar(tmp_path, prod_db, **_lm(lm_default_tenant="acme")) as sc:
+        untagged = f"{MODEL}@1@0@{0x51:x}@bfloat16"
+        globex = engine(sc, "tok-globex")
+        try:
+            ack = await run(globex.put, untagged, os.urandom(8192), ACME)
+            assert not ack.ok
+            assert ack.reason == "no_tenant"
+            assert await run(globex.get, untagged, ACME) is None
+        finally:
+            globex.close()
+        assert sc.lm_server is not None
+        lm = LmClient(sc.lm_server.port)
+        try:  # where it belongs, the default still applies
+            value = os.urandom(8192)
+            await run(lm.put, untagged, value)
+            assert await run(lm.get, untagged) == value
+        finally:
+            lm.close()
+        assert sc.writer is not None
+        await sc.writer.flush()
+        denied = doors.events(sc, EventKind.KV_DENIED)
+        wire = [e for e in denied if e.principal == "engine:vllm-globex"]
+        assert [(e.reason, e.tenant) for e in wire] == [("no_tenant", None)] * len(wire)
+        assert wire
+        assert [e.tenant for e in doors.events(sc, EventKind.KV_PUT)] == ["acme"]

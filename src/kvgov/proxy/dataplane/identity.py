@@ -81,7 +81,9 @@ def resolve(
         key = parse_cache_key(raw_key)
     except WireError:
         return None, Denied("malformed_key", identity, ctx)
-    tenant = key.tenant or default_tenant
+    # the default stands for untagged keys on lm:// alone (LMCache's keys carry no tenant);
+    # an engine on the kvgov wire tags its keys, and an untagged one is nobody's
+    tenant = key.tenant or (default_tenant if identity.unattributed else None)
     if not tenant:
         return None, Denied("no_tenant", identity, ctx)
     if len(tenant) > TENANT or len(key.model) > MODEL:
@@ -110,7 +112,9 @@ def build_input(who: Who, op: Operation, entry: EntryMeta | None) -> PolicyInput
         tenant=who.ctx.tenant or who.tenant,
         engine=who.identity.engine,
         listener=who.identity.listener,
-        key_tenant=who.key.tenant,
+        # the key's tag, or on lm:// the tenant the operator declared for untagged keys
+        # (dataplane.lm_default_tenant): the tenant the key is stored and read under
+        key_tenant=who.tenant,
         key_user=who.key_user,
         model=who.key.model,
         actor_user=who.actor,
