@@ -5,21 +5,24 @@ newest, and the pod spec keeps the promises of docs/deploy.md: a native kvgov si
 vLLM sharing the socket's emptyDir, probes, a locked-down securityContext on every container,
 resources, draining time, settings from a ConfigMap that loads (production: safe), secrets
 from Secret files only, per-pod chain ids with fleet-wide keys, a NetworkPolicy that admits
-only the compliance namespace to the API and no one to the data ports, the migration Job.
+only the compliance namespace to the API and no one to the data ports and lets the pod reach
+only DNS, the ledger's Postgres and (production) the OPA bundle server, the migration Job.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
-from kvgov.config import load_settings
+from kvgov.config import LOOPBACK_HOSTS, load_settings
 from kvgov.types import Environment
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +30,19 @@ KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ["development", "production"]
 #: native sidecars are on by default from 1.29 (beta) and GA in 1.33
 K8S_VERSIONS = ["1.29.0", "1.37.0"]
+#: the egress destinations' selectors (docs/deploy.md names the labels operators set)
+KUBE_DNS = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+    "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+}
+LEDGER_DATABASE = {
+    "namespaceSelector": {"matchLabels": {"kvgov.io/ledger-database": "true"}},
+    "podSelector": {"matchLabels": {"kvgov.io/ledger-database": "true"}},
+}
+BUNDLE_SERVER = {
+    "namespaceSelector": {"matchLabels": {"kvgov.io/policy-bundles": "true"}},
+    "podSelector": {"matchLabels": {"kvgov.io/policy-bundles": "true"}},
+}
 RESTRICTED = {
     "allowPrivilegeEscalation": False,
     "readOnlyRootFilesystem": True,
@@ -298,3 +314,182 @@ def test_production_runs_opa_as_its_own_sidecar_before_kvgov() -> None:
     assert env["KVGOV_POLICY__OPA_URL"] == "http://127.0.0.1:8181"
     assert one(docs, "Deployment")["spec"]["replicas"] > 1
     assert one(docs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a label selector matches these labels (an empty selector matches every pod)."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        if (
+            (op == "In" and labels.get(key) not in values)
+            or (op == "NotIn" and labels.get(key) in values)
+            or (op == "Exists" and key not in labels)
+            or (op == "DoesNotExist" and key in labels)
+        ):
+            return False
+    return True
+
+
+def assert_closed(rule: dict[str, Any]) -> None:
+    """An egress rule that names its ports and its destinations, none of them 'anything'."""
+    assert rule.get("ports"), f"a rule without ports reaches every port: {rule}"
+    assert all("port" in p for p in rule["ports"]), f"a port entry without a port: {rule}"
+    assert rule.get("to"), f"a rule without destinations reaches everyone: {rule}"
+    for peer in rule["to"]:
+        assert peer, f"an empty destination is every pod and address: {rule}"
+        for key in ("namespaceSelector", "podSelector"):
+            if key in peer:  # {} is every namespace / every pod of the namespace
+                assert peer[key].get("matchLabels") or peer[key].get("matchExpressions"), rule
+        if "ipBlock" in peer:  # 0.0.0.0/0, ::/0 and near-everything (0.0.0.0/1 + 128.0.0.0/1)
+            net = ipaddress.ip_network(peer["ipBlock"]["cidr"], strict=False)
+            assert net.prefixlen >= 8, f"ipBlock {net} reaches (almost) every address"
+
+
+def egress(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The egress rules of every NetworkPolicy selecting the inference pod (they add up).
+    Fails unless one limits the pod's egress, and if any rule is open (assert_closed)."""
+    labels = one(docs, "Deployment", "kvgov-inference")["spec"]["template"]["metadata"]["labels"]
+    rules: list[dict[str, Any]] = []
+    limited = False
+    for policy in (d["spec"] for d in docs if d["kind"] == "NetworkPolicy"):
+        types = policy.get("policyTypes") or ["Ingress"] + ["Egress"] * ("egress" in policy)
+        if "Egress" in types and selects(policy["podSelector"], labels):
+            limited = True
+            rules.extend(policy.get("egress") or [])
+    assert limited, "no NetworkPolicy limits the inference pod's egress"
+    for rule in rules:
+        assert_closed(rule)
+    return rules
+
+
+def reachable(docs: list[dict[str, Any]]) -> dict[tuple[int, str], list[dict[str, Any]]]:
+    """(port, protocol) -> every destination the pod may reach there."""
+    out: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for rule in egress(docs):
+        for port in rule["ports"]:
+            out.setdefault((port["port"], port.get("protocol", "TCP")), []).extend(rule["to"])
+    return out
+
+
+def bundle_port(docs: list[dict[str, Any]]) -> int:
+    """The port of OPA's bundle service (the rendered kvgov-opa ConfigMap's services URL)."""
+    config = yaml.safe_load(one(docs, "ConfigMap", "kvgov-opa")["data"]["opa-config.yaml"])
+    url = urlsplit(config["services"][config["bundles"]["kvgov"]["service"]]["url"])
+    return url.port or {"https": 443, "http": 80}[url.scheme]
+
+
+def test_egress_policy_selects_the_inference_pod(
+    overlay: tuple[str, list[dict[str, Any]]],
+) -> None:
+    _, docs = overlay
+    labels = one(docs, "Deployment", "kvgov-inference")["spec"]["template"]["metadata"]["labels"]
+    policy = one(docs, "NetworkPolicy", "kvgov-inference")["spec"]
+    assert "Egress" in policy["policyTypes"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert egress(docs)
+
+
+def test_every_egress_rule_names_ports_and_destinations(
+    overlay: tuple[str, list[dict[str, Any]]],
+) -> None:
+    _, docs = overlay
+    for rule in egress(docs):  # egress() also runs assert_closed on each rule
+        assert set(rule) == {"to", "ports"}, rule
+        for peer in rule["to"]:
+            assert "ipBlock" not in peer, "the shipped policy selects by label, never by address"
+            assert peer.get("namespaceSelector") and peer.get("podSelector"), peer
+
+
+def test_egress_reaches_dns_in_kube_system_only(
+    overlay: tuple[str, list[dict[str, Any]]],
+) -> None:
+    _, docs = overlay
+    allowed = reachable(docs)
+    assert allowed[(53, "UDP")] == [KUBE_DNS]
+    assert allowed[(53, "TCP")] == [KUBE_DNS]
+    assert all(KUBE_DNS not in peers for key, peers in allowed.items() if key[0] != 53)
+
+
+def test_egress_reaches_the_ledger_database_by_its_labels_only(
+    overlay: tuple[str, list[dict[str, Any]]],
+) -> None:
+    _, docs = overlay
+    allowed = reachable(docs)
+    assert allowed[(5432, "TCP")] == [LEDGER_DATABASE]
+    assert all(LEDGER_DATABASE not in peers for key, peers in allowed.items() if key[0] != 5432)
+    assert "`kvgov.io/ledger-database=true`" in (ROOT / "docs" / "deploy.md").read_text()
+
+
+def test_egress_reaches_nothing_else(
+    overlay: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exact list of ports: Redis only with a Redis tier, the bundle server only beside
+    OPA, and none for what is on the pod's loopback (vLLM's reset, OPA's API)."""
+    import os
+
+    name, docs = overlay
+    pod = one(docs, "Deployment", "kvgov-inference")["spec"]["template"]["spec"]
+    for key in list(os.environ):
+        if key.startswith("KVGOV_"):
+            monkeypatch.delenv(key)
+    for key, value in settings_env(docs, pod).items():
+        monkeypatch.setenv(key, value)
+    settings = load_settings()
+    expected = {(53, "UDP"), (53, "TCP"), (5432, "TCP")}
+    if "redis" in settings.tiers.chain:
+        expected.add((6379, "TCP"))
+    if settings.policy.engine == "opa":
+        assert urlsplit(settings.policy.opa_url).hostname in LOOPBACK_HOSTS
+        expected.add((bundle_port(docs), "TCP"))
+    for url in settings.purge.vllm_engines:
+        assert urlsplit(url).hostname in LOOPBACK_HOSTS, url  # else it needs a rule
+    assert set(reachable(docs)) == expected
+    assert (name == "production") == (settings.policy.engine == "opa")
+
+
+def test_production_egress_reaches_the_bundle_server_on_its_port_only() -> None:
+    docs = render("production")
+    allowed = reachable(docs)
+    port = bundle_port(docs)
+    assert port == 443
+    assert allowed[(port, "TCP")] == [BUNDLE_SERVER]
+    assert [key for key, peers in allowed.items() if BUNDLE_SERVER in peers] == [(port, "TCP")]
+    assert "`kvgov.io/policy-bundles=true`" in (ROOT / "docs" / "deploy.md").read_text()
+    dev = reachable(render("development"))
+    assert all(BUNDLE_SERVER not in peers for peers in dev.values())
+
+
+def test_the_egress_checks_catch_an_open_policy() -> None:
+    """The checks above can fail: no egress policy, an allow-all rule, a rule without ports,
+    one to 0.0.0.0/0 or ::/0, an empty destination, and a second, open policy all do."""
+    docs = render("production")
+    egress(docs)
+
+    def spoilt(change: Any) -> list[dict[str, Any]]:
+        copy: list[dict[str, Any]] = json.loads(json.dumps(docs))
+        change(one(copy, "NetworkPolicy", "kvgov-inference")["spec"], copy)
+        return copy
+
+    anywhere = {"ports": [{"port": 443, "protocol": "TCP"}]}
+    changes = [
+        lambda p, _: p.update(policyTypes=["Ingress"], egress=[]),
+        lambda p, _: p["egress"].append({}),
+        lambda p, _: p["egress"].append({"to": [KUBE_DNS]}),
+        lambda p, _: p["egress"].append({**anywhere, "to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}),
+        lambda p, _: p["egress"].append({**anywhere, "to": [{"ipBlock": {"cidr": "::/0"}}]}),
+        lambda p, _: p["egress"].append({**anywhere, "to": [{}]}),
+        lambda p, _: p["egress"].append({**anywhere, "to": [{"namespaceSelector": {}}]}),
+        lambda p, _: p["egress"].append(anywhere),
+        lambda _, d: d.append(
+            {
+                "kind": "NetworkPolicy",
+                "metadata": {"name": "allow-all-egress"},
+                "spec": {"podSelector": {}, "policyTypes": ["Egress"], "egress": [{}]},
+            }
+        ),
+    ]
+    for change in changes:
+        with pytest.raises(AssertionError):
+            egress(spoilt(change))
