@@ -210,9 +210,15 @@ class TierSettings(_Section):
 
 
 class DataPlaneSettings(_Section):
-    #: kvgov wire protocol on TCP; empty host disables the TCP listener
+    #: kvgov wire protocol on TCP; empty host disables the TCP listener. The wire has no
+    #: transport encryption (engine tokens, and values the sidecar opened for a get, cross it
+    #: in the clear): production refuses a host other than loopback unless
+    #: ``cleartext_network_ok`` says something else encrypts the pod's traffic
     host: str = "127.0.0.1"
     port: int = Field(default=7070, ge=0, le=65535)
+    #: the TCP wire may listen beyond loopback in production: only where a service mesh
+    #: encrypts and authenticates pod-to-pod traffic (mTLS) before it reaches the port
+    cleartext_network_ok: bool = False
     #: kvgov wire protocol on a Unix socket; empty disables it
     unix_path: Path | None = None
     #: LMCache ``lm://`` compatibility listener (``docs/operations.md``, "Running lm://
@@ -423,6 +429,13 @@ class Settings(BaseSettings):
             problems.append(
                 "database.runtime_role is empty: sidecars must connect as a role that does not"
                 " own the ledger's tables (docs/database.md)"
+            )
+        if dp.host and dp.host not in LOOPBACK_HOSTS and not dp.cleartext_network_ok:
+            problems.append(
+                f"dataplane.host={dp.host} puts the kvgov wire, which has no encryption of its "
+                "own, beyond this host (engine tokens and opened values in the clear): bind it "
+                "to 127.0.0.1 or use dataplane.unix_path; behind a mesh that encrypts pod "
+                "traffic (mTLS) set dataplane.cleartext_network_ok"
             )
         if dp.lm_port >= 0 and dp.lm_host not in LOOPBACK_HOSTS:
             problems.append(

@@ -113,6 +113,30 @@ def test_production_accepts_a_safe_configuration(tmp_path: Path) -> None:
     assert s.production_problems() == []
 
 
+def test_production_refuses_the_cleartext_wire_beyond_loopback(tmp_path: Path) -> None:
+    """Attack (review, ninth session): production accepted ``dataplane.host=0.0.0.0``; the
+    kvgov wire has no encryption of its own, so every engine token and every value a get
+    opened crossed the network in the clear. Refused now, like a non-loopback ``lm_host``,
+    unless the operator says a mesh encrypts pod traffic."""
+    safe: dict[str, object] = {
+        "environment": "production",
+        "database": {"url": "postgresql+psycopg://kvgov@db/kvgov", "runtime_role": "rt"},
+        "keys": {"kek_path": str(tmp_path / "kek.key")},
+    }
+    tokens = {"engine_tokens": {"t0ken-value": "engine-a"}}
+    for host in ("0.0.0.0", "10.1.2.3", "::"):
+        with pytest.raises(ConfigError, match=rf"dataplane\.host={host} .*no encryption"):
+            load_settings(**safe, dataplane={**tokens, "host": host})
+    for host in ("127.0.0.1", "::1", ""):  # loopback, or no TCP listener at all
+        s = load_settings(**safe, dataplane={**tokens, "host": host})
+        assert s.production_problems() == []
+    meshed = load_settings(
+        **safe, dataplane={**tokens, "host": "0.0.0.0", "cleartext_network_ok": True}
+    )
+    assert meshed.production_problems() == []
+    assert load_settings(dataplane={"host": "0.0.0.0"}).dataplane.host == "0.0.0.0"  # dev
+
+
 def test_production_needs_a_runtime_role(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"database\.runtime_role is empty"):
         load_settings(
