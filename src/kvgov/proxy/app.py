@@ -39,10 +39,11 @@ from kvgov.proxy.dataplane.limits import ConnectionLimits, DenialGate, SummaryLo
 from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
 from kvgov.proxy.dataplane.pipeline import Pipeline
 from kvgov.proxy.dataplane.plans import inline_crypto_bytes, usable_cpus
+from kvgov.proxy.dataplane.records import Recorder
 from kvgov.proxy.dataplane.sealers import KeyringSealer, Sealer
 from kvgov.proxy.dataplane.server import WireServer
 from kvgov.proxy.dataplane.unsafe import NullEventSink, PlaintextSealer
-from kvgov.proxy.dataplane.upkeep import expired, reconcile, sweep
+from kvgov.proxy.dataplane.upkeep import expired, ledger_entries, reconcile, sweep
 from kvgov.proxy.dataplane.wireconn import ServerConfig
 from kvgov.types import Environment, EventKind, Outcome
 
@@ -490,7 +491,15 @@ async def _build_sidecar(
     tiers = await build_tiers(settings, on_evict=lambda *ev: pipeline.tier_evicted(*ev))  # noqa: PLW0108
     undo.push_async_callback(tiers.close)
     if recorded and engine is not None:
-        removed = await reconcile(index, tiers)
+        # each orphan deleted is recorded (kv:delete, reason orphan), durable before serving
+        db = engine
+        removed = await reconcile(
+            index,
+            tiers,
+            Recorder(sink),
+            lookup=lambda digests: ledger_entries(db, digests),
+            principal=f"sidecar:{settings.chain_id}",
+        )
         if removed:
             log.warning("tiers.reconciled", extra={"removed_not_live": removed})
     cpus = usable_cpus()

@@ -8,15 +8,16 @@ miss: nothing waits, a sink that can may hold it back briefly to commit it with 
 
 The entry events (put, gone: deleted/expired, evicted) carry the
 :class:`~kvgov.ledger.events.EntryChange` that keeps the ledger's entry index in step with the
-tiers, so the index explains every entry the tiers hold or dropped.
+tiers, so the index explains every entry the tiers hold or dropped. The orphan deletions of a
+start (:func:`orphan_event`, :func:`orphans_event`) carry none: their entries are gone already.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,18 @@ class Recorder:
             self._lazy_sink.submit_lazy(event)
         else:
             self.sink.submit(event)
+
+    async def record_all(self, events: Sequence[Event]) -> None:
+        """Record every event durably: all queued at once (to share commits), then waited for;
+        a full queue waits for room (and that event's commit) before queueing the rest."""
+        pending: list[Awaitable[Any]] = []
+        for event in events:
+            try:
+                pending.append(self.sink.submit(event))
+            except LedgerBackpressureError:
+                await self.sink.append(event)
+        if pending:
+            await asyncio.gather(*pending)
 
     def note(self, event: Event, unrecorded: str = "dataplane.event.unrecorded") -> None:
         """Queue an event nothing waits on; a full queue records it as soon as there is room
@@ -183,4 +196,66 @@ def evict_event(digest: str, entry: EntryMeta, tier: str, remaining: tuple[str, 
         outcome=Outcome.OK,
         reason="capacity",
         entry=EntryChange(key_digest=digest, state=state, tiers=remaining),
+    )
+
+
+#: ``reason`` of the ``kv:delete`` of a value found at start that no live entry names
+ORPHAN = "orphan"
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """What the ledger's entry index (``cache_entries``) says of a key digest."""
+
+    tenant: str | None
+    state: EntryState
+
+
+def orphan_event(
+    digest: str,
+    tier: str,
+    nbytes: int | None,
+    known: LedgerEntry | None,
+    *,
+    removed: bool,
+    principal: str | None,
+) -> Event:
+    """``kv:delete``, reason ``orphan``: at start, ``tier`` held a value under ``digest`` that
+    no live entry names (purged, deleted or expired while this sidecar was down), and it was
+    deleted (``removed``: a live value was there). The tenant and ``attrs.entry_state`` are
+    what the ledger's row says (None: it has no row).
+
+    It carries no entry-index change: a ``purged``, ``deleted`` or ``expired`` row already
+    says the entry is gone (rewriting it would lose which); a digest without a row would get
+    one, naming no tenant; and a row still ``live`` is past its TTL (the owning chain's
+    sweeper expires it through the deletion path) or was put by another sidecar after this
+    one loaded its index (live there)."""
+    return Event(
+        kind=EventKind.KV_DELETE,
+        tenant=known.tenant if known is not None else None,
+        key_digest=digest,
+        tier=tier,
+        nbytes=nbytes,
+        outcome=Outcome.OK,
+        reason=ORPHAN,
+        principal=principal,
+        attrs={
+            "entry_state": str(known.state) if known is not None else None,
+            "removed_here": removed,
+        },
+    )
+
+
+def orphans_event(tier: str, count: int, nbytes: int, principal: str | None) -> Event:
+    """The ``kv:delete`` (reason ``orphan``, no key digest) that counts the orphans deleted
+    from ``tier`` past those recorded one event each (``attrs.orphans``; ``nbytes`` their
+    total size)."""
+    return Event(
+        kind=EventKind.KV_DELETE,
+        tier=tier,
+        nbytes=nbytes,
+        outcome=Outcome.OK,
+        reason=ORPHAN,
+        principal=principal,
+        attrs={"orphans": count},
     )
