@@ -335,6 +335,15 @@ class ApiSettings(_Section):
     #: serve the OpenAPI document and its pages (``/openapi.json``, ``/docs``, ``/redoc``);
     #: unset: in development only
     docs: bool | None = None
+    #: the reverse proxies (addresses or CIDR networks; ``"*"``: any peer) whose
+    #: ``X-Forwarded-Proto`` and ``X-Forwarded-For`` are believed. Behind a TLS-terminating
+    #: ingress, list its addresses: the dashboard then sees the scheme the browser used
+    #: (its sign-in's origin check and its cookie depend on it)
+    forwarded_allow_ips: list[str] = Field(default_factory=lambda: ["127.0.0.1", "::1"])
+    #: mark the dashboard's session cookie ``Secure`` (sent over HTTPS only). Unset: always in
+    #: production (a request a TLS proxy forwarded may reach kvgov as plain HTTP), elsewhere
+    #: when the request came over HTTPS. ``false`` is refused in production
+    secure_cookies: bool | None = None
 
 
 class PurgeSettings(_Section):
@@ -417,6 +426,11 @@ class Settings(BaseSettings):
             problems.append("dataplane.events=unsafe-null records nothing in the ledger")
         if not self.api.auth:
             problems.append("api.auth=false leaves the compliance API open")
+        if self.api.secure_cookies is False:
+            problems.append(
+                "api.secure_cookies=false lets the dashboard's session cookie travel over "
+                "plain HTTP"
+            )
         dp = self.dataplane
         if not dp.engine_tokens and dp.engine_tokens_file is None and not dp.unix_path:
             problems.append("no engine tokens: any process could act as an engine")

@@ -61,6 +61,7 @@ from kvgov.proxy.api.auth import (
 )
 from kvgov.proxy.api.v1.audit import report_out, scoped_report_out, stats_out
 from kvgov.proxy.api.v1.purge_reads import purge_summary
+from kvgov.types import Environment as KvgovEnvironment
 from kvgov.types import Role
 
 _HERE = Path(__file__).parent
@@ -131,7 +132,7 @@ def _cross_site(request: Request) -> str | None:
 
     Refused: a ``Sec-Fetch-Site`` other than ``same-origin`` / ``none``, or an ``Origin`` that is
     not this server's own (scheme, host and port as this server sees the request; behind a
-    TLS-terminating proxy, run uvicorn with ``--proxy-headers`` so the scheme is https). An
+    TLS-terminating proxy, list it in ``api.forwarded_allow_ips`` so the scheme is https). An
     opaque ``Origin: null`` passes only where ``Sec-Fetch-Site`` vouches for the request:
     Chromium sends it on the page's own sign-in, as the page's ``no-referrer`` policy asks.
 
@@ -159,6 +160,15 @@ def _cross_site(request: Request) -> str | None:
         if theirs is None or ours is None or theirs != ours:
             return "Origin is not this site"
     return None
+
+
+def _secure_cookie(ctx: ApiContext, request: Request) -> bool:
+    """Whether the session cookie is ``Secure`` (``api.secure_cookies``; unset: always in
+    production, where a TLS proxy may forward the request as plain HTTP, else over HTTPS)."""
+    configured = ctx.settings.api.secure_cookies
+    if configured is not None:
+        return configured
+    return ctx.settings.environment is KvgovEnvironment.PRODUCTION or request.url.scheme == "https"
 
 
 def _refuse_cross_site(env: Environment, request: Request) -> HTMLResponse | None:
@@ -291,7 +301,7 @@ async def login(request: Request, ctx: Context) -> Response:
         max_age=SESSION_TTL_S,
         path="/dashboard",
         httponly=True,
-        secure=request.url.scheme == "https",
+        secure=_secure_cookie(ctx, request),
         samesite="strict",
     )
     return response

@@ -161,4 +161,7 @@ def api_config(app: ASGIApp, api: ApiSettings) -> uvicorn.Config:
         timeout_keep_alive=int(max(1, api.timeout_keep_alive_s)),
         h11_max_incomplete_event_size=api.max_header_bytes,
         backlog=api.backlog,
+        # X-Forwarded-Proto/-For only from the proxies named (the dashboard's scheme)
+        proxy_headers=True,
+        forwarded_allow_ips=list(api.forwarded_allow_ips),
     )
