@@ -299,10 +299,40 @@ async def connect(port: int, stats: Stats) -> tuple[asyncio.StreamReader, asynci
     return reader, writer
 
 
+async def wire_hello(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: str, engine: str
+) -> bool:
+    """HELLO on the kvgov wire, through the token handshake when ``token`` is given
+    (:func:`kvgov.wire.handshake.start`); False when the sidecar refused it."""
+    from kvgov.wire import handshake
+    from kvgov.wire.codec import (
+        HEADER_SIZE,
+        PROTOCOL_VERSION,
+        FrameType,
+        decode_header,
+        decode_meta,
+        encode_frame,
+    )
+
+    meta: dict[str, Any] = {"engine": engine, "version": PROTOCOL_VERSION}
+    if not token:
+        writer.write(encode_frame(FrameType.HELLO, 1, meta))
+        return True
+    first, answer = handshake.start(token, meta)
+    writer.write(encode_frame(FrameType.HELLO, 1, first))
+    head = decode_header(await reader.readexactly(HEADER_SIZE))
+    challenge = decode_meta(await reader.readexactly(head.meta_len))
+    await reader.readexactly(head.payload_len)
+    mine = answer(challenge) if head.type is FrameType.HELLO else None
+    if mine is None:
+        return False
+    writer.write(encode_frame(FrameType.HELLO, 1, mine))
+    return True
+
+
 async def fuzzer(
     listener: str, port: int, stats: Stats, stop: asyncio.Event, seed: int, batch: int
 ) -> None:
-    from kvgov.wire.codec import PROTOCOL_VERSION, FrameType, encode_frame
 
     rng = random.Random(seed)
     pool = [wire_frame(rng) if listener == "wire" else lm_frame(rng) for _ in range(4000)]
@@ -313,15 +343,16 @@ async def fuzzer(
             stats.errors[type(exc).__name__] = stats.errors.get(type(exc).__name__, 0) + 1
             await asyncio.sleep(0.05)
             continue
-        drain = asyncio.ensure_future(drain_reader(reader))
         try:
             if listener == "wire":
                 token = rng.choice(TOKENS[:2]) if rng.random() < 0.9 else rng.choice(TOKENS)
-                hello = {"engine": "fuzz", "version": PROTOCOL_VERSION}
-                if token:
-                    hello["token"] = token
-                writer.write(encode_frame(FrameType.HELLO, 1, hello))
+                await wire_hello(reader, writer, token, "fuzz")
                 stats.add("wire:hello")
+        except (OSError, asyncio.IncompleteReadError, ValueError):
+            writer.close()
+            continue
+        drain = asyncio.ensure_future(drain_reader(reader))
+        try:
             for _ in range(rng.randrange(1, 20)):  # batches on this connection
                 if stop.is_set() or drain.done():
                     break
@@ -351,6 +382,7 @@ async def fuzzer(
 
 async def slowloris(port: int, listener: str, stats: Stats, stop: asyncio.Event, seed: int) -> None:
     """Trickle a HELLO (wire) or a request (lm://) one byte every 0.2 s; count the closes."""
+    from kvgov.wire import handshake
     from kvgov.wire.codec import PROTOCOL_VERSION, FrameType, encode_frame
 
     rng = random.Random(seed)
@@ -360,18 +392,15 @@ async def slowloris(port: int, listener: str, stats: Stats, stop: asyncio.Event,
         except OSError:
             await asyncio.sleep(0.5)
             continue
-        if listener == "wire":
-            data = encode_frame(
-                FrameType.HELLO,
-                1,
-                {"engine": "slow", "token": "tok-globex", "version": PROTOCOL_VERSION},
-            )
-            if rng.random() < 0.5:  # authenticated at once, then a frame trickled
-                writer.write(data)
-                data = encode_frame(FrameType.EXISTS, 2, {"keys": [rand_key(rng)]})
-        else:
-            data = lm_frame(rng)
         try:
+            if listener == "wire":
+                meta = {"engine": "slow", "version": PROTOCOL_VERSION}
+                data = encode_frame(FrameType.HELLO, 1, handshake.start("tok-globex", meta)[0])
+                # authenticated at once, then a frame trickled
+                if rng.random() < 0.5 and await wire_hello(reader, writer, "tok-globex", "slow"):
+                    data = encode_frame(FrameType.EXISTS, 2, {"keys": [rand_key(rng)]})
+            else:
+                data = lm_frame(rng)
             for byte in data:
                 if stop.is_set():
                     break
@@ -385,7 +414,7 @@ async def slowloris(port: int, listener: str, stats: Stats, stop: asyncio.Event,
             if reader.at_eof():
                 stats.closed_by_server += 1
                 stats.add("slowloris:closed")
-        except OSError:
+        except (OSError, asyncio.IncompleteReadError):
             stats.add("slowloris:closed")
         finally:
             writer.close()
@@ -393,7 +422,7 @@ async def slowloris(port: int, listener: str, stats: Stats, stop: asyncio.Event,
 
 async def hog(port: int, listener: str, stats: Stats, stop: asyncio.Event, seed: int) -> None:
     """Declare a 60 MiB PUT and never send it (or GET and never read): hold the pool."""
-    from kvgov.wire.codec import PROTOCOL_VERSION, FrameType, encode_frame
+    from kvgov.wire.codec import FrameType, encode_frame
 
     rng = random.Random(seed)
     while not stop.is_set():
@@ -404,8 +433,7 @@ async def hog(port: int, listener: str, stats: Stats, stop: asyncio.Event, seed:
             continue
         try:
             if listener == "wire":
-                hello = {"engine": "hog", "token": "tok-globex", "version": PROTOCOL_VERSION}
-                writer.write(encode_frame(FrameType.HELLO, 1, hello))
+                await wire_hello(reader, writer, "tok-globex", "hog")
                 k = rand_key(rng).replace("@tenant%", "@tenant%globex#")
                 items = (
                     [

@@ -27,7 +27,8 @@ from kvgov.config import Settings
 from kvgov.proxy.app import Sidecar
 from kvgov.wire import EvictRequest, RequestContext, WireClient
 from kvgov.wire.codec import HEADER_SIZE, FrameType, decode_header, encode_frame
-from tests.integration.live import LM_ON, running_sidecar
+from tests.integration.live import LM_ON, recv_exact, running_sidecar
+from tests.security.doors import token_hello
 
 T = TypeVar("T")
 MIB = 1 << 20
@@ -95,10 +96,35 @@ def _frames(data: bytes) -> list[tuple[FrameType, dict[str, Any]]]:
 
 
 def _hello(token: str | None, role: str) -> bytes:
+    """A first HELLO: naming ``token`` (the handshake's first step), or with none."""
     meta: dict[str, Any] = {"version": 1, "engine": "engine-1", "role": role}
     if token is not None:
-        meta["token"] = token
+        meta = token_hello(token, meta)[0]
     return encode_frame(FrameType.HELLO, 1, meta)
+
+
+def _authenticated(port: int, role: str) -> bytes:
+    """The token handshake by hand, then everything the sidecar sends (as :func:`_exchange`):
+    the challenge frame, then the HELLO reply."""
+    first, answer = token_hello(TOKEN, {"version": 1, "engine": "engine-1", "role": role})
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.settimeout(5)
+        s.sendall(encode_frame(FrameType.HELLO, 1, first))
+        head_bytes = recv_exact(s, HEADER_SIZE)
+        head = decode_header(head_bytes)
+        meta_bytes = recv_exact(s, head.meta_len)
+        s.sendall(encode_frame(FrameType.HELLO, 1, answer(json.loads(meta_bytes))))
+        s.settimeout(0.5)
+        out = bytearray(head_bytes + meta_bytes)
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        return bytes(out)
 
 
 async def test_the_digest_key_goes_only_to_an_authenticated_control_connection(
@@ -121,15 +147,16 @@ async def test_the_digest_key_goes_only_to_an_authenticated_control_connection(
         assert key_hex not in refused.decode("latin-1")
     assert key_hex not in early.decode("latin-1")
     # an authenticated data connection: no key either (it has no use for it)
-    data = await _run(_exchange, port, [_hello(TOKEN, "data")])
-    [(ftype, reply)] = _frames(data)
+    data = await _run(_authenticated, port, "data")
+    [(_, challenge), (ftype, reply)] = _frames(data)
+    assert set(challenge) == {"nonce", "proof"}
     assert ftype is FrameType.HELLO
     assert reply["engine"] == "engine-1"
     assert "key_digest_key" not in reply
     assert key_hex not in data.decode("latin-1")
     # the authenticated control connection: exactly the key the ledger's digests use
-    control = await _run(_exchange, port, [_hello(TOKEN, "control")])
-    [(ftype, reply)] = _frames(control)
+    control = await _run(_authenticated, port, "control")
+    [_, (ftype, reply)] = _frames(control)
     assert ftype is FrameType.HELLO
     assert reply["key_digest_key"] == key_hex
 

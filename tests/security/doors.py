@@ -192,13 +192,34 @@ class WireProbe:
     def hello(self, token: str) -> dict[str, Any]:
         from kvgov.wire.codec import PROTOCOL_VERSION, FrameType
 
-        self.send(FrameType.HELLO, {"engine": "x", "token": token, "version": PROTOCOL_VERSION})
+        first, answer = token_hello(token, {"engine": "x", "version": PROTOCOL_VERSION})
+        self.send(FrameType.HELLO, first)
+        ftype, meta = self.reply()
+        assert ftype is FrameType.HELLO, meta
+        self.send(FrameType.HELLO, answer(meta))
         ftype, meta = self.reply()
         assert ftype is FrameType.HELLO, meta
         return meta
 
     def closed_within(self, seconds: float) -> bool:
         return closed_within(self.sock, seconds)
+
+
+def token_hello(
+    token: str, meta: dict[str, Any]
+) -> tuple[dict[str, Any], Callable[[dict[str, Any]], dict[str, Any]]]:
+    """An engine's token handshake by hand (:func:`kvgov.wire.handshake.start`): the first
+    HELLO's metadata, and what answers the sidecar's challenge (asserting its proof)."""
+    from kvgov.wire import handshake
+
+    first, answer = handshake.start(token, meta)
+
+    def answered(challenge: dict[str, Any]) -> dict[str, Any]:
+        mine = answer(challenge)
+        assert mine is not None, "the sidecar proved nothing"
+        return mine
+
+    return first, answered
 
 
 def closed_within(sock: socket.socket, seconds: float) -> bool:
@@ -304,19 +325,30 @@ class RawWire:
         from kvgov.wire.codec import FrameType
 
         meta: dict[str, Any] = {"version": 1, "engine": engine, **extra}
-        if token is not None:
-            meta["token"] = token
-        self.send(FrameType.HELLO, 1, meta)
+        if token is None:
+            self.send(FrameType.HELLO, 1, meta)
+            return self.read()
+        first, answer = token_hello(token, meta)
+        self.send(FrameType.HELLO, 1, first)
+        challenge = self.read()
+        if challenge.type != FrameType.HELLO:  # refused (an unknown token id...)
+            return challenge
+        self.send(FrameType.HELLO, 1, answer(challenge.meta))
         return self.read()
 
     def read(self) -> Frame:
         """The next frame; :class:`ConnectionError` if the sidecar closed the connection."""
+        return self.read_from(self.sock)
+
+    @staticmethod
+    def read_from(sock: socket.socket) -> Frame:
+        """The next frame on ``sock``."""
         from kvgov.wire.codec import HEADER, decode_meta
 
-        head = recv_exact(self.sock, HEADER.size)
+        head = recv_exact(sock, HEADER.size)
         _magic, _version, ftype, flags, sid, meta_len, payload_len = HEADER.unpack(head)
-        meta = decode_meta(recv_exact(self.sock, meta_len)) if meta_len else {}
-        payload = recv_exact(self.sock, payload_len) if payload_len else b""
+        meta = decode_meta(recv_exact(sock, meta_len)) if meta_len else {}
+        payload = recv_exact(sock, payload_len) if payload_len else b""
         return Frame(ftype, flags, sid, meta, payload)
 
     def closed_by_peer(self) -> bool:

@@ -24,10 +24,9 @@ from typing import Any
 import pytest
 
 from kvgov.proxy.app import Sidecar
-from kvgov.proxy.dataplane import server as server_module
 from kvgov.proxy.dataplane.wireconn import PREAUTH_META_BYTES
 from kvgov.types import EventKind
-from kvgov.wire import RequestContext
+from kvgov.wire import RequestContext, handshake
 from kvgov.wire.codec import HEADER, MAGIC, MAX_META_BYTES, FrameType, encode_frame
 from tests.security import doors
 from tests.security.doors import TOKENS, RawWire, engine, key, run
@@ -356,36 +355,61 @@ async def test_a_unix_socket_peer_needs_a_token_too(
 
 
 class _Spy:
-    """``hmac`` as the server module sees it, counting ``compare_digest`` calls."""
+    """``hmac`` as the handshake module sees it, counting ``compare_digest`` calls."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[bytes, bytes]] = []
+
+    new = staticmethod(hmac.new)
 
     def compare_digest(self, a: bytes, b: bytes) -> bool:
         self.calls.append((bytes(a), bytes(b)))
         return hmac.compare_digest(a, b)
 
 
-async def test_tokens_are_compared_in_constant_time(
+async def test_proofs_are_compared_in_constant_time(
     tmp_path: Path, prod_db: doors.ProdDatabase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every configured token is compared with ``hmac.compare_digest``, whether the presented
-    one matches the first, the last or none: no early exit, no ``==`` or dict lookup whose
-    time depends on how much of a token an attacker guessed."""
+    """The token never crosses the wire, so it is never compared: the engine's proof of it is,
+    with ``hmac.compare_digest`` (no early exit, no ``==`` whose time depends on how much of a
+    proof an attacker guessed). The token id that picks the token is a hash of it: a lookup by
+    it tells an attacker nothing of the token."""
     spy = _Spy()
-    monkeypatch.setattr(server_module, "hmac", spy)
+    monkeypatch.setattr(handshake, "hmac", spy)
     async with doors.sidecar(tmp_path, prod_db) as sc:
         port = _port(sc)
-        for presented in (*TOKENS, "tok-acmX", "wrong"):
-            spy.calls.clear()
-            raw = RawWire(port)
-            try:
-                await run(raw.hello, presented)
-            finally:
-                raw.close()
-            assert len(spy.calls) == len(TOKENS), presented
-            assert {a for a, _ in spy.calls} == {t.encode() for t in TOKENS}
-            assert all(b == presented.encode() for _, b in spy.calls)
+        for token in TOKENS:
+            first, answer = doors.token_hello(token, {"version": 1, "engine": "e"})
+            good = answer  # checks the sidecar's proof, in this process too
+            for tamper in (lambda p: p[:-1] + ("0" if p[-1] != "0" else "1"), lambda p: ""):
+                raw = RawWire(port)
+                try:
+                    raw.send(FrameType.HELLO, 1, first)
+                    challenge = await run(raw.read)
+                    proof = good(challenge.meta)["proof"]
+                    spy.calls.clear()
+                    raw.send(FrameType.HELLO, 1, {"proof": tamper(proof)})
+                    refused = await run(raw.read)
+                finally:
+                    raw.close()
+                assert refused.error == "unauthenticated"
+                assert [b for _, b in spy.calls] == [tamper(proof).encode()]
+                assert len({a for a, _ in spy.calls}) == 1
+
+
+async def test_a_hello_never_carries_the_token(tmp_path: Path, prod_db: doors.ProdDatabase) -> None:
+    """A HELLO holding a token (a client that would hand it to whoever listens) is refused,
+    even when the token is right: nothing is admitted on it."""
+    async with doors.sidecar(tmp_path, prod_db) as sc:
+        raw = RawWire(_port(sc))
+        try:
+            raw.send(FrameType.HELLO, 1, {"version": 1, "engine": "e", "token": "tok-acme"})
+            refused = await run(raw.read)
+            assert refused.error == "unauthenticated"
+            assert "never carries the token" in str(refused.meta.get("message"))
+            assert await run(raw.closed_by_peer)
+        finally:
+            raw.close()
 
 
 async def test_hello_features_are_what_both_speak_and_nothing_else(

@@ -84,8 +84,10 @@ async def test_wire_replies_nobody_reads_are_bounded_and_the_peer_dropped(
     async with doors.sidecar(tmp_path, prod_db, frame_timeout_s=1.0) as sc:
         sock = _client(sc.server.tcp_port)
         try:
-            hello = {"version": 1, "engine": "x", "token": "tok-acme"}
-            sock.sendall(encode_frame(FrameType.HELLO, 1, hello))
+            first, answer = doors.token_hello("tok-acme", {"version": 1, "engine": "x"})
+            sock.sendall(encode_frame(FrameType.HELLO, 1, first))
+            challenge = await run(doors.RawWire.read_from, sock)
+            sock.sendall(encode_frame(FrameType.HELLO, 1, answer(challenge.meta)))
             await run(sock.recv, 4096)  # the HELLO reply; nothing is read after it
             (conn,) = list(sc.server.connections)
             _squeeze(conn)

@@ -2,15 +2,23 @@
 
 Private to :mod:`kvgov.wire.client`. A connection is used by one thread at a time (the client's
 pool hands it out); any socket error or timeout closes it, because its framing state is lost.
+
+An operation is bounded by one monotonic deadline (:meth:`Connection.arm`), from its request
+being sent to its reply fully read: before each send and receive the socket's timeout is set
+to what is left of it, so a peer that drips a reply byte by byte, or announces more than it
+sends, costs at most that long (:class:`WireTimeoutError`, the connection closed). A reply's payload
+is capped at what the request allows (``max_payload``): a longer one is a protocol error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvgov.wire import handshake
 from kvgov.wire.codec import (
     FEATURES,
     HEADER_SIZE,
@@ -33,6 +41,13 @@ from kvgov.wire.messages import ServerInfo
 Buffer = bytes | bytearray | memoryview
 
 _DISCARD_CHUNK = 1 << 20
+
+
+class WireTimeoutError(WireConnectionError):
+    """An operation's deadline passed before its reply was fully read (or its request sent):
+    the connection is closed, its framing state being unknown."""
+
+    code = "wire_timeout"
 
 
 def parse_address(address: str) -> tuple[int, Any]:
@@ -81,6 +96,9 @@ class Connection:
             ) from exc
         self.sock = sock
         self.closed = False
+        #: the running operation's deadline (``time.monotonic()``), None between operations
+        self._deadline: float | None = None
+        self._budget = timeout
         self._next_id = 0
         self._hdr = bytearray(HEADER_SIZE)
         self.info: ServerInfo | None = None
@@ -104,8 +122,9 @@ class Connection:
             "features": sorted(FEATURES),
         }
         if token is not None:
-            meta["token"] = token
-        _, reply = self.call(FrameType.HELLO, meta)
+            reply = self._prove(meta, token)
+        else:
+            _, reply = self.call(FrameType.HELLO, meta)
         try:
             info = ServerInfo.from_reply(reply)
         except WireError:
@@ -113,6 +132,51 @@ class Connection:
             raise
         self.info = info
         return info
+
+    # -- deadline ------------------------------------------------------------------------------
+
+    def arm(self, timeout: float) -> None:
+        """Start an operation: every send and receive until :meth:`disarm` must be done within
+        ``timeout`` seconds from now, or :class:`WireTimeoutError` is raised (connection closed)."""
+        self._budget = timeout
+        self._deadline = time.monotonic() + timeout
+
+    def disarm(self) -> None:
+        """End the operation: later reads (a control connection idling) have no deadline."""
+        self._deadline = None
+
+    def _time_left(self) -> None:
+        """Bound the next socket call by what is left of the deadline (if any)."""
+        if self._deadline is None:
+            return
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        self.sock.settimeout(left)
+
+    def _timed_out(self, what: str) -> WireTimeoutError:
+        self.close()
+        return WireTimeoutError(
+            ErrorCode.INTERNAL, f"timed out: {what} not complete within {self._budget:g}s"
+        )
+
+    def _prove(self, meta: dict[str, Any], token: str) -> dict[str, Any]:
+        """The token handshake (:mod:`kvgov.wire.handshake`): name the token and send a nonce;
+        the sidecar must prove it holds the token before the engine proves it does, and
+        before anything else is sent. A peer that cannot (whoever took the sidecar's port or
+        socket) is refused: the connection is closed and nothing more reaches it."""
+        first, answer = handshake.start(token, meta)
+        _, challenge = self.call(FrameType.HELLO, first)
+        mine = answer(challenge)
+        if mine is None:
+            self.close()
+            raise WireError(
+                ErrorCode.UNAUTHENTICATED,
+                "the peer did not prove it holds the engine token: it is not the sidecar",
+                hint="check what listens on the sidecar's address (dataplane.host/unix_path)",
+            )
+        _, reply = self.call(FrameType.HELLO, mine)
+        return reply
 
     # -- frames --------------------------------------------------------------------------------
 
@@ -131,6 +195,7 @@ class Connection:
         total = sum(p.nbytes for p in payloads)
         head = encode_frame(ftype, stream_id, meta, total, flags)
         try:
+            self._time_left()  # sendall's timeout bounds the whole call, not each send
             if payloads and len(head) + payloads[0].nbytes <= 64 * 1024:
                 # small items: one syscall for header and first payload
                 self.sock.sendall(head + payloads[0])
@@ -139,7 +204,10 @@ class Connection:
                 self.sock.sendall(head)
                 rest = payloads
             for part in rest:
+                self._time_left()
                 self.sock.sendall(part)
+        except TimeoutError:
+            raise self._timed_out("request to the sidecar") from None
         except OSError as exc:
             self.close()
             raise WireConnectionError(ErrorCode.INTERNAL, f"send failed: {exc}") from exc
@@ -147,12 +215,17 @@ class Connection:
     def recv_exact(self, view: memoryview) -> None:
         got = 0
         n = view.nbytes
+        sock = self.sock
         try:
             while got < n:
-                k = self.sock.recv_into(view[got:], n - got)
+                if self._deadline is not None:
+                    self._time_left()
+                k = sock.recv_into(view[got:], n - got)
                 if k == 0:
                     raise WireConnectionError(ErrorCode.INTERNAL, "sidecar closed the connection")
                 got += k
+        except TimeoutError:
+            raise self._timed_out("sidecar reply") from None
         except OSError as exc:
             self.close()
             raise WireConnectionError(ErrorCode.INTERNAL, f"receive failed: {exc}") from exc
@@ -185,8 +258,19 @@ class Connection:
             raise
         return header, meta
 
-    def read_reply(self, ftype: FrameType, stream_id: int) -> tuple[FrameHeader, dict[str, Any]]:
+    def read_reply(
+        self, ftype: FrameType, stream_id: int, max_payload: int = 0
+    ) -> tuple[FrameHeader, dict[str, Any]]:
+        """Read the reply to ``stream_id``. A payload over ``max_payload`` bytes (what the
+        request allows: none but a GET's hits) is a protocol error: the connection is closed
+        before any of it is read."""
         header, meta = self.read_frame()
+        if header.payload_len > max_payload:
+            self.close()
+            raise WireError(
+                ErrorCode.TOO_LARGE,
+                f"reply payload of {header.payload_len} bytes, over the {max_payload} allowed",
+            )
         if header.stream_id != stream_id and not (
             header.type is FrameType.ERROR and header.stream_id == 0
         ):
@@ -209,8 +293,11 @@ class Connection:
         ftype: FrameType,
         meta: Mapping[str, Any] | None,
         payloads: Sequence[memoryview] = (),
+        *,
+        max_payload: int = 0,
     ) -> tuple[FrameHeader, dict[str, Any]]:
-        """Send a request and read the reply's header and metadata (payload left unread)."""
+        """Send a request and read the reply's header and metadata (payload left unread, at
+        most ``max_payload`` bytes)."""
         stream_id = self.new_stream_id()
         self.send(ftype, stream_id, meta, payloads)
-        return self.read_reply(ftype, stream_id)
+        return self.read_reply(ftype, stream_id, max_payload)

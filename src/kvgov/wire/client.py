@@ -7,6 +7,13 @@ buffers and received straight into the caller's buffers (``get_into`` / ``alloc`
 ``put_stream`` pipelines PUT frames on one connection (several in flight, acks read in order)
 so that the sidecar's ledger commits overlap the transfers.
 
+``timeout`` bounds each operation as a whole, from its request being sent to its reply fully
+read (one deadline, not a per-read timeout): a sidecar that answers too slowly, drips its reply
+or announces bytes it never sends raises :class:`WireTimeoutError` and that connection is closed,
+never reused mid-frame. A reply carrying more payload than its request allows (a GET: at most
+the HELLO's ``max_frame_bytes`` and the caller's ``max_bytes``; any other reply: none) is a
+protocol error (``TOO_LARGE``), and the connection is closed before any of it is read.
+
 ``control()`` opens a :class:`~kvgov.wire.control.ControlChannel`: a dedicated connection on
 which the sidecar sends EVICT (purge) messages, answered with EVICT_ACK.
 See ``docs/protocol.md``.
@@ -22,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from kvgov.wire._conn import Buffer, Connection, as_bytes_view
+from kvgov.wire._conn import Buffer, Connection, WireTimeoutError, as_bytes_view
 from kvgov.wire.codec import (
     ErrorCode,
     FrameType,
@@ -41,14 +48,17 @@ from kvgov.wire.messages import (
 
 log = logging.getLogger("kvgov.wire.client")
 
+__all__ = ["Allocator", "WireClient", "WireTimeoutError"]
+
 #: ``alloc(result) -> writable buffer of at least result.length bytes`` (or None to skip it)
 Allocator = Callable[[GetResult], Any]
 
 
 class WireClient:
     """Blocking, thread-safe client. Every method raises :class:`WireError` on failure
-    (:class:`WireConnectionError` when the sidecar cannot be reached); an engine-side connector
-    turns those into misses (fail closed)."""
+    (:class:`WireConnectionError` when the sidecar cannot be reached, :class:`WireTimeoutError` when
+    an operation is not done within ``timeout``); an engine-side connector turns those into
+    misses (fail closed)."""
 
     def __init__(
         self,
@@ -77,10 +87,13 @@ class WireClient:
     def _connect(self, role: str = "data") -> Connection:
         conn = Connection(self.address, connect_timeout=self.connect_timeout, timeout=self.timeout)
         try:
+            conn.arm(self.timeout)  # the HELLO exchange is one operation
             self.info = conn.hello(self.engine_id, self._token, role)
         except BaseException:
             conn.close()
             raise
+        finally:
+            conn.disarm()
         return conn
 
     def _run(self, fn: Callable[[Connection], Any]) -> Any:
@@ -94,7 +107,11 @@ class WireClient:
                 conn = self._idle.get_nowait()
             except queue.Empty:
                 conn = self._connect()
-            return fn(conn)
+            conn.arm(self.timeout)
+            try:
+                return fn(conn)
+            finally:
+                conn.disarm()
         finally:
             if conn is not None and not conn.closed:
                 if self._closing.is_set():
@@ -163,9 +180,7 @@ class WireClient:
         meta = {"keys": list(keys), "ctx": (ctx or EMPTY_CONTEXT).to_meta()}
 
         def op(conn: Connection) -> list[Any]:
-            header, reply = conn.call(ftype, meta)
-            if header.payload_len:
-                conn.discard(header.payload_len)
+            _, reply = conn.call(ftype, meta)
             values = reply.get(field)
             if not isinstance(values, list) or len(values) != len(keys):
                 conn.close()
@@ -208,9 +223,7 @@ class WireClient:
         def op(conn: Connection) -> list[PutAck]:
             stream_id = conn.new_stream_id()
             conn.send(FrameType.PUT, stream_id, meta, views)
-            header, reply = conn.read_reply(FrameType.PUT, stream_id)
-            if header.payload_len:
-                conn.discard(header.payload_len)
+            _, reply = conn.read_reply(FrameType.PUT, stream_id)
             results = reply.get("results")
             if not isinstance(results, list) or len(results) != len(items):
                 conn.close()
@@ -236,7 +249,10 @@ class WireClient:
 
         ``items`` is read one item ahead, so that every frame but the last tells the sidecar
         more follow (``docs/protocol.md``): an iterator that produces its items slowly has
-        each frame sent once the next item is there (or it is exhausted)."""
+        each frame sent once the next item is there (or it is exhausted).
+
+        ``timeout`` bounds each frame: from its send to the read of the ack it waits for (the
+        oldest), and each ack read once all are sent."""
         if depth < 1:
             raise ValueError("depth must be at least 1")
         ctx_meta = (ctx or EMPTY_CONTEXT).to_meta()
@@ -258,11 +274,13 @@ class WireClient:
                         # another frame follows before this one's reply is read (the last
                         # does not say so: the sidecar then syncs its journal at once)
                         meta["more"] = True
+                    conn.arm(self.timeout)
                     conn.send(FrameType.PUT, stream_id, meta, [view])
                     waiting.append((stream_id, key))
                     if len(waiting) >= depth:
                         acks.append(_read_put_ack(conn, *waiting.popleft()))
                 while waiting:
+                    conn.arm(self.timeout)
                     acks.append(_read_put_ack(conn, *waiting.popleft()))
             except BaseException:
                 if waiting:
@@ -301,9 +319,15 @@ class WireClient:
         keys: Sequence[str],
         ctx: RequestContext | None = None,
         alloc: Allocator | None = None,
+        *,
+        max_bytes: int | None = None,
     ) -> list[tuple[GetResult | None, Any]]:
         """Read several values in one frame. For each key: ``(result, buffer)`` on a hit (the
         buffer is what ``alloc`` returned, or a new bytearray), ``(None, None)`` on a miss.
+
+        ``max_bytes`` caps the reply's payload (all hits together) below the HELLO's
+        ``max_frame_bytes``: a reply announcing more is a protocol error (``TOO_LARGE``, the
+        connection closed, nothing read or allocated).
 
         A hit the sidecar withdrew after announcing it (feature ``late_miss``: a segment failed
         its checks as it was sent) is a miss too, though ``alloc`` was asked for its buffer
@@ -313,7 +337,10 @@ class WireClient:
         meta = {"keys": list(keys), "ctx": (ctx or EMPTY_CONTEXT).to_meta()}
 
         def op(conn: Connection) -> list[tuple[GetResult | None, Any]]:
-            header, reply = conn.call(FrameType.GET, meta)
+            cap = conn.info.max_frame_bytes if conn.info is not None else 0
+            if max_bytes is not None:
+                cap = min(cap, max_bytes)
+            header, reply = conn.call(FrameType.GET, meta, max_payload=cap)
             tail = reply.get("tail") is True  # a GET_END frame follows the payload
             items = reply.get("items")
             if not isinstance(items, list) or len(items) != len(keys):
@@ -366,9 +393,7 @@ def _withdraw(
     conn: Connection, stream_id: int, items: list[Any], out: list[tuple[GetResult | None, Any]]
 ) -> None:
     """Read a GET's GET_END frame and turn the hits it withdraws into misses."""
-    header, end = conn.read_reply(FrameType.GET_END, stream_id)
-    if header.payload_len:
-        conn.discard(header.payload_len)
+    _, end = conn.read_reply(FrameType.GET_END, stream_id)
     missed = end.get("missed")
     if not isinstance(missed, list) or not all(
         type(i) is int
@@ -384,9 +409,7 @@ def _withdraw(
 
 
 def _read_put_ack(conn: Connection, stream_id: int, key: str) -> PutAck:
-    header, reply = conn.read_reply(FrameType.PUT, stream_id)
-    if header.payload_len:
-        conn.discard(header.payload_len)
+    _, reply = conn.read_reply(FrameType.PUT, stream_id)
     results = reply.get("results")
     if not isinstance(results, list) or len(results) != 1:
         conn.close()

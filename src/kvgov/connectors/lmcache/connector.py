@@ -11,6 +11,12 @@ It fails closed and never breaks inference: any error, timeout or unreachable si
 connection failure a backoff skips the sidecar for a while, so a dead sidecar costs nothing.
 A control connection receives the sidecar's EVICT messages (key digests) and removes the
 entries they name from the engine's local CPU and disk tiers.
+
+A hit is loaded only into a buffer of the engine's own KV geometry (what LMCache's metadata for
+this engine says: layers, hidden size, dtype, memory format, at most one chunk of tokens): a hit
+whose stored shape, dtype or format describes anything else (another engine's, or a sidecar's
+forgery) is refused as a miss before anything is allocated, logged and counted in
+``refused_hits``. ``kvgov.timeout_s`` bounds each request to the sidecar as a whole.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -39,14 +45,23 @@ from kvgov.wire import (
     WireClient,
     WireConnectionError,
 )
+from kvgov.wire.client import WireTimeoutError
 
 log = logging.getLogger("kvgov.connectors.lmcache")
 
 T = TypeVar("T")
 
+#: LMCache's chunk shapes are ``[kv, layers, tokens, hidden]`` (``LMCacheMetadata.get_shapes``)
+_TOKEN_DIM = 2
+#: guards ``refused_hits`` (refusals are rare: a lock costs nothing on the data path)
+_STATS_LOCK = threading.Lock()
+
 
 class KvgovConnector(RemoteConnector):  # type: ignore[misc]
     """A LMCache ``RemoteConnector`` that forwards to the kvgov sidecar."""
+
+    #: hits refused because their stored geometry is not this engine's (each one a miss)
+    refused_hits: int = 0
 
     def __init__(self, loop: Any, local_cpu_backend: Any, config: Any) -> None:
         metadata = getattr(local_cpu_backend, "metadata", None)
@@ -91,6 +106,11 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
             return default
         try:
             result = fn()
+        except WireTimeoutError as exc:
+            # the connection that timed out is closed (never reused mid-frame)
+            self.backoff.failure()
+            log.warning("lmcache.connector.timeout", extra={"op": op, "error": exc.code})
+            return default
         except WireConnectionError as exc:
             self.backoff.failure()
             log.warning("lmcache.connector.unreachable", extra={"op": op, "error": exc.code})
@@ -201,8 +221,12 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
                 return obj.byte_array
 
             try:
+                # no hit may exceed a chunk: a reply announcing more is a protocol error
                 replies = self.client.get_many(
-                    [key_string(keys[i]) for i in group], request_context(keys[group[0]]), alloc
+                    [key_string(keys[i]) for i in group],
+                    request_context(keys[group[0]]),
+                    alloc,
+                    max_bytes=full * len(group),
                 )
             except BaseException:
                 for _, obj in allocated.values():
@@ -216,20 +240,29 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
         return out
 
     def _allocate(self, result: GetResult) -> MemoryObj | None:
-        """A MemoryObj of the stored shape/dtype/format, or None to skip the item."""
-        meta = result.meta
-        try:
-            shape = torch.Size([int(d) for d in meta["shape"]])
-            dtype = getattr(torch, str(meta["dtype"]))
-            fmt = MemoryFormat(int(meta["fmt"]))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            if result.length != self.full_chunk_size_bytes:
-                return None
-            shape, dtype, fmt = self.meta_shapes[0], self.meta_dtypes[0], self.meta_fmt
-        if not isinstance(dtype, torch.dtype) or shape.numel() * dtype.itemsize != result.length:
-            log.warning("lmcache.connector.bad_entry_meta")
+        """A MemoryObj for the hit in the engine's own geometry, or None to skip the item (a
+        hit of any other geometry is refused: a miss, logged and counted, nothing allocated)."""
+        fmt = MemoryFormat(self.meta_fmt)
+        geometry = _hit_geometry(
+            result.meta,
+            result.length,
+            shapes=list(self.meta_shapes),
+            dtypes=list(self.meta_dtypes),
+            fmt=fmt,
+            full_bytes=int(self.full_chunk_size_bytes),
+        )
+        if isinstance(geometry, str):
+            with _STATS_LOCK:
+                self.refused_hits = getattr(self, "refused_hits", 0) + 1
+            log.warning(
+                "lmcache.connector.foreign_hit",
+                extra={"reason": geometry, "length": result.length, "meta": _brief(result.meta)},
+            )
             return None
-        obj: MemoryObj | None = self.local_cpu_backend.allocate(shape, dtype, fmt, busy_loop=False)
+        shapes, dtypes = geometry
+        obj: MemoryObj | None = self.local_cpu_backend.allocate(
+            shapes, dtypes, fmt, busy_loop=False
+        )
         return obj
 
     # -- RemoteConnector: single-key operations ------------------------------------------------
@@ -338,11 +371,65 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
         return []
 
 
+def _hit_geometry(
+    meta: Mapping[str, Any],
+    length: int,
+    *,
+    shapes: list[torch.Size],
+    dtypes: list[torch.dtype],
+    fmt: MemoryFormat,
+    full_bytes: int,
+) -> tuple[torch.Size | list[torch.Size], torch.dtype | list[torch.dtype]] | str:
+    """The shape(s) and dtype(s) to allocate for a hit of ``length`` bytes whose stored entry
+    metadata is ``meta``, given the engine's own full-chunk ``shapes``/``dtypes``/``fmt``
+    (LMCache's ``RemoteConnector`` attributes); or why the hit is refused.
+
+    Only the engine's geometry passes: its memory format and dtype, and its shape in every
+    dimension but the tokens, of which there are 1 to a chunk (the last chunk may be short).
+    A missing ``fmt``/``dtype``/``shape`` stands for the engine's own (a full chunk)."""
+    stored_fmt = meta.get("fmt", fmt.value)
+    if type(stored_fmt) is not int or stored_fmt != fmt.value:
+        return "fmt"
+    if len(shapes) != 1 or len(dtypes) != 1:
+        # several KV layer groups: only a whole chunk, laid out as the engine's own
+        if length != full_bytes:
+            return "length"
+        return list(shapes), list(dtypes)
+    own_shape, own_dtype = shapes[0], dtypes[0]
+    if meta.get("dtype", _dtype_name(own_dtype)) != _dtype_name(own_dtype):
+        return "dtype"
+    stored = meta.get("shape", list(own_shape))
+    if (
+        not isinstance(stored, list)
+        or len(stored) != len(own_shape)
+        or not all(type(d) is int for d in stored)
+    ):
+        return "shape"
+    for i, (d, own) in enumerate(zip(stored, own_shape, strict=True)):
+        if i != _TOKEN_DIM and d != own:
+            return "shape"
+    if not 0 < stored[_TOKEN_DIM] <= own_shape[_TOKEN_DIM]:
+        return "tokens"
+    shape = torch.Size(stored)
+    if shape.numel() * own_dtype.itemsize != length:
+        return "length"
+    return shape, own_dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _brief(meta: Mapping[str, Any]) -> str:
+    """A hit's stored metadata for a log line (short; no KV bytes are ever logged)."""
+    return repr({k: meta[k] for k in ("fmt", "dtype", "shape") if k in meta})[:200]
+
+
 def _entry_meta(obj: MemoryObj) -> dict[str, Any]:
     """What the connector needs to allocate the destination of a later get."""
     meta = obj.meta
     return {
         "fmt": int(meta.fmt.value),
-        "dtype": str(meta.dtype).removeprefix("torch."),
+        "dtype": _dtype_name(meta.dtype),
         "shape": [int(d) for d in meta.shape],
     }

@@ -28,7 +28,8 @@ class ConnectorSettings:
     endpoint: str
     engine_id: str = "lmcache"
     token: str | None = None
-    #: bound on every socket read/write of one operation (a slow sidecar becomes a miss)
+    #: bound on each request to the sidecar, from sending it to its reply fully read (one
+    #: deadline, not per socket read: a slow or dripping sidecar becomes a miss)
     timeout_s: float = 5.0
     connect_timeout_s: float = 0.5
     pool_size: int = 4

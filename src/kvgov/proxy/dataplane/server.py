@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import socket
@@ -23,10 +22,12 @@ from kvgov.proxy.dataplane.pipeline import Pipeline
 from kvgov.proxy.dataplane.wireconn import (
     MAX_BATCH,
     MAX_PIPELINED_PUTS,
+    Challenge,
     EngineEvictResult,
     ServerConfig,
     WireConnection,
 )
+from kvgov.wire import handshake
 from kvgov.wire.codec import ErrorCode, WireError, utf8
 
 __all__ = [
@@ -58,6 +59,11 @@ class WireServer:
         self._servers: list[asyncio.Server] = []
         self.draining = False
         self.addresses: list[str] = []
+        #: token id -> (token, engine id) (:func:`kvgov.wire.handshake.token_id`)
+        self._token_ids = {
+            handshake.token_id(token): (token, engine.get_secret_value())
+            for token, engine in config.engine_tokens.items()
+        }
 
     def _factory(self, *, unix: bool) -> WireConnection:
         return WireConnection(self, unix=unix)
@@ -134,7 +140,11 @@ class WireServer:
         results = await asyncio.gather(*(c.evict(digests, timeout_s) for c in controls))
         return list(results)
 
-    def authenticate(self, meta: Mapping[str, Any], conn: WireConnection) -> Identity:
+    def authenticate(self, meta: Mapping[str, Any], conn: WireConnection) -> Identity | Challenge:
+        """Who a HELLO is from: with engine tokens configured, the :class:`Challenge` its
+        token id calls for (the engine is admitted once it answers it,
+        :mod:`kvgov.wire.handshake`); else the engine it names, on a Unix socket from the
+        sidecar's own uid or root, or anywhere in development."""
         engine = meta.get("engine")
         if (
             not isinstance(engine, str)
@@ -144,21 +154,33 @@ class WireServer:
             or utf8(engine) is None  # a lone surrogate: no text the ledger can record
         ):
             raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO needs an engine id")
-        token = meta.get("token")
-        tokens = self.config.engine_tokens
-        if tokens:
-            if not isinstance(token, str):
+        if "token" in meta:
+            # the token itself never crosses the wire (an impostor on the port would have it)
+            raise WireError(
+                ErrorCode.UNAUTHENTICATED,
+                "a HELLO never carries the token: it names it (token_id) and proves it",
+                hint="docs/protocol.md, Authentication",
+            )
+        if self.config.engine_tokens:
+            tid, nonce, role = meta.get("token_id"), meta.get("nonce"), meta.get("role", "")
+            if not isinstance(tid, str) or not handshake.is_nonce(nonce):
                 raise WireError(ErrorCode.UNAUTHENTICATED, "engine token required")
-            presented = utf8(token)
-            if presented is None:  # not text (a lone surrogate): equal to no configured token
+            if not isinstance(role, str) or len(role) > 32 or utf8(role) is None:
+                raise WireError(ErrorCode.BAD_REQUEST, "role must be a short string")
+            # the id is a hash of the token, not a secret: a lookup by it leaks nothing
+            held = self._token_ids.get(tid)
+            if held is None:
                 raise WireError(ErrorCode.UNAUTHENTICATED, "engine token refused")
-            matched: str | None = None
-            for known, engine_id in tokens.items():  # every comparison runs: constant time
-                if hmac.compare_digest(known.encode(), presented):
-                    matched = engine_id.get_secret_value()
-            if matched is None:
-                raise WireError(ErrorCode.UNAUTHENTICATED, "engine token refused")
-            return Identity(matched, f"engine:{matched}")
+            token, engine_id = held
+            return Challenge(
+                meta,
+                engine_id,
+                token,
+                claimed=engine,
+                role=role,
+                tid=tid,
+                client_nonce=str(nonce),
+            )
         if conn.unix and conn.peer_uid in (os.getuid(), 0):
             return Identity(engine, f"engine:{engine}")
         if self.config.allow_anonymous:

@@ -34,6 +34,7 @@ from kvgov.proxy.dataplane.conn import ConnectionClosed, StreamProtocol, refuse
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.limits import ConnectionLimits
 from kvgov.proxy.dataplane.pipeline import SLICE, Ack, Door, Pipeline, PutSession
+from kvgov.wire import handshake
 from kvgov.wire.codec import (
     FEATURES,
     HEADER_SIZE,
@@ -94,7 +95,38 @@ class Hub(Protocol):
     controls: set[WireConnection]
     draining: bool
 
-    def authenticate(self, meta: Mapping[str, Any], conn: WireConnection) -> Identity: ...
+    def authenticate(
+        self, meta: Mapping[str, Any], conn: WireConnection
+    ) -> Identity | Challenge: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """A HELLO that named an engine token (:mod:`kvgov.wire.handshake`): the sidecar's
+    answer to it, and the proof the engine must send next."""
+
+    #: the first HELLO's metadata (version, role, features)
+    meta: Mapping[str, Any]
+    #: the engine id the token stands for
+    engine: str
+    token: str = field(repr=False)
+    #: what the transcript binds: the engine id the client claimed, its role, the token id
+    claimed: str = ""
+    role: str = ""
+    tid: str = ""
+    client_nonce: str = ""
+    server_nonce: str = field(default_factory=handshake.new_nonce)
+
+    def proof(self, side: str) -> str:
+        return handshake.proof(
+            self.token,
+            side,
+            role=self.role,
+            engine=self.claimed,
+            tid=self.tid,
+            client_nonce=self.client_nonce,
+            server_nonce=self.server_nonce,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +172,8 @@ class WireConnection(StreamProtocol):
         self._acks: dict[int, asyncio.Future[dict[str, Any]]] = {}
         #: holds a slot in the server's connection limits (released when lost)
         self._admitted = False
+        #: a token HELLO answered, waiting for the engine's proof (``_hello``)
+        self._challenge: Challenge | None = None
 
     @property
     def busy(self) -> bool:
@@ -298,13 +332,31 @@ class WireConnection(StreamProtocol):
     async def _hello(self, sid: int, meta: dict[str, Any]) -> None:
         if self.identity is not None:
             raise WireError(ErrorCode.BAD_REQUEST, "HELLO was already sent")
-        version = meta.get("version", PROTOCOL_VERSION)
-        if version != PROTOCOL_VERSION:
-            raise WireError(ErrorCode.VERSION_MISMATCH, f"protocol {version} not supported")
+        challenge, self._challenge = self._challenge, None
+        if challenge is not None:  # the second HELLO: the engine's proof of its token
+            if not handshake.proven(challenge.proof("client"), meta.get("proof")):
+                raise WireError(ErrorCode.UNAUTHENTICATED, "engine token refused")
+            meta = dict(challenge.meta)
+            identity: Identity = Identity(challenge.engine, f"engine:{challenge.engine}")
+        else:
+            version = meta.get("version", PROTOCOL_VERSION)
+            if version != PROTOCOL_VERSION:
+                raise WireError(ErrorCode.VERSION_MISMATCH, f"protocol {version} not supported")
+            if not isinstance(meta.get("features", []), list):
+                raise WireError(ErrorCode.BAD_REQUEST, "features must be a list")
+            got = self.server.authenticate(meta, self)
+            if isinstance(got, Challenge):
+                # the sidecar proves it holds the token first; the engine answers with its
+                # own proof in a second HELLO, within the same hello deadline
+                self._challenge = got
+                self.send(
+                    FrameType.HELLO,
+                    sid,
+                    {"nonce": got.server_nonce, "proof": got.proof("server")},
+                )
+                return
+            identity = got
         offered = meta.get("features", [])
-        if not isinstance(offered, list):
-            raise WireError(ErrorCode.BAD_REQUEST, "features must be a list")
-        identity = self.server.authenticate(meta, self)
         if not self.server.limits.admit_engine(self, identity.engine):
             raise WireError(
                 ErrorCode.UNAUTHENTICATED,
