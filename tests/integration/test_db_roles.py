@@ -60,7 +60,7 @@ def test_the_grants_cover_every_table_and_sequence_and_nothing_else(db: RoleData
     assert sequences == set(RUNTIME_SEQUENCES)
     for table, privileges in RUNTIME_PRIVILEGES.items():
         assert _privileges(db, table) == set(privileges), table
-    for chained in ("ledger_events", "checkpoints", "chains"):
+    for chained in ("ledger_events", "checkpoints", "chains", "chain_seals"):
         assert _privileges(db, chained) == {"SELECT", "INSERT"}
 
 

@@ -23,8 +23,15 @@ from typer.testing import CliRunner
 
 from kvgov.cli.main import build_app
 from kvgov.db.engine import make_engine
-from kvgov.db.models import LedgerEvent, table
-from kvgov.ledger.chain import ChainedFields, link, load_signing_key, public_key_bytes
+from kvgov.db.models import Checkpoint, LedgerEvent, table
+from kvgov.errors import LedgerError
+from kvgov.ledger.chain import (
+    ChainedFields,
+    link,
+    load_signing_key,
+    public_key_bytes,
+    sign_checkpoint,
+)
 from kvgov.ledger.checkpoint import write_checkpoint
 from kvgov.ledger.events import EntryChange, Event
 from kvgov.ledger.trust import format_public_key
@@ -289,10 +296,32 @@ def test_checkpoint_signed_by_another_key_is_detected(ledger: Ledger) -> None:
         )
     engine = make_engine(ledger.url)
     try:
-        info = write_checkpoint(engine, CHAIN, mallory)  # re-signs the head with her key
+        # kvgov's own checkpoint refuses: the chain's genesis is not signed by her key
+        with pytest.raises(LedgerError, match="no genesis signed by this key"):
+            write_checkpoint(engine, CHAIN, mallory)
+        with attacker(ledger.url) as conn:  # so she re-signs the head with her key herself
+            ev = table(LedgerEvent)
+            seq, head = conn.execute(
+                sa.select(ev.c.seq, ev.c.hash)
+                .where(ev.c.chain_id == CHAIN)
+                .order_by(ev.c.seq.desc())
+                .limit(1)
+            ).one()
+            now = datetime.now(UTC)
+            conn.execute(
+                table(Checkpoint)
+                .insert()
+                .values(
+                    chain_id=CHAIN,
+                    seq=seq,
+                    head_hash=head,
+                    signed_at=now,
+                    signature=sign_checkpoint(mallory, CHAIN, seq, head, now),
+                    public_key=public_key_bytes(mallory),
+                )
+            )
     finally:
         engine.dispose()
-    assert info is not None
     # the swapped chain key is not a trusted one, and the genuine checkpoint at 8 no longer
     # matches it
     assert_broken(ledger, "untrusted_key", 0)

@@ -54,7 +54,7 @@ from tests.security.doors import engine, key, run
 
 pytestmark = pytest.mark.postgres
 
-GUARDED = ("ledger_events", "checkpoints", "chains", "event_payloads")
+GUARDED = ("ledger_events", "checkpoints", "chains", "chain_seals", "event_payloads")
 
 
 @dataclass
@@ -268,7 +268,13 @@ async def test_a_removed_chain_the_fleet_registry_names_is_missing(tmp_path: Pat
         assert code == 0, cli
         # the attacker removes node-b's chain: events, payloads, checkpoints, chain row
         with superuser(db.superuser_url) as conn:
-            for t in ("event_payloads", "ledger_events", "checkpoints", "ledger_journal_marks"):
+            for t in (
+                "event_payloads",
+                "ledger_events",
+                "checkpoints",
+                "chain_seals",
+                "ledger_journal_marks",
+            ):
                 conn.execute(sa.text(f"DELETE FROM {t} WHERE chain_id = 'node-b'"))
             conn.execute(sa.text("DELETE FROM chains WHERE chain_id = 'node-b'"))
         _, api = await d.assert_broken("missing_chain")
@@ -282,7 +288,13 @@ async def test_the_serving_sidecars_own_chain_removed_is_missing(tmp_path: Path,
         await traffic(d.sc, 2)
         chain_id = d.sc.writer.chain_id if d.sc.writer else ""
         with superuser(db.superuser_url) as conn:
-            for t in ("event_payloads", "ledger_events", "checkpoints", "ledger_journal_marks"):
+            for t in (
+                "event_payloads",
+                "ledger_events",
+                "checkpoints",
+                "chain_seals",
+                "ledger_journal_marks",
+            ):
                 conn.execute(sa.text(f"DELETE FROM {t} WHERE chain_id = :c"), {"c": chain_id})
             conn.execute(sa.text("UPDATE cache_entries SET chain_id = NULL"))
             conn.execute(sa.text("UPDATE policy_decisions SET chain_id = NULL"))
@@ -304,6 +316,7 @@ async def test_an_emptied_ledger_is_not_intact(tmp_path: Path, db: Db) -> None:
             "event_payloads",
             "ledger_events",
             "checkpoints",
+            "chain_seals",
             "ledger_journal_marks",
             "sidecars",
             "chains",

@@ -1,8 +1,9 @@
 """``kvgov audit``: sign chain heads, re-verify the whole ledger, read the local journal.
 
-``audit verify`` exits 0 when every chain and checkpoint verifies against the trusted keys
-(:mod:`kvgov.ledger.trust`) and 1 otherwise, printing the first bad position of each broken
-chain (``--json`` for the full report). ``audit public-key`` prints the key to distribute.
+``audit verify`` exits 0 when every chain, checkpoint and chain seal verifies against the
+trusted keys (:mod:`kvgov.ledger.trust`, :mod:`kvgov.ledger.seals`) and 1 otherwise, printing
+the first bad position of each broken chain (``--json`` for the full report). ``audit
+public-key`` prints the key to distribute.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from pathlib import Path
 import typer
 
 from kvgov.cli._common import EXIT_FAILED, EXIT_USAGE, echo, emit_json, fail, settings
+
+#: ``kvgov.ledger.seals.DEFAULT_MAX_UNSIGNED_AGE`` in seconds (not imported: the CLI loads the
+#: ledger lazily)
+DEFAULT_MAX_UNSIGNED_AGE_S = 3600.0
 
 
 def register(app: typer.Typer) -> None:
@@ -24,21 +29,41 @@ def register(app: typer.Typer) -> None:
             None, "--chain", help="Chain to sign (default: every chain of this signing key)."
         ),
         note: bool = typer.Option(False, "--note", help="Print each checkpoint's signed note."),
+        adopt: bool = typer.Option(
+            False,
+            "--adopt",
+            help="First sign the genesis of each --chain that has none (a chain registered "
+            "before chain seals, its writer gone): only after inspecting its events, since "
+            "anyone with the runtime database role can register a chain under this key.",
+        ),
     ) -> None:
-        """Sign the current head of this node's chains."""
+        """Sign the current head of this node's chains (never a chain without a signed genesis
+        or with events appended after its writer closed it: exit 1)."""
         from kvgov.db.engine import make_engine
+        from kvgov.errors import LedgerError
         from kvgov.ledger.chain import load_signing_key
         from kvgov.ledger.checkpoint import chains_of_key, write_checkpoint
+        from kvgov.ledger.seals import sign_genesis
 
+        if adopt and not chain:
+            raise fail("kvgov: --adopt needs the --chain to vouch for", EXIT_USAGE)
         s = settings(ctx)
         key = load_signing_key(s.signing_key_path)
         engine = make_engine(s.database_url)
+        refused = False
         try:
             chains = chain or chains_of_key(engine, key)
             if not chains:
                 echo("no chain belongs to this signing key yet")
             for chain_id in chains:
-                info = write_checkpoint(engine, chain_id, key)
+                try:
+                    if adopt and sign_genesis(engine, chain_id, key):
+                        echo(f"{chain_id}: genesis signed")
+                    info = write_checkpoint(engine, chain_id, key)
+                except LedgerError as exc:
+                    echo(f"{chain_id}: NOT signed: {exc.diagnostics()}")
+                    refused = True
+                    continue
                 if info is None:
                     echo(f"{chain_id}: head already signed (or chain empty)")
                     continue
@@ -47,6 +72,8 @@ def register(app: typer.Typer) -> None:
                     echo(info.note())
         finally:
             engine.dispose()
+        if refused:
+            raise typer.Exit(EXIT_FAILED)
 
     @group.command("verify")
     def verify_cmd(
@@ -61,11 +88,22 @@ def register(app: typer.Typer) -> None:
         require_signed: bool = typer.Option(
             False,
             "--require-signed",
-            help="Also fail when a chain has events no checkpoint covers yet.",
+            help="Also fail when a chain has events no signed head covers yet.",
+        ),
+        max_unsigned_age: float = typer.Option(
+            DEFAULT_MAX_UNSIGNED_AGE_S,
+            "--max-unsigned-age",
+            min=0.0,
+            help="Fail a chain whose events have been unsigned (after its last checkpoint or "
+            "writer seal) for longer than this many seconds; 0: no bound.",
         ),
     ) -> None:
-        """Recompute every chain and check every checkpoint against the trusted keys (never the
-        keys stored in the database). Exit 1 on any problem."""
+        """Recompute every chain and check every checkpoint and seal against the trusted keys
+        (never the keys stored in the database). Exit 1 on any problem: also a chain no key
+        holder vouched for, events appended after a writer closed its chain, or an unsigned
+        tail older than --max-unsigned-age."""
+        from datetime import timedelta
+
         from kvgov.db.engine import make_engine
         from kvgov.ledger.chain import load_public_key
         from kvgov.ledger.trust import trusted_keys, verify_trusted
@@ -74,8 +112,9 @@ def register(app: typer.Typer) -> None:
         s = settings(ctx)
         keys = trusted_keys(s, extra=[load_public_key(p) for p in trust_key or []])
         engine = make_engine(s.database_url)
+        bound = timedelta(seconds=max_unsigned_age) if max_unsigned_age > 0 else None
         try:
-            report = verify_trusted(engine, keys)
+            report = verify_trusted(engine, keys, max_unsigned_age=bound)
         finally:
             engine.dispose()
         if require_signed:
@@ -85,7 +124,7 @@ def register(app: typer.Typer) -> None:
                         Finding(
                             Problem.UNSIGNED,
                             c.head_seq - c.unsigned_events + 1,
-                            f"{c.unsigned_events} events after the last checkpoint are unsigned",
+                            f"{c.unsigned_events} events after the last signed head are unsigned",
                         )
                     )
         if as_json:
@@ -95,9 +134,12 @@ def register(app: typer.Typer) -> None:
                 first = c.first_bad
                 if first is None:
                     unsigned = f", {c.unsigned_events} unsigned" if c.unsigned_events else ""
+                    state = ", closed" if c.closed else ""
+                    legacy = ", legacy genesis" if c.genesis == "legacy" else ""
                     echo(
                         f"ok     {c.chain_id}: {c.events} events, head {c.head_seq}, "
-                        f"{c.checkpoints} checkpoints{unsigned} (key {c.key_fingerprint})"
+                        f"{c.checkpoints} checkpoints{unsigned}{state}{legacy} "
+                        f"(key {c.key_fingerprint})"
                     )
                 else:
                     echo(f"BROKEN {c.chain_id}: {first.problem} at seq {first.seq}: {first.detail}")

@@ -18,6 +18,7 @@ RUNTIME_PRIVILEGES: dict[str, tuple[str, ...]] = {
     "ledger_events": ("SELECT", "INSERT"),
     "checkpoints": ("SELECT", "INSERT"),
     "chains": ("SELECT", "INSERT"),
+    "chain_seals": ("SELECT", "INSERT"),
     # erasure sets payload and salt to NULL (the chained digest stays)
     "event_payloads": ("SELECT", "INSERT", "UPDATE"),
     # the writer's index upserts; purges mark users erased

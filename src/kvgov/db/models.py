@@ -2,9 +2,10 @@
 
 Two kinds of table live here:
 
-* the **append-only** ones, guarded by database triggers (migration 0002): ``ledger_events``
-  (the hash-chained log, one chain per writer), ``checkpoints`` (signed chain heads) and
-  ``chains`` (each chain's public key);
+* the **append-only** ones, guarded by database triggers (migrations 0002 and 0006):
+  ``ledger_events`` (the hash-chained log, one chain per writer), ``checkpoints`` (signed chain
+  heads), ``chains`` (each chain's public key) and ``chain_seals`` (each chain's signed genesis
+  and its writer sessions' opens and closes);
 * **mutable indexes and state** that the chained log explains: tenants, user references,
   requests, the cache-entry index, policy decisions, data keys, purge jobs and their steps and
   receipts, sidecars and API tokens.
@@ -242,6 +243,32 @@ class Checkpoint(Base):
     public_key: Mapped[bytes] = mapped_column(LargeBinary)
 
 
+class ChainSeal(Base):
+    """A signed statement of a chain's life (append-only, migration 0006): its genesis (the
+    writer vouches for the ``chains`` row) and each writer session's open and close (see
+    :mod:`kvgov.ledger.seals`)."""
+
+    __tablename__ = "chain_seals"
+
+    chain_id: Mapped[str] = mapped_column(
+        String(CHAIN_ID), ForeignKey("chains.chain_id"), primary_key=True
+    )
+    #: ``genesis``, ``open`` or ``close``
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    #: the writer session's random id (``''`` for the genesis)
+    session: Mapped[str] = mapped_column(String(64), primary_key=True)
+    #: the head the statement is about (0 for the genesis)
+    seq: Mapped[int] = mapped_column(BigInteger)
+    head_hash: Mapped[str] = mapped_column(String(DIGEST))
+    #: an open by a writer holding the chain alone: every earlier session is over
+    exclusive: Mapped[bool] = mapped_column(Boolean)
+    signed_at: Mapped[datetime]
+    #: raw 64-byte Ed25519 signature over the seal's note (see kvgov.ledger.seals)
+    signature: Mapped[bytes] = mapped_column(LargeBinary)
+    #: raw 32-byte Ed25519 public key that made the signature
+    public_key: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 class PolicyDecision(Base):
     __tablename__ = "policy_decisions"
     __table_args__ = (Index("ix_policy_decisions_tenant_first_seen_at", "tenant", "first_seen_at"),)
@@ -371,4 +398,4 @@ def table(model: type[Base]) -> Table:
 
 
 #: the tables whose rows may never change once written (guarded by triggers, migration 0002)
-APPEND_ONLY_TABLES = ("ledger_events", "checkpoints", "chains")
+APPEND_ONLY_TABLES = ("ledger_events", "checkpoints", "chains", "chain_seals")

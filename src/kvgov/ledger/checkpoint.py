@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Protocol
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import Engine, exc, select
+from sqlalchemy import Connection, Engine, exc, select
 
 from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE, utcnow
 from kvgov.db.models import Chain, Checkpoint, table
@@ -22,6 +22,7 @@ from kvgov.ledger.chain import (
     sign_checkpoint,
     signed_note,
 )
+from kvgov.ledger.seals import read_standing
 from kvgov.logging import get_logger
 
 log = get_logger(__name__)
@@ -47,7 +48,8 @@ def write_checkpoint(
     engine: Engine, chain_id: str, key: Ed25519PrivateKey
 ) -> CheckpointInfo | None:
     """Sign and store the current head of ``chain_id``. None when the chain is empty or its
-    head is already checkpointed. The key must be the chain's own."""
+    head is already checkpointed. The key must be the chain's own; a head no key holder
+    vouches for (no genesis, events after a signed close) is refused (:class:`LedgerError`)."""
     public = public_key_bytes(key)
     chains = table(Chain)
     cps = table(Checkpoint)
@@ -72,6 +74,7 @@ def write_checkpoint(
             ).first()
             if exists is not None:
                 return None
+            _check_signable(conn, chain_id, public, seq)
             signed_at = utcnow()
             signature = sign_checkpoint(key, chain_id, seq, head_hash, signed_at)
             info = CheckpointInfo(chain_id, seq, head_hash, signed_at, signature, public)
@@ -86,6 +89,28 @@ def write_checkpoint(
                 )
             )
             return info
+
+
+def _check_signable(conn: Connection, chain_id: str, public: bytes, seq: int) -> None:
+    """Refuse to sign a head no key holder vouches for: a chain without a genesis (registered
+    by someone without the key), or a head appended after the chain's writer closed it (no
+    writer session holds the chain open there)."""
+    found = read_standing(conn, chain_id, public)
+    if not found.vouched:
+        raise LedgerError(
+            f"chain {chain_id!r} has no genesis signed by this key: no writer holding the key "
+            "registered it, so its head is not signed",
+            hint="inspect its events; `kvgov audit checkpoint --adopt CHAIN` vouches for it",
+        )
+    if not found.covers(seq):
+        gap = found.gap(seq)
+        first = f" {gap.first}..{gap.last}" if gap is not None else ""
+        closed = f" at {gap.closed_at}" if gap is not None else ""
+        raise LedgerError(
+            f"chain {chain_id!r}: events{first} were appended after its writer closed "
+            f"it{closed}; their head is not signed",
+            hint="`kvgov audit verify` reports them (after_close)",
+        )
 
 
 def chains_of_key(engine: Engine, key: Ed25519PrivateKey) -> list[str]:

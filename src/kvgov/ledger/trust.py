@@ -10,6 +10,10 @@ Secret or ConfigMap; ``kvgov audit public-key`` prints a node's key), and any ``
 given to the CLI. :func:`verify_trusted` fails a ledger when
 
 * a chain's key, or a checkpoint's, is not one of them (``untrusted_key``, ``key_mismatch``);
+* a chain's key never vouched for it (``no_genesis``: the runtime role can register a chain
+  under a trusted public key, but not sign its genesis), events were appended after its writer
+  closed it (``after_close``), or its unsigned tail is too old (``stale_unsigned``): see
+  :mod:`kvgov.ledger.seals`;
 * a chain is named by a checkpoint, an event, a payload, a journal mark, an index row, the
   fleet registry (``sidecars``) or the verifying sidecar itself, but is missing
   (``missing_chain``);
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Collection, Iterable
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
@@ -34,6 +39,7 @@ from sqlalchemy import Engine, select
 from kvgov.config import Settings, parse_public_key
 from kvgov.db.models import (
     CacheEntry,
+    ChainSeal,
     Checkpoint,
     DataKey,
     EventPayload,
@@ -48,11 +54,13 @@ from kvgov.db.models import (
 )
 from kvgov.errors import ConfigError, KvgovError
 from kvgov.ledger.chain import load_public_key, public_key_bytes
+from kvgov.ledger.seals import DEFAULT_MAX_UNSIGNED_AGE
 from kvgov.ledger.verify import ChainReport, Finding, Problem, VerifyReport, verify
 
 #: tables whose ``chain_id`` names a chain the ledger must hold, and what to call them
 _REFERENCES = (
     (Checkpoint, "checkpoints"),
+    (ChainSeal, "chain seals"),
     (LedgerEvent, "events"),
     (EventPayload, "event payloads"),
     (JournalMark, "a journal mark"),
@@ -146,12 +154,22 @@ def trusted_keys(settings: Settings, extra: Iterable[bytes] = ()) -> frozenset[b
 
 
 def verify_trusted(
-    engine: Engine, keys: Collection[bytes], *, expect_chains: Collection[str] = ()
+    engine: Engine,
+    keys: Collection[bytes],
+    *,
+    expect_chains: Collection[str] = (),
+    max_unsigned_age: timedelta | None = DEFAULT_MAX_UNSIGNED_AGE,
+    now: datetime | None = None,
 ) -> VerifyReport:
     """:func:`~kvgov.ledger.verify.verify` against ``keys``, plus what the ledger must hold:
     the chains anything names (``expect_chains``: the verifying sidecar's own), and some
-    chain when the database shows activity. Fails closed: no keys, no trusted chain."""
-    report = verify(engine, trusted_keys=frozenset(keys))
+    chain when the database shows activity. Fails closed: no keys, no trusted chain. Each
+    chain must be vouched for by a genesis its key signed, hold no event appended after its
+    writer closed it, and have no unsigned tail older than ``max_unsigned_age``
+    (:mod:`kvgov.ledger.seals`)."""
+    report = verify(
+        engine, trusted_keys=frozenset(keys), max_unsigned_age=max_unsigned_age, now=now
+    )
     held = {c.chain_id for c in report.chains}
     named = _named_chains(engine)
     for chain_id in expect_chains:

@@ -7,10 +7,20 @@ row is a complete erasure (not a payload stripped of its salt). For each chain i
 ``ok`` or the problems found, the first bad position first, with what kind of tampering the
 evidence points to.
 
+Each chain's seals (:mod:`kvgov.ledger.seals`) are checked too (signature, key, head). Given
+trusted keys (what :func:`kvgov.ledger.trust.verify_trusted` passes), verification also checks
+who wrote each chain: it needs a genesis signed by its key (``no_genesis``: anyone with the
+runtime role can register a chain under a public key), events written while no writer session
+held the chain open fail (``after_close``: appended after a writer's signed close), and an
+unsigned tail (events after the newest signed head: checkpoint, open or close) fails once older
+than ``max_unsigned_age`` or dated in the future (``stale_unsigned``).
+
 What this can and cannot see: a row changed, removed, inserted or moved anywhere is found; the
 newest events after the last checkpoint can be cut off or rewritten (with recomputed hashes) by
 someone who can bypass the append-only guard, so checkpoints should be frequent and copied
-somewhere the database administrator cannot write.
+somewhere the database administrator cannot write. Events appended to the chain of a live (or
+crashed, not yet restarted) writer by someone without the key are signed over by its next
+checkpoint: the unsigned-tail bound limits how long the second case can wait.
 """
 
 from __future__ import annotations
@@ -18,12 +28,14 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import Engine, Row, select
 
-from kvgov.db.models import Chain, Checkpoint, EventPayload, LedgerEvent, table
+from kvgov.db.engine import utcnow
+from kvgov.db.models import Chain, ChainSeal, Checkpoint, EventPayload, LedgerEvent, table
 from kvgov.ledger.chain import (
     ENCODING_VERSION,
     GENESIS_HASH,
@@ -32,6 +44,14 @@ from kvgov.ledger.chain import (
     key_fingerprint,
     link,
     payload_digest,
+)
+from kvgov.ledger.seals import (
+    CLOCK_SKEW,
+    DEFAULT_MAX_UNSIGNED_AGE,
+    Seal,
+    SealKind,
+    Standing,
+    standing,
 )
 
 _STREAM_ROWS = 5000
@@ -51,6 +71,9 @@ class Problem(StrEnum):
     PAYLOAD_MISMATCH = "payload_mismatch"  # a payload not matching its digest, or half-erased
     MISSING_CHAIN = "missing_chain"  # a chain the ledger or the fleet names but does not hold
     UNSIGNED = "unsigned"  # events no checkpoint covers (a failure only when asked for)
+    NO_GENESIS = "no_genesis"  # a chain no key holder vouched for (no signed genesis)
+    AFTER_CLOSE = "after_close"  # events written while no writer session held the chain open
+    STALE_UNSIGNED = "stale_unsigned"  # an unsigned tail older than the bound, or future-dated
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +92,19 @@ class ChainReport:
     head_hash: str = GENESIS_HASH
     checkpoints: int = 0
     last_checkpoint_seq: int | None = None
-    #: events after the last checkpoint that verified (only as good as the database)
+    #: events after the last signed head that verified (a checkpoint, or a writer session's
+    #: open or close seal): only as good as the database, and bounded by ``max_unsigned_age``
     unsigned_events: int = 0
+    #: when the first unsigned event says it happened (None: no unsigned event)
+    unsigned_since: datetime | None = None
+    #: "signed" (a valid genesis seal), "legacy" (a checkpoint older than any seal: the chain
+    #: predates seals) or "missing" (a failure: ``no_genesis``)
+    genesis: str = "missing"
+    #: writer sessions that opened the chain (signed opens)
+    sessions: int = 0
+    #: no writer session holds the chain open at its head (its last writer closed it):
+    #: anything appended now fails
+    closed: bool = False
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -110,24 +144,46 @@ class VerifyReport:
         }
 
 
-def verify(engine: Engine, *, trusted_keys: Collection[bytes] | None = None) -> VerifyReport:
-    """Recompute every chain and check every checkpoint (read-only). Without ``trusted_keys``
-    this checks integrity only: a chain re-signed with a fresh key passes. The CLI, the API and
-    the dashboard call :func:`kvgov.ledger.trust.verify_trusted` instead."""
+def verify(
+    engine: Engine,
+    *,
+    trusted_keys: Collection[bytes] | None = None,
+    max_unsigned_age: timedelta | None = DEFAULT_MAX_UNSIGNED_AGE,
+    now: datetime | None = None,
+) -> VerifyReport:
+    """Recompute every chain and check every checkpoint and seal (read-only). Without
+    ``trusted_keys`` this checks integrity only: a chain re-signed with a fresh key passes, and
+    so does a chain no key holder vouched for or events appended after a writer's close. With
+    them it also checks who wrote each chain: its key is trusted, it has a genesis signed by
+    that key (``no_genesis``), no event was written while no writer session held it open
+    (``after_close``) and its unsigned tail is younger than ``max_unsigned_age`` (None: no
+    bound; ``stale_unsigned``). The CLI, the API and the dashboard call
+    :func:`kvgov.ledger.trust.verify_trusted`."""
     report = VerifyReport()
     if trusted_keys is not None:
         report.trusted = sorted(key_fingerprint(k) for k in trusted_keys)
+    limits = _TailLimits(trusted_keys is not None, max_unsigned_age, now or utcnow())
     with engine.connect() as conn:
-        chains = conn.execute(select(Chain.chain_id, Chain.public_key).order_by(Chain.chain_id))
-        for chain_id, public_key in chains.all():
+        chains = conn.execute(
+            select(Chain.chain_id, Chain.public_key, Chain.created_at).order_by(Chain.chain_id)
+        )
+        for chain_id, public_key, created_at in chains.all():
             chain = ChainReport(chain_id=chain_id, key_fingerprint=key_fingerprint(public_key))
             if trusted_keys is not None and bytes(public_key) not in trusted_keys:
                 chain.findings.append(
                     Finding(Problem.UNTRUSTED_KEY, 0, "chain key is not among the trusted keys")
                 )
-            _verify_chain(engine, chain, bytes(public_key))
+            _verify_chain(engine, chain, bytes(public_key), created_at, limits)
             report.chains.append(chain)
     return report
+
+
+@dataclass(frozen=True, slots=True)
+class _TailLimits:
+    #: check who wrote each chain (genesis, sessions, the tail's age), not only integrity
+    authenticate: bool
+    max_age: timedelta | None
+    now: datetime
 
 
 @contextmanager
@@ -178,9 +234,16 @@ def _seq_of_hash(engine: Engine, chain_id: str, digest: str) -> int | None:
     return int(found) if found is not None else None
 
 
-def _verify_chain(engine: Engine, chain: ChainReport, public_key: bytes) -> None:
+def _verify_chain(
+    engine: Engine,
+    chain: ChainReport,
+    public_key: bytes,
+    created_at: datetime | None,
+    limits: _TailLimits,
+) -> None:
     checkpoints = _checkpoints(engine, chain.chain_id)
-    wanted = {cp.seq for cp in checkpoints}
+    seals = _seals(engine, chain.chain_id)
+    wanted = {cp.seq for cp in checkpoints} | {s.seq for s in seals}
     hashes_at: dict[int, str] = {}
     digests: dict[int, str] = {}
     expected, prev, before_prev = 1, GENESIS_HASH, GENESIS_HASH
@@ -215,6 +278,8 @@ def _verify_chain(engine: Engine, chain: ChainReport, public_key: bytes) -> None
             expected += 1
     verified_to = chain.head_seq
     signed_to = 0
+    #: when the newest signature that verified was made
+    newest: datetime | None = None
     for cp in checkpoints:
         chain.checkpoints += 1
         chain.last_checkpoint_seq = cp.seq
@@ -248,8 +313,148 @@ def _verify_chain(engine: Engine, chain: ChainReport, public_key: bytes) -> None
             )
         elif cp.seq <= verified_to:
             signed_to = max(signed_to, cp.seq)
+            newest = cp.signed_at if newest is None else max(newest, cp.signed_at)
+    signed_heads = [
+        (cp.seq, cp.head_hash, cp.signed_at, bytes(cp.signature), bytes(cp.public_key))
+        for cp in checkpoints
+    ]
+    found = standing(seals, public_key, created_at, signed_heads, chain.chain_id)
+    sealed_to, sealed_at = _check_seals(chain, found, hashes_at, verified_to)
+    signed_to = max(signed_to, sealed_to)
+    if sealed_at is not None:
+        newest = sealed_at if newest is None else max(newest, sealed_at)
     chain.unsigned_events = chain.head_seq - signed_to
+    if chain.unsigned_events:
+        chain.unsigned_since = _occurred_at(engine, chain.chain_id, signed_to + 1)
+    if not found.vouched and limits.authenticate:
+        chain.findings.append(
+            Finding(
+                Problem.NO_GENESIS,
+                1 if chain.events else 0,
+                "no genesis signed by the chain's key and no checkpoint older than its seals: "
+                "no writer holding the key registered this chain (the runtime database role "
+                "can register a chain under any public key)",
+            )
+        )
+    elif found.vouched:
+        after = found.gap(verified_to + 1)
+        chain.closed = after is not None and after.first == verified_to + 1
+        if chain.ok and limits.authenticate:
+            _check_tail(chain, found, verified_to, newest, limits)
     _verify_payloads(engine, chain, digests)
+
+
+def _check_seals(
+    chain: ChainReport, found: Standing, hashes_at: dict[int, str], verified_to: int
+) -> tuple[int, datetime | None]:
+    """Report the seals that fail and check the valid ones against the chain; the highest
+    position they sign and when the newest of them was signed."""
+    chain.genesis = found.genesis
+    chain.sessions = sum(s.kind == SealKind.OPEN for s in found.valid)
+    for seal, why in found.invalid:
+        problem = Problem.KEY_MISMATCH if "another key" in why else Problem.BAD_SIGNATURE
+        chain.findings.append(Finding(problem, seal.seq, f"{seal.name} seal: {why}"))
+    signed_to, newest = 0, None
+    for seal in found.valid:
+        if seal.kind == SealKind.GENESIS:
+            continue
+        if seal.seq > verified_to:
+            if chain.ok:
+                chain.findings.append(
+                    Finding(
+                        Problem.CHECKPOINT_MISMATCH,
+                        verified_to + 1,
+                        f"{seal.name} seal signed at {seal.seq} but the chain ends at "
+                        f"{verified_to}: events were removed",
+                    )
+                )
+        elif seal.seq in hashes_at and hashes_at[seal.seq] != seal.head_hash:
+            chain.findings.append(
+                Finding(
+                    Problem.CHECKPOINT_MISMATCH,
+                    seal.seq,
+                    f"chain head differs from the {seal.name} seal",
+                )
+            )
+        else:
+            signed_to = max(signed_to, seal.seq)
+            newest = seal.signed_at if newest is None else max(newest, seal.signed_at)
+    return signed_to, newest
+
+
+def _check_tail(
+    chain: ChainReport,
+    found: Standing,
+    verified_to: int,
+    newest: datetime | None,
+    limits: _TailLimits,
+) -> None:
+    """Events no writer session covers, and the unsigned tail's age (a vouched chain)."""
+    gap = found.gap(verified_to)
+    if gap is not None:
+        chain.findings.append(
+            Finding(
+                Problem.AFTER_CLOSE,
+                gap.first,
+                f"events {gap.first}..{gap.last} were appended after the chain's writer closed "
+                f"it at {gap.closed_at} (signed close, no writer session open since): not "
+                "written by a writer holding the key",
+            )
+        )
+        return
+    since = chain.unsigned_since
+    if not chain.unsigned_events or since is None or limits.max_age is None:
+        return
+    first = chain.head_seq - chain.unsigned_events + 1
+    if since > limits.now + CLOCK_SKEW:
+        chain.findings.append(
+            Finding(
+                Problem.STALE_UNSIGNED,
+                first,
+                f"{chain.unsigned_events} unsigned events after the last signed head, the "
+                f"first dated {since.isoformat()}, in the future",
+            )
+        )
+        return
+    age = limits.now - max(since, newest or since)
+    if age > limits.max_age:
+        chain.findings.append(
+            Finding(
+                Problem.STALE_UNSIGNED,
+                first,
+                f"{chain.unsigned_events} events after the last signed head have been unsigned "
+                f"for {_duration(age)} (bound {_duration(limits.max_age)}): their writer died "
+                "and never restarted, or they were appended by someone without the key "
+                "(`kvgov audit checkpoint` on the node holding the key signs them after review)",
+            )
+        )
+
+
+def _duration(delta: timedelta) -> str:
+    seconds = int(delta.total_seconds())
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}min"
+    return f"{seconds // 3600}h"
+
+
+def _occurred_at(engine: Engine, chain_id: str, seq: int) -> datetime | None:
+    t = table(LedgerEvent)
+    with engine.connect() as conn:
+        found: datetime | None = conn.execute(
+            select(t.c.occurred_at).where(t.c.chain_id == chain_id, t.c.seq == seq)
+        ).scalar()
+    return found
+
+
+def _seals(engine: Engine, chain_id: str) -> list[Seal]:
+    t = table(ChainSeal)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(t).where(t.c.chain_id == chain_id).order_by(t.c.seq, t.c.signed_at, t.c.kind)
+        )
+        return [Seal.from_row(r) for r in rows]
 
 
 def _diagnose(

@@ -25,7 +25,10 @@ acknowledged event survives a crash.
   events are journaled too (``journal_lazy_events``). A failed journal is set aside and its
   waiters wait for their commits: durability never rests on a failed write;
 - replay (:mod:`~kvgov.ledger.writing.replay`): on start, the chain is registered and the
-  journal records after its mark are committed before anything new.
+  journal records after its mark are committed before anything new;
+- seals (:mod:`~kvgov.ledger.seals`): a new chain's genesis and each session's open (at start)
+  and close (at close) are signed, so that nobody without the key can start a chain or append
+  to one its writer closed; on Postgres the writer holds the chain's writer lock for its life.
 
 Failures are never acknowledged and never silently dropped. A full queue raises
 :class:`~kvgov.errors.LedgerBackpressureError` from ``submit``; ``append`` waits for room.
@@ -35,11 +38,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import Engine
+from sqlalchemy import Engine, exc
 
 from kvgov.errors import LedgerBackpressureError, LedgerError
 from kvgov.ledger.batch import Prepared
@@ -47,6 +51,7 @@ from kvgov.ledger.chain import public_key_bytes
 from kvgov.ledger.checkpoint import CheckpointInfo, checkpoint_logged, write_checkpoint
 from kvgov.ledger.events import Appended, Event
 from kvgov.ledger.journal import Journal
+from kvgov.ledger.seals import Claim, claim_chain, close_session, new_session, resume
 from kvgov.ledger.writing.acks import JournalAcks
 from kvgov.ledger.writing.commit import Committer
 from kvgov.ledger.writing.replay import register_chain, replay
@@ -81,6 +86,7 @@ class LedgerWriter:
         journal: Journal | None = None,
         journal_lazy_events: bool = True,
         journal_sync_interval_ms: float = 0.0,
+        exclusive: bool | None = None,
     ) -> None:
         if not chain_id or any(c in chain_id for c in "\r\n") or len(chain_id) > 255:
             raise LedgerError("chain id must be 1..255 characters without line breaks")
@@ -90,6 +96,13 @@ class LedgerWriter:
         self.stats = WriterStats()
         self._key = signing_key
         self._description = description
+        #: this writer holds the chain alone, so its open ends every earlier session of the
+        #: chain (:mod:`kvgov.ledger.seals`); None: when it holds a journal's lock or the
+        #: chain's writer lock (Postgres)
+        self._exclusive = exclusive
+        #: the session this writer opened (signed open at start, signed close at close)
+        self._session: str | None = None
+        self._claim: Claim | None = None
         #: one thread each: the committer (and start-up, checkpoints), the sequencer
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgov-db")
         self._seq_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgov-seq")
@@ -136,30 +149,50 @@ class LedgerWriter:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Register the chain (or check its key on restart), read its head, start batching.
-        With a journal, its records after the chain's mark are committed before this
-        returns."""
+        """Register the chain (or check its key on restart), sign its genesis (a new chain)
+        and this session's open at its head, start batching. With a journal, its records after
+        the chain's mark are committed before this returns."""
         if self._batcher.task is not None:
             return
         loop = asyncio.get_running_loop()
-        head, mark = await loop.run_in_executor(
-            self._executor,
-            functools.partial(
-                register_chain,
-                self.engine,
-                self.chain_id,
-                public_key_bytes(self._key),
-                description=self._description,
-                journaled=self.journal is not None,
-            ),
-        )
+        session = new_session()
+        claim = await loop.run_in_executor(self._executor, claim_chain, self.engine, self.chain_id)
+        exclusive = self._exclusive
+        if exclusive is None:
+            exclusive = self.journal is not None or claim.held
+        try:
+            head, mark = await loop.run_in_executor(
+                self._executor,
+                functools.partial(
+                    register_chain,
+                    self.engine,
+                    self.chain_id,
+                    public_key_bytes(self._key),
+                    description=self._description,
+                    journaled=self.journal is not None,
+                    signing_key=self._key,
+                    session=session,
+                    exclusive=exclusive,
+                ),
+            )
+        except BaseException:
+            await loop.run_in_executor(self._executor, claim.release)
+            raise
+        self._session, self._claim = session, claim
+        # a writer dropped without close() must not keep its lock's connection open
+        weakref.finalize(self, claim.abandon)
         self._sequencer.start(head)
         self._committer.head_seq = head[0]
         self._committer.applied_upto = mark
         if self.journal is not None:
-            items = await replay(
-                self.journal, self.chain_id, mark, executor=self._executor, stats=self.stats
-            )
+            try:
+                items = await replay(
+                    self.journal, self.chain_id, mark, executor=self._executor, stats=self.stats
+                )
+            except BaseException:  # not started: the session stays open, as after a crash
+                self._session = self._claim = None
+                await loop.run_in_executor(self._executor, claim.release)
+                raise
             self._batcher.push_replayed(items, loop.time())
         self._batcher.start(f"kvgov-ledger-writer:{self.chain_id}")
         if self._acks is not None:
@@ -180,7 +213,9 @@ class LedgerWriter:
     async def close(self, *, grace_s: float | None = None, checkpoint: bool = False) -> None:
         """Stop taking events, write everything queued, stop. With ``grace_s``, events not
         written by then fail with :class:`LedgerError` (never reported as written). With
-        ``checkpoint``, sign the final head (a failure is logged, the close goes on)."""
+        ``checkpoint``, sign the final head (a failure is logged, the close goes on). Then the
+        session's signed close (:mod:`kvgov.ledger.seals`): events appended after it, by
+        anyone, fail verification until a writer opens the chain again."""
         self._batcher.close()
         if self._acks is not None:
             self._acks.closing = True
@@ -194,6 +229,21 @@ class LedgerWriter:
         if checkpoint and task is not None:
             await checkpoint_logged(self)
         loop = asyncio.get_running_loop()
+        session, self._session = self._session, None
+        if session is not None:
+            # the session's signed close: whatever is appended after it fails verification
+            try:
+                await loop.run_in_executor(
+                    self._executor, close_session, self.engine, self.chain_id, self._key, session
+                )
+            except (LedgerError, exc.SQLAlchemyError, OSError) as err:
+                log.warning(
+                    "ledger.seal.close_failed",
+                    extra={"chain_id": self.chain_id, "error": type(err).__name__},
+                )
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            await loop.run_in_executor(self._executor, claim.release)
         await loop.run_in_executor(self._executor, self._committer.drop_connection)
         if self._acks is not None:
             # what was not committed stays in the journal, for the next start
@@ -276,6 +326,10 @@ class LedgerWriter:
     async def write_checkpoint(self) -> CheckpointInfo | None:
         """Sign the chain head as of now (after what is committed). None if already signed."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, write_checkpoint, self.engine, self.chain_id, self._key
-        )
+        return await loop.run_in_executor(self._executor, self._checkpoint)
+
+    def _checkpoint(self) -> CheckpointInfo | None:  # executor thread
+        session = self._session
+        if session is not None:  # still covering the chain (another writer may have claimed it)
+            self._session = resume(self.engine, self.chain_id, self._key, session)
+        return write_checkpoint(self.engine, self.chain_id, self._key)

@@ -1,5 +1,6 @@
-"""Start-up and replay: the chain registered, its head and journal mark read, and the
-journal's records after the mark read back as events to commit before anything new.
+"""Start-up and replay: the chain registered (a new one with its signed genesis), the
+writer session's signed open, its head and journal mark read, and the journal's records after
+the mark read back as events to commit before anything new.
 
 The mark (``ledger_journal_marks.applied_upto``) moves in the same transaction as the events
 it covers, so the records after it are exactly the acknowledged events a crash kept from the
@@ -13,15 +14,17 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Executor
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import Engine, select
 
 from kvgov.db.engine import utcnow
 from kvgov.db.models import Chain, JournalMark, table
 from kvgov.errors import LedgerError
 from kvgov.ledger.batch import Head, read_head
-from kvgov.ledger.chain import key_fingerprint
+from kvgov.ledger.chain import key_fingerprint, public_key_bytes
 from kvgov.ledger.events import Appended, Event
 from kvgov.ledger.journal import Journal, decode_event
+from kvgov.ledger.seals import open_session
 from kvgov.ledger.writing.acks import log_unwritten
 from kvgov.ledger.writing.schedule import Item
 from kvgov.ledger.writing.stats import WriterStats
@@ -37,20 +40,27 @@ def register_chain(
     *,
     description: str | None,
     journaled: bool,
+    signing_key: Ed25519PrivateKey | None = None,
+    session: str | None = None,
+    exclusive: bool = False,
 ) -> tuple[Head, int]:
     """Register the chain (or check its key on restart); its head and, when ``journaled``,
-    its journal mark (created at 0 on first use; 0 without a journal)."""
+    its journal mark (created at 0 on first use; 0 without a journal). With ``signing_key``
+    and ``session``, in the same transaction: a new chain's genesis is signed, and the
+    session's open (:func:`kvgov.ledger.seals.open_session`)."""
     chains = table(Chain)
+    created = None
     with engine.connect() as conn, conn.begin():
         found = conn.execute(
             select(chains.c.public_key).where(chains.c.chain_id == chain_id)
         ).first()
         if found is None:
+            created = utcnow()
             conn.execute(
                 chains.insert().values(
                     chain_id=chain_id,
                     public_key=public_key,
-                    created_at=utcnow(),
+                    created_at=created,
                     description=description,
                 )
             )
@@ -70,6 +80,13 @@ def register_chain(
                 conn.execute(marks.insert().values(chain_id=chain_id, applied_upto=0))
             else:
                 mark = int(found_mark)
+        if signing_key is not None and session is not None:
+            if public_key_bytes(signing_key) != public_key:
+                raise LedgerError("the signing key does not match the chain's public key")
+            head = open_session(
+                conn, chain_id, signing_key, session, created=created, exclusive=exclusive
+            )
+            return head, mark
         return read_head(conn, chain_id), mark
 
 
