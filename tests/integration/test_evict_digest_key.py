@@ -72,17 +72,22 @@ def _exchange(port: int, frames: list[bytes]) -> bytes:
     with socket.create_connection(("127.0.0.1", port)) as s:
         for frame in frames:
             s.sendall(frame)
-        s.settimeout(0.5)
-        out = bytearray()
-        while True:
-            try:
-                chunk = s.recv(65536)
-            except TimeoutError:
-                break
-            if not chunk:
-                break
-            out += chunk
-        return bytes(out)
+        return _rest(s)
+
+
+def _rest(s: socket.socket) -> bytes:
+    """Everything the sidecar sends on ``s`` until it closes or goes quiet for half a second."""
+    s.settimeout(0.5)
+    out = bytearray()
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except TimeoutError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
 
 
 def _frames(data: bytes) -> list[tuple[FrameType, dict[str, Any]]]:
@@ -114,17 +119,7 @@ def _authenticated(port: int, role: str) -> bytes:
         head = decode_header(head_bytes)
         meta_bytes = recv_exact(s, head.meta_len)
         s.sendall(encode_frame(FrameType.HELLO, 1, answer(json.loads(meta_bytes))))
-        s.settimeout(0.5)
-        out = bytearray(head_bytes + meta_bytes)
-        while True:
-            try:
-                chunk = s.recv(65536)
-            except TimeoutError:
-                break
-            if not chunk:
-                break
-            out += chunk
-        return bytes(out)
+        return head_bytes + meta_bytes + _rest(s)
 
 
 async def test_the_digest_key_goes_only_to_an_authenticated_control_connection(
