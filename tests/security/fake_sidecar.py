@@ -25,6 +25,7 @@ from kvgov.wire.codec import (
     decode_meta,
     encode_frame,
 )
+from tests.integration.live import recv_exact
 
 HELLO_REPLY: dict[str, Any] = {
     "server": "kvgov",
@@ -38,16 +39,6 @@ HELLO_REPLY: dict[str, Any] = {
 }
 
 Handler = Callable[[socket.socket, FrameHeader, dict[str, Any], bytes], None]
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("peer closed")
-        buf += chunk
-    return bytes(buf)
 
 
 def read_frame(
