@@ -69,7 +69,7 @@ async def test_only_named_proxies_set_the_scheme(
     browser = {"Origin": "https://kvgov.test", "X-Forwarded-Proto": "https"}
     async with doors.sidecar(tmp_path, prod_db) as sc:
         token = _auditor(sc)
-        async with api_server(sc, forwarded_allow_ips=["127.0.0.1"]) as port:
+        async with api_server(sc, forwarded_allow_ips=["127.0.0.0/8"]) as port:  # a network
             named = await _sign_in(port, token, browser)
         assert named.status_code == 303, named.text
         async with api_server(sc, forwarded_allow_ips=["10.0.0.0/8"]) as port:
