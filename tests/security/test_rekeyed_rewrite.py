@@ -55,6 +55,15 @@ from tests.security.doors import engine, key, run
 pytestmark = pytest.mark.postgres
 
 GUARDED = ("ledger_events", "checkpoints", "chains", "chain_seals", "event_payloads")
+#: the tables holding a chain's rows by ``chain_id`` (its ``chains`` row aside): what an
+#: attacker deletes to make a chain disappear
+CHAIN_ROWS = (
+    "event_payloads",
+    "ledger_events",
+    "checkpoints",
+    "chain_seals",
+    "ledger_journal_marks",
+)
 
 
 @dataclass
@@ -268,13 +277,7 @@ async def test_a_removed_chain_the_fleet_registry_names_is_missing(tmp_path: Pat
         assert code == 0, cli
         # the attacker removes node-b's chain: events, payloads, checkpoints, chain row
         with superuser(db.superuser_url) as conn:
-            for t in (
-                "event_payloads",
-                "ledger_events",
-                "checkpoints",
-                "chain_seals",
-                "ledger_journal_marks",
-            ):
+            for t in CHAIN_ROWS:
                 conn.execute(sa.text(f"DELETE FROM {t} WHERE chain_id = 'node-b'"))
             conn.execute(sa.text("DELETE FROM chains WHERE chain_id = 'node-b'"))
         _, api = await d.assert_broken("missing_chain")
@@ -288,13 +291,7 @@ async def test_the_serving_sidecars_own_chain_removed_is_missing(tmp_path: Path,
         await traffic(d.sc, 2)
         chain_id = d.sc.writer.chain_id if d.sc.writer else ""
         with superuser(db.superuser_url) as conn:
-            for t in (
-                "event_payloads",
-                "ledger_events",
-                "checkpoints",
-                "chain_seals",
-                "ledger_journal_marks",
-            ):
+            for t in CHAIN_ROWS:
                 conn.execute(sa.text(f"DELETE FROM {t} WHERE chain_id = :c"), {"c": chain_id})
             conn.execute(sa.text("UPDATE cache_entries SET chain_id = NULL"))
             conn.execute(sa.text("UPDATE policy_decisions SET chain_id = NULL"))
@@ -312,15 +309,7 @@ async def test_an_emptied_ledger_is_not_intact(tmp_path: Path, db: Db) -> None:
         env = d.env
     # every chained row, and the fleet registry, removed; the cache index and keys remain
     with superuser(db.superuser_url) as conn:
-        for t in (
-            "event_payloads",
-            "ledger_events",
-            "checkpoints",
-            "chain_seals",
-            "ledger_journal_marks",
-            "sidecars",
-            "chains",
-        ):
+        for t in (*CHAIN_ROWS, "sidecars", "chains"):
             conn.execute(sa.text(f"DELETE FROM {t}"))
         conn.execute(sa.text("UPDATE cache_entries SET chain_id = NULL"))
         conn.execute(sa.text("UPDATE policy_decisions SET chain_id = NULL"))
