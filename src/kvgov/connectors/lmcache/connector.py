@@ -51,8 +51,36 @@ log = logging.getLogger("kvgov.connectors.lmcache")
 
 T = TypeVar("T")
 
-#: LMCache's chunk shapes are ``[kv, layers, tokens, hidden]`` (``LMCacheMetadata.get_shapes``)
-_TOKEN_DIM = 2
+#: Where the tokens are in a chunk of each memory format, by the chunk shape's rank: the shapes
+#: LMCache 0.5.6 itself gives each format's chunk (``lmcache/v1/...``, line numbers of 0.5.6):
+#:
+#: - ``KV_2LTD``, rank 4: ``[2, layers, tokens, hidden]``: ``LMCacheMetadata.get_shapes``
+#:   (``metadata.py:87``), ``VLLMPagedMemGPUConnectorV2.get_shape`` (``gpu_connector/
+#:   gpu_connectors.py:427``); the ``meta_shapes`` of every ``RemoteConnector``
+#:   (``storage_backend/connector/base_connector.py:60``).
+#: - ``KV_MLA_FMT``, rank 4: ``[1, layers, tokens, hidden]``: the same ``get_shapes`` and
+#:   ``get_shape`` (kv size 1); a ``RemoteConnector``'s ``meta_fmt`` is this or ``KV_2LTD``
+#:   (``base_connector.py:62``).
+#: - ``KV_MLA_FMT``, rank 2 (layerwise): ``[tokens, hidden]`` and ``KV_T2D``, rank 3 (layerwise):
+#:   ``[tokens, 2, hidden]``: ``VLLMPagedMemLayerwiseGPUConnector.get_shape``
+#:   (``gpu_connectors.py:1448``, the formats at 1252 and 1384), ``SGLangLayerwiseGPUConnector``
+#:   (1957, 1791).
+#: - ``KV_2TD``, rank 3 (layerwise, blending): ``[2, tokens, hidden]``:
+#:   ``VLLMBufferLayerwiseGPUConnector.get_shape`` (``gpu_connectors.py:1078``, format at 860).
+#:
+#: ``RemoteConnector.reshape_partial_chunk`` (``base_connector.py:86``) agrees for ``KV_2LTD``,
+#: ``KV_MLA_FMT`` and ``KV_T2D`` (token dimension 2 at rank 4, else 0). ``MemoryFormat.token_dim``
+#: (``memory_management.py:114``) is not used: it disagrees with those shapes for ``KV_T2D``
+#: (says 1), ``KV_2TD`` (says 0) and a rank-2 ``KV_MLA_FMT`` (says 2), and answers 0 for a
+#: format it does not know. Any other format or rank (``UNDEFINED``, ``BINARY*``, ``EC_TD``,
+#: ``HS_TD``: not KV chunks) has no known token dimension: only the exact full chunk passes.
+_TOKEN_DIMS: dict[tuple[MemoryFormat, int], int] = {
+    (MemoryFormat.KV_2LTD, 4): 2,
+    (MemoryFormat.KV_MLA_FMT, 4): 2,
+    (MemoryFormat.KV_MLA_FMT, 2): 0,
+    (MemoryFormat.KV_T2D, 3): 0,
+    (MemoryFormat.KV_2TD, 3): 1,
+}
 #: guards ``refused_hits`` (refusals are rare: a lock costs nothing on the data path)
 _STATS_LOCK = threading.Lock()
 
@@ -385,8 +413,10 @@ def _hit_geometry(
     (LMCache's ``RemoteConnector`` attributes); or why the hit is refused.
 
     Only the engine's geometry passes: its memory format and dtype, and its shape in every
-    dimension but the tokens, of which there are 1 to a chunk (the last chunk may be short).
-    A missing ``fmt``/``dtype``/``shape`` stands for the engine's own (a full chunk)."""
+    dimension but the tokens (where they are depends on the format: ``_TOKEN_DIMS``), of which
+    there are 1 to a chunk (the last chunk may be short); for a format of no known token
+    dimension, exactly its full-chunk shape. A missing ``fmt``/``dtype``/``shape`` stands for
+    the engine's own (a full chunk)."""
     stored_fmt = meta.get("fmt", fmt.value)
     if type(stored_fmt) is not int or stored_fmt != fmt.value:
         return "fmt"
@@ -405,15 +435,22 @@ def _hit_geometry(
         or not all(type(d) is int for d in stored)
     ):
         return "shape"
+    token_dim = _token_dim(fmt, len(own_shape))
     for i, (d, own) in enumerate(zip(stored, own_shape, strict=True)):
-        if i != _TOKEN_DIM and d != own:
+        if i != token_dim and d != own:
             return "shape"
-    if not 0 < stored[_TOKEN_DIM] <= own_shape[_TOKEN_DIM]:
+    if token_dim is not None and not 0 < stored[token_dim] <= own_shape[token_dim]:
         return "tokens"
     shape = torch.Size(stored)
     if shape.numel() * own_dtype.itemsize != length:
         return "length"
     return shape, own_dtype
+
+
+def _token_dim(fmt: MemoryFormat, rank: int) -> int | None:
+    """The index of the tokens in a chunk of ``fmt`` whose shape has ``rank`` dimensions, or
+    None where LMCache defines none (then only the exact full chunk is accepted)."""
+    return _TOKEN_DIMS.get((fmt, rank))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
