@@ -6,17 +6,27 @@ digests (never raw keys); the sidecar's HELLO reply on that connection carries t
 key, so the callback gets an :class:`~kvgov.wire.messages.EvictRequest` that recognises the
 named entries among the engine's own local keys, removes them, and returns the digests it
 removed; the channel answers EVICT_ACK with those. See ``docs/protocol.md``.
+
+The channel waits for the sidecar with no deadline (it speaks only during a purge), but a frame,
+once its first byte arrived, must arrive whole (header and metadata, the codec capping the
+metadata at ``MAX_META_BYTES``) within the client's ``timeout``, and its answer be sent within
+it too (the data path's one deadline per operation, :meth:`Connection.arm`). A control frame
+carries no payload: one that announces any is a protocol error, never read. Either way the
+connection is closed (its framing state is lost) and the channel reconnects, so a sidecar (or
+whoever took its address) that starts a frame and stalls, drips it, or announces gigabytes
+cannot hold the control thread, and with it every later purge of this engine.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from kvgov.wire._conn import Connection
-from kvgov.wire.codec import Flag, FrameType, WireError
+from kvgov.wire.codec import ErrorCode, Flag, FrameType, WireConnectionError, WireError
 from kvgov.wire.messages import EvictRequest, parse_evict
 
 #: what an engine does with an EVICT: remove the named entries, return the digests removed
@@ -25,7 +35,10 @@ EvictCallback = Callable[[EvictRequest], Iterable[str]]
 
 class Connector(Protocol):
     """What the channel needs of :class:`kvgov.wire.client.WireClient`: a HELLO-authenticated
-    connection in the given role."""
+    connection in the given role, and the deadline of one operation (a frame read or sent)."""
+
+    @property
+    def timeout(self) -> float: ...
 
     def _connect(self, *, role: str = ...) -> Connection: ...
 
@@ -71,13 +84,14 @@ class ControlChannel:
                 self._stop.wait(self._delay)
                 continue
             self._conn = conn
-            conn.sock.settimeout(None)  # idle until the sidecar speaks
             self.connected.set()
             try:
                 self._serve(conn)
             except WireError as exc:
-                if not self._stop.is_set():
-                    log.warning("wire.control.lost", extra={"error": exc.error.name})
+                if not self._stop.is_set():  # what failed, never what the frame said
+                    log.warning(
+                        "wire.control.lost", extra={"error": exc.error.name, "reason": exc.code}
+                    )
             finally:
                 self.connected.clear()
                 conn.close()
@@ -85,16 +99,41 @@ class ControlChannel:
             self._stop.wait(self._delay)
 
     def _serve(self, conn: Connection) -> None:
+        timeout = self._client.timeout
         while not self._stop.is_set():
-            header, meta = conn.read_frame()
-            if header.payload_len:
-                conn.discard(header.payload_len)
+            _await_frame(conn)  # idle until the sidecar speaks: no deadline
+            conn.arm(timeout)  # from its first byte, the whole frame within the timeout
+            try:
+                header, meta = conn.read_frame()
+                if header.payload_len:  # none is sent here: refused unread, not discarded
+                    conn.close()
+                    raise WireError(
+                        ErrorCode.TOO_LARGE,
+                        f"{header.type.name} frame with a payload on the control connection",
+                    )
+            finally:
+                conn.disarm()
             if header.type is FrameType.PING and not header.is_reply:
-                conn.send(FrameType.PING, header.stream_id, None, flags=Flag.REPLY)
-                continue
-            if header.type is not FrameType.EVICT or header.is_reply:
-                continue  # nothing else is expected; ignore rather than tear the channel down
-            conn.send(FrameType.EVICT_ACK, header.stream_id, self._evict(conn, meta))
+                self._answer(conn, FrameType.PING, header.stream_id, None, Flag.REPLY)
+            elif header.type is FrameType.EVICT and not header.is_reply:
+                ack = self._evict(conn, meta)
+                self._answer(conn, FrameType.EVICT_ACK, header.stream_id, ack)
+            # nothing else is expected; ignore rather than tear the channel down
+
+    def _answer(
+        self,
+        conn: Connection,
+        ftype: FrameType,
+        stream_id: int,
+        meta: dict[str, Any] | None,
+        flags: Flag = Flag.NONE,
+    ) -> None:
+        """Send a frame within the timeout (as a request is: the callback's time apart)."""
+        conn.arm(self._client.timeout)
+        try:
+            conn.send(ftype, stream_id, meta, flags=flags)
+        finally:
+            conn.disarm()
 
     def _evict(self, conn: Connection, meta: dict[str, Any]) -> dict[str, Any]:
         """Run the callback for one EVICT; the EVICT_ACK's metadata."""
@@ -120,3 +159,19 @@ class ControlChannel:
             log.exception("wire.control.evict_failed")
             return {"removed": [], "error": type(exc).__name__}
         return {"removed": removed}
+
+
+def _await_frame(conn: Connection) -> None:
+    """Block, with no deadline, until the next frame's first byte has arrived (left unread).
+
+    Raises :class:`WireConnectionError` (connection closed) if the sidecar closes it or the
+    socket fails, or :meth:`ControlChannel.close` closed it."""
+    try:
+        conn.sock.settimeout(None)
+        first = conn.sock.recv(1, socket.MSG_PEEK)
+    except OSError as exc:
+        conn.close()
+        raise WireConnectionError(ErrorCode.INTERNAL, f"receive failed: {exc}") from exc
+    if not first:
+        conn.close()
+        raise WireConnectionError(ErrorCode.INTERNAL, "sidecar closed the connection")
