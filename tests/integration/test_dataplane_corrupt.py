@@ -20,6 +20,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -32,6 +33,7 @@ from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
 from kvgov.db.models import LedgerEvent
+from kvgov.errors import CorruptValueError
 from kvgov.proxy.app import Sidecar
 from kvgov.proxy.dataplane import lm
 from kvgov.proxy.dataplane.conn import StreamProtocol
@@ -267,10 +269,12 @@ def _events(sc: Sidecar, kind: EventKind, digest: str) -> list[LedgerEvent]:
 
 @pytest.mark.postgres
 @pytest.mark.parametrize(
-    ("whole_mib", "over_loop_max"), [(3, False), (5, True)], ids=["3MiB", "5MiB-sender-thread"]
+    ("whole_mib", "over_loop_max", "bad"),
+    [(3, False, 3), (5, True, 5), (5, True, 2)],
+    ids=["3MiB", "5MiB-sender-thread", "5MiB-sender-thread-third-segment"],
 )
 async def test_lm_hit_failing_as_it_is_sent_sends_nothing_of_the_bad_segment(
-    memory_sidecar: Sidecar, whole_mib: int, over_loop_max: bool
+    memory_sidecar: Sidecar, whole_mib: int, over_loop_max: bool, bad: int
 ) -> None:
     """A hit the memory tier lends is announced once its first segment is authenticated; each
     next one is opened as the one before drains. The sidecar's own memory going bad under a
@@ -278,7 +282,9 @@ async def test_lm_hit_failing_as_it_is_sent_sends_nothing_of_the_bad_segment(
     the wire: the segments before it go out whole, then the connection closes (LMCache's
     client reads the short value as a miss), the value is dropped from the tier and the get
     is recorded as a miss, not as served. (A hit over ``lm.STREAM_LOOP_MAX_BYTES`` is written
-    by a sender thread whatever the crypto path says: both writers are covered.)"""
+    by a sender thread whatever the crypto path says, while a crypto thread opens the segments
+    ahead of it: both writers are covered, and a bad segment in the middle of a hit as well as
+    the last.)"""
     assert (whole_mib * MIB + 11 > lm.STREAM_LOOP_MAX_BYTES) is over_loop_max
     sc = memory_sidecar
     assert sc.lm_server is not None
@@ -292,7 +298,10 @@ async def test_lm_hit_failing_as_it_is_sent_sends_nothing_of_the_bad_segment(
     stored = await memory.get(digest)
     assert stored is not None
     edited = bytearray(stored)
-    edited[-1] ^= 0x5A  # the last segment's GCM tag; the first three stay authentic
+    # segment ``bad``'s GCM tag (the segments are 1 MiB, then the 11 bytes): those before it
+    # stay authentic
+    after = (whole_mib - 1 - bad) * (MIB + 16) + 27 if bad < whole_mib else 0
+    edited[len(edited) - after - 1] ^= 0x5A
     await memory.put(digest, bytes(edited))
     await _settled(sc)
     served_before = len(_events(sc, EventKind.KV_GET, digest))
@@ -309,7 +318,7 @@ async def test_lm_hit_failing_as_it_is_sent_sends_nothing_of_the_bad_segment(
 
     code, length, got = await _run(announced_then_cut)
     assert (code, length) == (200, len(value))
-    assert got == value[: whole_mib * MIB]  # the authenticated segments, whole; nothing after
+    assert got == value[: bad * MIB]  # the authenticated segments, whole; nothing after
     assert await _run(_lm_get, port, key) is None  # gone for good
     assert await memory.get(digest) is None
     await _settled(sc)
@@ -364,6 +373,9 @@ async def _serving(factory: Callable[[], P]) -> AsyncIterator[tuple[int, list[P]
         for p in protocols:
             p.close()
             p.pool.shutdown(wait=True)
+            ahead = getattr(p, "ahead", None)
+            if ahead is not None:
+                ahead.shutdown(wait=True)
         server.close()
         await server.wait_closed()
 
@@ -391,23 +403,33 @@ class _BlockingOpener:
         self.entered = threading.Event()
         self.go = threading.Event()
         self.opened: list[int] = []
+        #: threads inside an open now
+        self.inside = 0
 
     def open_segment(self, index: int, window: memoryview) -> None:
-        if index == 1:
-            self.entered.set()
-            self.go.wait(10)
-        window[:] = self.value[index * MIB : index * MIB + window.nbytes]
-        self.opened.append(index)
+        self.inside += 1
+        try:
+            if index == 1:
+                self.entered.set()
+                self.go.wait(10)
+            time.sleep(0.01)  # a later segment takes a while too
+            window[:] = self.value[index * MIB : index * MIB + window.nbytes]
+            self.opened.append(index)
+        finally:
+            self.inside -= 1
 
 
 class _Cancelled(StreamProtocol):
-    """Sends one hit opened as it is sent from a sender thread; the test cancels it while the
-    thread is inside an open."""
+    """Sends one hit opened as it is sent from a sender thread (with ``ahead``: opened by a
+    crypto thread ahead of it); the test cancels it while a thread is inside an open."""
 
-    def __init__(self, value: bytes, started: asyncio.Future[asyncio.Future[None]]) -> None:
+    def __init__(
+        self, value: bytes, started: asyncio.Future[asyncio.Future[None]], ahead: bool
+    ) -> None:
         super().__init__()
         self.opener = _BlockingOpener(value)
         self.pool = ThreadPoolExecutor(1)
+        self.ahead = ThreadPoolExecutor(1) if ahead else None
         self.started = started
         self.buffer = bytearray(len(value))
         self.buffer[:MIB] = value[:MIB]
@@ -419,20 +441,25 @@ class _Cancelled(StreamProtocol):
             "GetPlan",
             type("P", (), {"length": len(view), "windows": windows, "opener": self.opener})(),
         )
-        self.started.set_result(asyncio.ensure_future(self.send_plan(plan, self.pool)))
+        send = self.send_plan(plan, self.pool, ahead=self.ahead)
+        self.started.set_result(asyncio.ensure_future(send))
         await asyncio.sleep(3600)
 
 
-async def test_a_cancelled_send_returns_only_once_the_sender_thread_let_go_of_the_hit() -> None:
+@pytest.mark.parametrize("ahead", [False, True], ids=["opened-by-the-sender", "opened-ahead"])
+async def test_a_cancelled_send_returns_only_once_the_sender_thread_let_go_of_the_hit(
+    ahead: bool,
+) -> None:
     """A sender thread opens a hit's next segment into the hit's buffer as it writes: a send
     cancelled meanwhile (a sidecar stopping) must not hand the buffer back while the thread
     still writes into it (the pool would lend it to another hit, another tenant's, whose
     bytes this one would then overwrite). It waits for the thread, and closes the connection
-    (a hit cut short leaves the stream out of step), which stops the thread."""
+    (a hit cut short leaves the stream out of step), which stops the thread. With a crypto
+    thread opening the segments ahead of the sender (``lm://``'s large hits), both threads."""
     loop = asyncio.get_running_loop()
-    value = os.urandom(4 * MIB)
+    value = os.urandom(8 * MIB)
     started: asyncio.Future[asyncio.Future[None]] = loop.create_future()
-    async with _serving(lambda: _Cancelled(value, started)) as (port, protocols):
+    async with _serving(lambda: _Cancelled(value, started, ahead)) as (port, protocols):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         send = await asyncio.wait_for(started, 10)
         opener = protocols[0].opener
@@ -443,8 +470,101 @@ async def test_a_cancelled_send_returns_only_once_the_sender_thread_let_go_of_th
         opener.go.set()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(send, 10)
-        assert opener.opened == [1]  # it stopped at its next write: nothing opened after
+        assert opener.inside == 0  # no thread writes into the hit's buffer any more
+        opened = list(opener.opened)
+        await asyncio.sleep(0.3)
+        assert opener.opened == opened  # and none starts again
+        # it stopped at its next write (the sender), or once told (the thread ahead of it,
+        # which may have opened the one segment whose buffer was already written)
+        assert opened[0] == 1 and len(opened) <= (2 if ahead else 1)
         assert protocols[0].closed
         got = await asyncio.wait_for(reader.read(), 10)  # what came before the cut, then EOF
         assert value.startswith(got) and len(got) < len(value)
+        writer.close()
+
+
+class _CopyOpener:
+    """Opens (copies) segment ``i`` of ``value`` into its window; raises ``fail`` at segment
+    ``fail_at``."""
+
+    def __init__(self, value: bytes, fail_at: int = -1, fail: Exception | None = None) -> None:
+        self.value = value
+        self.fail_at = fail_at
+        self.fail = fail
+
+    def open_segment(self, index: int, window: memoryview) -> None:
+        if index == self.fail_at and self.fail is not None:
+            raise self.fail
+        window[:] = self.value[index * MIB : index * MIB + window.nbytes]
+
+
+class _Ahead(StreamProtocol):
+    """Sends one hit opened as it is sent, from a sender thread, its segments opened ahead of
+    it in a one-thread ``ahead`` pool; ``done`` resolves with the send's outcome."""
+
+    def __init__(self, opener: _CopyOpener, done: asyncio.Future[BaseException | None]) -> None:
+        super().__init__()
+        self.opener = opener
+        self.done = done
+        self.pool = ThreadPoolExecutor(1)
+        self.ahead = ThreadPoolExecutor(1)
+        size = len(opener.value)
+        self.buffer = bytearray(2 * MIB)  # two segment buffers, in turn (plans.open_value)
+        self.buffer[:MIB] = opener.value[:MIB]
+        view = memoryview(self.buffer)
+        self.windows = [
+            view[(i & 1) * MIB :][: min(MIB, size - i * MIB)] for i in range(-(-size // MIB))
+        ]
+
+    async def handle(self) -> None:
+        size = len(self.opener.value)
+        plan = cast(
+            "GetPlan",
+            type("P", (), {"length": size, "windows": self.windows, "opener": self.opener})(),
+        )
+        try:
+            await self.send_plan(plan, self.pool, ahead=self.ahead)
+        except BaseException as exc:
+            self.done.set_result(exc)
+            raise
+        self.done.set_result(None)
+        await asyncio.sleep(3600)
+
+
+async def test_a_reader_that_stops_holds_no_thread_of_the_ahead_pool() -> None:
+    """The segments of an ``lm://`` hit are opened ahead of its sender thread in the crypto
+    pool, which every connection's seals and opens share. A peer that stops reading must not
+    hold a pool thread while its hit waits: the job opening ahead returns when the next
+    segment's buffer is still being written, and the writer resumes it. Then the whole hit
+    arrives, byte for byte, once the peer reads again."""
+    loop = asyncio.get_running_loop()
+    value = os.urandom(40 * MIB + 7)
+    done: asyncio.Future[BaseException | None] = loop.create_future()
+    async with _serving(lambda: _Ahead(_CopyOpener(value), done)) as (port, protocols):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.sleep(0.5)  # not reading: the socket fills, the sender thread waits
+        assert not done.done()
+        ahead = protocols[0].ahead
+        # the pool's one thread is free for another connection's work meanwhile
+        assert await asyncio.wait_for(asyncio.wrap_future(ahead.submit(lambda: 42)), 2) == 42
+        got = await asyncio.wait_for(reader.readexactly(len(value)), 30)
+        assert got == value
+        assert await asyncio.wait_for(done, 10) is None
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "fail", [RuntimeError("a bug"), CorruptValueError("bad tag")], ids=["bug", "corrupt"]
+)
+async def test_a_failure_opening_ahead_ends_the_send_with_it(fail: Exception) -> None:
+    """Whatever an open ahead of the sender raises reaches the send (never a sender thread
+    waiting for ever on a segment that will not come), after the segments before it."""
+    loop = asyncio.get_running_loop()
+    value = os.urandom(6 * MIB)
+    done: asyncio.Future[BaseException | None] = loop.create_future()
+    opener = _CopyOpener(value, fail_at=3, fail=fail)
+    async with _serving(lambda: _Ahead(opener, done)) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(done, 10) is fail
+        assert await asyncio.wait_for(reader.readexactly(3 * MIB), 10) == value[: 3 * MIB]
         writer.close()

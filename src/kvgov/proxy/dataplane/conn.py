@@ -23,9 +23,12 @@ import contextlib
 import logging
 import math
 import os
+import queue
 import select
+import threading
 from collections.abc import Coroutine
 from concurrent.futures import Executor, Future
+from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING, Any
 
 from kvgov.errors import CorruptValueError
@@ -315,6 +318,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
         crypto: Executor | None = None,
         inline_bytes: int = INLINE_CRYPTO_BYTES,
         pad: bool = False,
+        ahead: Executor | None = None,
     ) -> None:
         """Stream a hit: its segments already opened and authenticated by the pipeline, or, for
         one opened as it is sent (``plan.opener``: :class:`GetPlan`), the first, and each next
@@ -329,7 +333,11 @@ class StreamProtocol(asyncio.BufferedProtocol):
         loop given a ``crypto`` pool, there, while this one is written: a peer that waits for
         each hit of a few MiB (``lm://``) gets it sooner, while for frames of many hits in
         flight, and for larger ``lm://`` hits, which ``lm://`` therefore gives a sender thread,
-        the hand-off measured worse (``docs/operations.md``, "Threads").
+        the hand-off measured worse (``docs/operations.md``, "Threads"). Given an ``ahead``
+        pool, a sender thread's hit of more than two segments has them opened there instead,
+        by one job running ahead of the writes (:class:`_OpenAhead`): ``lm://``'s large hits,
+        one at a time, gain from it; the kvgov wire's frames of many hits measured worse
+        (a real engine's retrieve -20%), so it passes none.
 
         A segment that fails as it is opened raises its
         :class:`~kvgov.errors.CorruptValueError` once the segments before it are sent: nothing
@@ -346,7 +354,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
             await self.drain()
         if self._wfd < 0:
             self._wfd = os.dup(self._fd)
-        job = sender.submit(_write_windows, self, plan.windows, plan.opener, pad)
+        if plan.opener is None or len(plan.windows) <= 2:
+            ahead = None
+        job = sender.submit(_write_windows, self, plan.windows, plan.opener, pad, ahead)
         self._wjob = job
         try:
             await asyncio.wrap_future(job)
@@ -472,19 +482,28 @@ class StreamProtocol(asyncio.BufferedProtocol):
 
 
 def _write_windows(
-    conn: StreamProtocol, windows: list[memoryview], opener: Opener | None, pad: bool
+    conn: StreamProtocol,
+    windows: list[memoryview],
+    opener: Opener | None,
+    pad: bool,
+    ahead: Executor | None = None,
 ) -> None:
     """A sender-thread job: write ``windows`` to the connection's socket, waiting on the socket
     (GIL released) while it is full; the windows after the first of a hit opened as it is sent
-    are opened with ``opener``, each while the socket drains the one before. Raises
-    ConnectionClosed, or the failure of a segment as :meth:`StreamProtocol.send_plan` does
-    (after the zeros that stand in for the rest, for ``pad``)."""
+    are opened with ``opener``: by a thread of ``ahead`` while this thread writes the ones
+    before (:class:`_OpenAhead`), or, without it, here, each while the socket drains the one
+    before. Raises ConnectionClosed, or the failure of a segment as
+    :meth:`StreamProtocol.send_plan` does (after the zeros that stand in for the rest, for
+    ``pad``)."""
     fd = conn._wfd
     poller = select.poll()
     poller.register(fd, select.POLLOUT)
+    if opener is not None and ahead is not None:
+        _write_opened_ahead(conn, fd, poller, windows, opener=opener, pad=pad, ahead=ahead)
+        return
     last = len(windows) - 1
     for i, window in enumerate(windows):
-        view = window.cast("B") if window.format != "B" or window.ndim != 1 else window
+        view = _bytes_view(window)
         if opener is None or i == last:
             _write_all(conn, fd, poller, view)
             continue
@@ -499,6 +518,121 @@ def _write_windows(
                 _write_all(conn, fd, poller, _zeros(windows[i + 1 :]))
             raise
         _write_all(conn, fd, poller, view)
+
+
+def _bytes_view(window: memoryview) -> memoryview:
+    return window.cast("B") if window.format != "B" or window.ndim != 1 else window
+
+
+class _OpenAhead:
+    """Opens windows 1.. of a hit in the ``ahead`` pool while a sender thread writes the ones
+    before. The windows take turns in two segment buffers (:func:`~kvgov.proxy.dataplane.plans.
+    open_value`): window ``i`` is opened once window ``i - 2``, whose buffer it reuses, was
+    handed to the socket. A job opens what it may and returns when it must wait for a write
+    (a slow reader holds no pool thread); the writer submits the next job once it wrote that
+    window. At most one job runs at a time; opened windows are announced in order on a queue
+    (its wait releases the GIL)."""
+
+    __slots__ = (
+        "_ahead",
+        "_job",
+        "_lock",
+        "_next",
+        "_opened",
+        "_running",
+        "_stopped",
+        "_windows",
+        "_written",
+        "opener",
+    )
+
+    def __init__(self, opener: Opener, windows: list[memoryview], ahead: Executor) -> None:
+        self.opener = opener
+        self._windows = windows
+        self._ahead = ahead
+        self._lock = threading.Lock()
+        self._next = 1  # the next window to open (the pipeline opened window 0)
+        self._written = 0  # windows handed to the socket
+        self._running = False
+        self._stopped = False
+        self._job: Future[None] | None = None
+        #: (index, failure or None) per window opened, in order
+        self._opened: queue.SimpleQueue[tuple[int, BaseException | None]] = queue.SimpleQueue()
+
+    def start(self) -> None:
+        with self._lock:
+            self._running = True
+        self._job = self._ahead.submit(self._run)
+
+    def _run(self) -> None:
+        """A pool job: open windows while their buffers are free; any failure ends the hit."""
+        n = len(self._windows)
+        while True:
+            with self._lock:
+                i = self._next
+                if self._stopped or i >= n or (i >= 2 and self._written < i - 1):
+                    self._running = False  # done, or wait for a write: the writer resubmits
+                    return
+            try:
+                self.opener.open_segment(i, self._windows[i])
+            except BaseException as exc:  # noqa: BLE001 - handed to the writer, which raises it
+                with self._lock:
+                    self._stopped = True
+                    self._running = False
+                self._opened.put((i, exc))
+                return
+            with self._lock:
+                self._next = i + 1
+            self._opened.put((i, None))
+
+    def opened(self) -> BaseException | None:
+        """Wait until the next window is opened; its failure, if it failed."""
+        return self._opened.get()[1]
+
+    def written(self, index: int) -> None:
+        """Window ``index`` was handed to the socket: its buffer may take the one two after."""
+        with self._lock:
+            self._written = index + 1
+            resume = not self._running and not self._stopped and self._next < len(self._windows)
+            if resume:
+                self._running = True
+        if resume:
+            self._job = self._ahead.submit(self._run)
+
+    def stop(self) -> None:
+        """Open no more; returns once no job touches the windows."""
+        with self._lock:
+            self._stopped = True
+        if self._job is not None:
+            futures_wait([self._job])
+
+
+def _write_opened_ahead(
+    conn: StreamProtocol,
+    fd: int,
+    poller: select.poll,
+    windows: list[memoryview],
+    *,
+    opener: Opener,
+    pad: bool,
+    ahead: Executor,
+) -> None:
+    """:func:`_write_windows` with the windows after the first opened in the ``ahead`` pool
+    (:class:`_OpenAhead`); returns only once no job of it touches them."""
+    turns = _OpenAhead(opener, windows, ahead)
+    turns.start()
+    try:
+        for i, window in enumerate(windows):
+            if i:
+                failed = turns.opened()
+                if isinstance(failed, CorruptValueError) and pad:
+                    _write_all(conn, fd, poller, _zeros(windows[i:]))
+                if failed is not None:
+                    raise failed
+            _write_all(conn, fd, poller, _bytes_view(window))
+            turns.written(i)
+    finally:
+        turns.stop()
 
 
 def _write_once(conn: StreamProtocol, fd: int, view: memoryview) -> memoryview:

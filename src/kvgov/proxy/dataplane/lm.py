@@ -18,10 +18,10 @@ each next one opened while the one before is written
 (:class:`~kvgov.proxy.dataplane.plans.GetPlan`): LMCache asks one chunk at a time and waits for
 it, so the decrypt no longer comes before the first byte. Up to :data:`STREAM_LOOP_MAX_BYTES`
 the event loop writes it and the crypto pool opens the next segment meanwhile; a larger one is
-written by a sender thread that opens each next segment while the socket drains the one before
-(whatever ``dataplane.inline_crypto_bytes`` says). Should a segment fail then (a fault:
-nothing outside the process writes that memory), nothing of it is sent and the connection is
-closed, which LMCache's client reads as a miss.
+written by a sender thread while one crypto-pool job opens the segments ahead of it, in turn
+with the writes (whatever ``dataplane.inline_crypto_bytes`` says). Should a segment fail then
+(a fault: nothing outside the process writes that memory), nothing of it is sent and the
+connection is closed, which LMCache's client reads as a miss.
 
 A PUT is sealed and stored by its door's storer task (:mod:`kvgov.proxy.dataplane.pipeline`)
 while the next request is read (PUTs of a connection are stored in request order, a run of
@@ -54,9 +54,9 @@ OK, FAIL = 200, 400
 #: stored PUTs per connection whose ledger events are still being committed
 MAX_UNSETTLED_PUTS = 64
 #: a hit opened as it is sent larger than this is written by a sender thread, which waits on
-#: the socket with the GIL released and opens each next segment itself, instead of by the event
-#: loop (a loop pass per socketful, a hand-off to the crypto pool per segment); measured in
-#: ``docs/operations.md``, "Threads"
+#: the socket with the GIL released, while a crypto thread opens the segments ahead of it,
+#: instead of by the event loop (a loop pass per socketful, a hand-off to the crypto pool per
+#: segment); measured in ``docs/operations.md``, "Threads"
 STREAM_LOOP_MAX_BYTES = 4 << 20
 
 log = logging.getLogger("kvgov.dataplane.lm")
@@ -251,7 +251,9 @@ class LmConnection(StreamProtocol):
                 inline = door.inline_bytes
                 if plan.opener is not None:
                     inline = min(inline, STREAM_LOOP_MAX_BYTES)
-                await self.send_plan(plan, door.sender, crypto=door.crypto, inline_bytes=inline)
+                await self.send_plan(
+                    plan, door.sender, crypto=door.crypto, inline_bytes=inline, ahead=door.crypto
+                )
             except CorruptValueError as exc:  # a segment opened as it was sent: see the top
                 self.close()
                 await door.unsent(plan, exc)
