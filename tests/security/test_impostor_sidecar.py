@@ -10,9 +10,12 @@ engine's KV cache). The HELLO now proves the token both ways without sending it
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import socket
+import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,3 +169,85 @@ def test_an_impostor_gets_no_token_no_bytes_and_serves_nothing(
     (hello,) = (m for _, m in impostor.frames)
     assert "token" not in hello
     assert hello["token_id"] == handshake.token_id(TOKEN) != TOKEN
+
+
+#: who the impostor of the token-less tests runs as: not the engine's uid, not root
+NOBODY = 65534
+
+
+def _impostor_as(uid: int, address: str, out: str, ready: Any, stop: Any) -> None:
+    """A child process: become ``uid``, listen at ``address`` (the kernel remembers who
+    listened: what ``SO_PEERCRED`` tells a client), answer as a sidecar that needs no token
+    would, and write every byte received to ``out`` when told to stop."""
+    os.setgid(uid)
+    os.setuid(uid)
+    fake = Impostor(address, None)
+    ready.set()
+    stop.wait(30)
+    Path(out).write_bytes(bytes(fake.received))
+    fake.close()
+
+
+@pytest.fixture
+def foreign_impostor() -> Iterator[tuple[str, Callable[[], bytes]]]:
+    """A Unix-socket impostor of another uid where a token-less sidecar would listen: its
+    address, and a call that stops it and returns what it received."""
+    if os.getuid() != 0:
+        pytest.skip("needs root, to run the impostor as another uid")
+    ctx = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp).chmod(0o777)  # the other uid must create its socket here
+        address, out = str(Path(tmp) / "data.sock"), str(Path(tmp) / "received")
+        ready, stop = ctx.Event(), ctx.Event()
+        child = ctx.Process(target=_impostor_as, args=(NOBODY, address, out, ready, stop))
+        child.start()
+        try:
+            assert ready.wait(10), "the impostor did not start"
+
+            def received() -> bytes:
+                stop.set()
+                child.join(10)
+                return Path(out).read_bytes()
+
+            yield f"unix://{address}", received
+        finally:
+            stop.set()
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+
+
+@pytest.mark.parametrize("act", ["ping", "put", "get"])
+def test_without_tokens_an_impostor_of_another_uid_gets_nothing(
+    foreign_impostor: tuple[str, Callable[[], bytes]], act: str
+) -> None:
+    """Review s10: without engine tokens (a Unix socket, the sidecar admitting the engine by
+    its uid) the engine had no way to tell the sidecar from whoever took the socket's path:
+    it sent its HELLO, the plaintext of its puts, and took forged hits. Now it asks the
+    kernel who listens there, and a process that is neither the engine's uid nor root (nor a
+    configured ``kvgov.sidecar_uids``) gets not one byte."""
+    endpoint, received = foreign_impostor
+    client = WireClient(endpoint, engine_id="engine-1", timeout=2)
+    try:
+        with pytest.raises(WireError, match=f"runs as uid {NOBODY}") as refused:
+            if act == "put":
+                client.put(KEY, b"user prompt KV " * 100)
+            elif act == "get":
+                client.get(KEY)
+            else:
+                client.ping()
+    finally:
+        client.close()
+    assert refused.value.error is ErrorCode.UNAUTHENTICATED
+    assert received() == b"", "bytes went to a process that is not the sidecar"
+
+
+def test_a_sidecar_running_as_a_named_uid_is_accepted_without_tokens(
+    foreign_impostor: tuple[str, Callable[[], bytes]],
+) -> None:
+    """The control: where the sidecar runs as another uid (``kvgov.sidecar_uids``), the same
+    peer is spoken to (here it is the fake, which takes the put)."""
+    endpoint, received = foreign_impostor
+    with WireClient(endpoint, engine_id="engine-1", timeout=2, sidecar_uids=[NOBODY]) as client:
+        client.put(KEY, b"user prompt KV " * 100)
+    assert b"user prompt KV" in received()

@@ -103,3 +103,23 @@ def test_connector_token_file_errors(tmp_path: Path, extra: dict[str, str], erro
     with pytest.raises(ConfigError, match=error) as exc:
         ConnectorSettings.from_extra_config({"kvgov.endpoint": "tcp://127.0.0.1:7070", **extra})
     assert SECRET not in exc.value.diagnostics()
+
+
+@pytest.mark.parametrize(
+    ("raw", "uids"),
+    [(None, None), ([65532], {65532}), ("1000, 65532", {1000, 65532}), (0, {0})],
+)
+def test_connector_sidecar_uids(raw: object, uids: set[int] | None) -> None:
+    extra: dict[str, object] = {"kvgov.endpoint": "unix:///run/kvgov/data.sock"}
+    if raw is not None:
+        extra["kvgov.sidecar_uids"] = raw
+    cfg = ConnectorSettings.from_extra_config(extra)
+    assert cfg.sidecar_uids == (frozenset(uids) if uids is not None else None)
+
+
+@pytest.mark.parametrize("raw", [[], "", "root", [-1], [True], "1,x"])
+def test_connector_sidecar_uids_must_be_uids(raw: object) -> None:
+    with pytest.raises(ConfigError, match=r"kvgov\.sidecar_uids"):
+        ConnectorSettings.from_extra_config(
+            {"kvgov.endpoint": "unix:///run/kvgov/data.sock", "kvgov.sidecar_uids": raw}
+        )

@@ -8,14 +8,21 @@ being sent to its reply fully read: before each send and receive the socket's ti
 to what is left of it, so a peer that drips a reply byte by byte, or announces more than it
 sends, costs at most that long (:class:`WireTimeoutError`, the connection closed). A reply's payload
 is capped at what the request allows (``max_payload``): a longer one is a protocol error.
+
+Without an engine token, a Unix-socket peer is checked by the kernel's word for who it is
+(``SO_PEERCRED``) before anything is sent to it: it must run as one of ``sidecar_uids``
+(default: this process's uid or root, the rule by which the sidecar admits a token-less engine),
+so a process of another uid that took the socket's path learns nothing, not even the engine id.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from kvgov.wire import handshake
@@ -113,7 +120,16 @@ class Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
 
-    def hello(self, engine_id: str, token: str | None, role: str) -> ServerInfo:
+    def hello(
+        self,
+        engine_id: str,
+        token: str | None,
+        role: str,
+        *,
+        sidecar_uids: Collection[int] | None = None,
+    ) -> ServerInfo:
+        if token is None:
+            self._check_peer_uid(sidecar_uids)
         meta: dict[str, Any] = {
             "version": PROTOCOL_VERSION,
             "engine": engine_id,
@@ -132,6 +148,24 @@ class Connection:
             raise
         self.info = info
         return info
+
+    def _check_peer_uid(self, sidecar_uids: Collection[int] | None) -> None:
+        """Token-less, over a Unix socket: refuse a peer that does not run as one of
+        ``sidecar_uids`` (None: this process's uid or root) before sending it anything."""
+        if self.sock.family != socket.AF_UNIX or not hasattr(socket, "SO_PEERCRED"):
+            return  # TCP: nothing to check without a token (development only)
+        allowed = set(sidecar_uids) if sidecar_uids is not None else {os.getuid(), 0}
+        creds = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        uid = struct.unpack("3i", creds)[1]
+        if uid not in allowed:
+            self.close()
+            raise WireError(
+                ErrorCode.UNAUTHENTICATED,
+                f"the process at the sidecar's socket runs as uid {uid}, not as the sidecar's"
+                f" ({', '.join(str(u) for u in sorted(allowed))})",
+                hint="check what listens on the sidecar's socket, or set kvgov.sidecar_uids"
+                " (better: engine tokens)",
+            )
 
     # -- deadline ------------------------------------------------------------------------------
 

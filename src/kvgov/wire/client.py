@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvgov.wire._conn import Buffer, Connection, WireTimeoutError, as_bytes_view
@@ -69,12 +69,15 @@ class WireClient:
         timeout: float = 10.0,
         connect_timeout: float = 2.0,
         pool_size: int = 4,
+        sidecar_uids: Collection[int] | None = None,
     ) -> None:
         if pool_size < 1:
             raise ValueError("pool_size must be at least 1")
         self.address = address
         self.engine_id = engine_id
         self._token = token
+        #: without a token, the uids a Unix-socket sidecar may run as (None: ours or root)
+        self._sidecar_uids = frozenset(sidecar_uids) if sidecar_uids is not None else None
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self._idle: queue.LifoQueue[Connection] = queue.LifoQueue()
@@ -88,7 +91,9 @@ class WireClient:
         conn = Connection(self.address, connect_timeout=self.connect_timeout, timeout=self.timeout)
         try:
             conn.arm(self.timeout)  # the HELLO exchange is one operation
-            self.info = conn.hello(self.engine_id, self._token, role)
+            self.info = conn.hello(
+                self.engine_id, self._token, role, sidecar_uids=self._sidecar_uids
+            )
         except BaseException:
             conn.close()
             raise

@@ -108,6 +108,7 @@ class KvgovConnector(RemoteConnector):  # type: ignore[misc]
             timeout=s.timeout_s,
             connect_timeout=s.connect_timeout_s,
             pool_size=s.pool_size,
+            sidecar_uids=s.sidecar_uids,
         )
         #: blocking wire calls run here, so LMCache's event loop never waits on a socket
         self.pool = ThreadPoolExecutor(max_workers=s.pool_size, thread_name_prefix="kvgov-conn")

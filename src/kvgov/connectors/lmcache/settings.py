@@ -9,6 +9,7 @@ LMCache hands every plugin the whole engine config; kvgov's keys live under ``kv
       kvgov.endpoint: unix:///run/kvgov/data.sock   # or tcp://127.0.0.1:7070
       kvgov.token: <engine token>             # or kvgov.token_file: /etc/kvgov/engine/token
       kvgov.engine_id: vllm-0
+      kvgov.sidecar_uids: [65532]             # no token, a Unix socket: who the sidecar runs as
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class ConnectorSettings:
     max_frame_bytes: int = 128 * 1024 * 1024
     #: a batched put is split into frames of about this size, sent in parallel
     put_frame_bytes: int = 32 * 1024 * 1024
+    #: without a token, the uids the process at a Unix-socket endpoint may run as (checked by
+    #: the kernel's SO_PEERCRED before anything is sent); None: the engine's own uid or root
+    sidecar_uids: frozenset[int] | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -73,6 +77,7 @@ class ConnectorSettings:
             control_reconnect_s=_number(extra, "control_reconnect_s", cls.control_reconnect_s),
             max_frame_bytes=int(_number(extra, "max_frame_bytes", cls.max_frame_bytes)),
             put_frame_bytes=int(_number(extra, "put_frame_bytes", cls.put_frame_bytes)),
+            sidecar_uids=_uids(extra.get(PREFIX + "sidecar_uids")),
         )
 
 
@@ -87,6 +92,25 @@ def _read_token_file(path: str) -> str:
     if not token:
         raise ConfigError(f"kvgov.token_file {path} is empty", hint="it must hold the engine token")
     return token
+
+
+def _uids(raw: Any) -> frozenset[int] | None:
+    """``kvgov.sidecar_uids``: a list of uids (or one, or a comma-separated string of them)."""
+    if raw is None:
+        return None
+    items = raw.split(",") if isinstance(raw, str) else raw if isinstance(raw, list) else [raw]
+    uids: set[int] = set()
+    for item in items:
+        try:
+            uid = int(str(item).strip())
+        except ValueError:
+            raise ConfigError("kvgov.sidecar_uids must be a list of uids (integers)") from None
+        if uid < 0:
+            raise ConfigError("kvgov.sidecar_uids must be a list of uids (integers)")
+        uids.add(uid)
+    if not uids:
+        raise ConfigError("kvgov.sidecar_uids is empty", hint="name the sidecar's uid, or unset it")
+    return frozenset(uids)
 
 
 def _number(extra: Mapping[str, Any], name: str, default: float) -> float:
