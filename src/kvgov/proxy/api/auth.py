@@ -42,6 +42,7 @@ from kvgov.errors import AuthError, ForbiddenError, KvgovError
 from kvgov.ledger.events import Event, EventSink
 from kvgov.ledger.verify import VerifyReport
 from kvgov.logging import get_logger
+from kvgov.proxy.api.routes import route_template
 from kvgov.types import EventKind, Role
 
 log = get_logger(__name__)
@@ -264,24 +265,6 @@ async def record_admin_access(ctx: ApiContext, request: Request, principal: Prin
             },
         )
     )
-
-
-def route_template(request: Request) -> str:
-    """The matched route's template as the app serves it (``/v1/users/{user}/footprint``):
-    never a path parameter's value, however it is encoded. (Rebuilding the template from the
-    path by matching values missed a user id holding a ``%XX`` sequence and wrote it, decoded,
-    into the chain.) FastAPI leaves the included router's own route in ``scope["route"]``, its
-    template without the routers' prefixes (``/v1``): those are the path's leading segments,
-    literal, as many as the path has beyond the template's (no route here takes a ``:path``
-    parameter, which could span segments)."""
-    template = getattr(request.scope.get("route"), "path_format", None)
-    if not isinstance(template, str) or not template.startswith("/"):
-        return "(no route)"
-    path = request.url.path.rstrip("/").split("/")
-    tail = template.rstrip("/").split("/")
-    if len(tail) > len(path):
-        return "(no route)"
-    return "/".join(path[: len(path) - len(tail) + 1]) + template
 
 
 def require(*roles: Role) -> Callable[..., Awaitable[Principal]]:

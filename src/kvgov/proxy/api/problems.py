@@ -2,7 +2,8 @@
 
 Domain code raises :mod:`kvgov.errors`; this module is the edge that maps them to HTTP statuses,
 together with FastAPI's validation errors (422), unknown routes (404) and anything unexpected
-(500, logged with its traceback, never shown to the client).
+(500, logged with its traceback and the route's template, never the path, whose parameters
+may be raw user ids; never shown to the client).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvgov.errors import (
     NotFoundError,
 )
 from kvgov.logging import get_logger
+from kvgov.proxy.api.routes import route_template
 
 log = get_logger(__name__)
 
@@ -139,7 +141,8 @@ async def _kvgov_error(request: Request, exc: Exception) -> JSONResponse:
     status = status_for(exc)
     headers = {"WWW-Authenticate": 'Bearer realm="kvgov"'} if status == 401 else None
     if status >= 500:
-        log.error("api.error", extra={"code": exc.code, "path": request.url.path})
+        # the route's template, never the path: a path parameter may be a raw user id
+        log.error("api.error", extra={"code": exc.code, "route": route_template(request)})
         detail = exc.message if status == 503 else "internal error"
     else:
         detail = exc.message
@@ -172,7 +175,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.error("api.unhandled", extra={"path": request.url.path}, exc_info=exc)
+    log.error("api.unhandled", extra={"route": route_template(request)}, exc_info=exc)
     return problem_response(500, "internal_error", "internal error", request)
 
 

@@ -155,6 +155,9 @@ def api_config(app: ASGIApp, api: ApiSettings) -> uvicorn.Config:
         host=api.host,
         port=api.port,
         log_config=None,
+        # no access log: its lines carry paths, and /v1/users/{user}/... names a raw user id
+        # (admin requests are recorded in the ledger instead, by route template)
+        access_log=False,
         lifespan="off",
         http=api_protocol(api.request_timeout_s),
         limit_concurrency=api.limit_concurrency,
