@@ -162,6 +162,16 @@ def test_cli_purge_user_end_to_end(
     # no --yes and the operator says no: nothing happens, non-zero exit
     refused = kvgov(env, "purge", "--user", "alice", "--tenant", "acme", stdin="n\n")
     assert refused.returncode != 0
+    assert "no record of user" not in refused.stderr  # alice is known: no warning
+    assert _files(settings, alice) == N
+
+    # a misspelt id (the gateway sent "alice") would purge nothing: said before it is confirmed
+    typo = kvgov(env, "purge", "--user", "Alice", "--tenant", "acme", "--dry-run")
+    assert typo.returncode == 0, typo.stderr
+    assert "no record of this user id" in typo.stdout and "1 other spelling" in typo.stdout
+    typo = kvgov(env, "purge", "--user", "Alice", "--tenant", "acme", stdin="n\n")
+    assert typo.returncode != 0
+    assert "has no record of user 'Alice'" in typo.stderr and "1 other spelling" in typo.stderr
     assert _files(settings, alice) == N
 
     receipt = tmp_path / "receipt.json"

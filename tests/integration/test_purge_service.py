@@ -496,3 +496,29 @@ async def test_user_purge_covers_entries_the_user_re_put(env: Env) -> None:
     )
     report = await asyncio.to_thread(verify, env.engine)
     assert report.ok, report.to_dict()
+
+
+async def test_a_misspelt_user_id_is_flagged_before_it_purges_nothing(env: Env) -> None:
+    """Ids are matched exactly, as the gateway sent them (their keyed pseudonym): an operator
+    who types ``Alice`` for the gateway's ``alice`` would get a completed purge, and a signed
+    receipt, that erased nothing of hers. The plan says the id is unknown and that another
+    spelling of it has data; an id nobody used is unknown with no near miss."""
+    await env.seed("acme", "alice")
+    await env.seed("globex", "ALICE")  # another tenant's: never a near miss for acme
+    await env.writer.flush()
+    service = env.service()
+
+    async def check(user: str | None) -> tuple[bool | None, int, int]:
+        req = PurgeRequest(tenant="acme", user=user, dry_run=True)
+        plan = await service.plan(req)
+        assert (plan.subject_known, plan.spelling_variants_known) == await service.subject_check(
+            req
+        )
+        return plan.subject_known, plan.spelling_variants_known, plan.entries_in_scope
+
+    assert await check("alice") == (True, 0, N)
+    assert await check("Alice") == (False, 1, 0)
+    assert await check(" alice ") == (False, 1, 0)
+    assert await check("ALICE") == (False, 1, 0)
+    assert await check("zed") == (False, 0, 0)
+    assert await check(None) == (None, 0, N)  # the whole tenant: no subject to check

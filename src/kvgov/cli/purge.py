@@ -72,10 +72,9 @@ def register(app: typer.Typer) -> None:
         from kvgov.db.purge_views import PurgeRequest
 
         req = PurgeRequest(tenant=tenant, user=user, dry_run=dry_run, requested_by="cli")
-        what = f"user {user!r} in tenant {tenant!r}" if user else f"ALL data of tenant {tenant!r}"
-        if not dry_run and not yes:
-            typer.confirm(f"Purge {what} from every tier and shred its keys?", abort=True)
-        code = asyncio.run(_purge(settings(ctx), req, wait=wait, as_json=as_json, out=receipt))
+        code = asyncio.run(
+            _purge(settings(ctx), req, wait=wait, as_json=as_json, out=receipt, confirm=not yes)
+        )
         raise typer.Exit(code)
 
     @group.command("status")
@@ -141,7 +140,13 @@ def register(app: typer.Typer) -> None:
 
 
 async def _purge(
-    cfg: Settings, req: PurgeRequest, *, wait: bool, as_json: bool, out: Path | None
+    cfg: Settings,
+    req: PurgeRequest,
+    *,
+    wait: bool,
+    as_json: bool,
+    out: Path | None,
+    confirm: bool = True,
 ) -> int:
     from kvgov.services.purge.build import cli_service
     from kvgov.services.purge.documents import job_document
@@ -154,6 +159,13 @@ async def _purge(
             else:
                 _print_plan(plan)
             return EXIT_OK
+        known, variants = await service.subject_check(req)
+        if known is False:  # on stderr: --json keeps stdout the job's document
+            typer.echo(_unknown_subject(req, variants), err=True)
+        if confirm:
+            what = f"user {req.user!r} in tenant {req.tenant!r}" if req.user else None
+            what = what or f"ALL data of tenant {req.tenant!r}"
+            typer.confirm(f"Purge {what} from every tier and shred its keys?", abort=True)
         job = await service.create(req)
         if not wait:
             if as_json:
@@ -222,6 +234,20 @@ def _report(job: JobView, *, as_json: bool, out: Path | None, trusted: tuple[byt
     return EXIT_OK
 
 
+def _unknown_subject(req: PurgeRequest, variants: int) -> str:
+    """The warning for a user id the ledger never saw act in the tenant."""
+    text = (
+        f"warning: tenant {req.tenant!r} has no record of user {req.user!r}: ids are matched"
+        " exactly, as the gateway sent them, so this purge will find nothing of theirs"
+    )
+    if variants:
+        text += (
+            f"; {variants} other spelling(s) of it (case, surrounding spaces or Unicode form)"
+            " have data there: check the id"
+        )
+    return text
+
+
 def _print_plan(plan: PurgePlan) -> None:
     typer.echo("dry run: nothing was changed")
     typer.echo(f"  subject: {plan.subject or '(whole tenant)'} in tenant {plan.tenant}")
@@ -231,3 +257,11 @@ def _print_plan(plan: PurgePlan) -> None:
     typer.echo(f"  ledger payloads to erase: {plan.payloads_to_erase}")
     typer.echo(f"  sidecars to ask: {list(plan.sidecars) or 'none registered'}")
     typer.echo(f"  vLLM engines to reset: {list(plan.vllm_engines) or 'none configured'}")
+    if plan.subject_known is False:
+        typer.echo("  WARNING: the ledger has no record of this user id in this tenant (ids are")
+        typer.echo("  matched exactly, as the gateway sent them): the purge would find nothing")
+        if plan.spelling_variants_known:
+            typer.echo(
+                f"  {plan.spelling_variants_known} other spelling(s) of it (case, surrounding"
+                " spaces or Unicode form) have data: check the id"
+            )

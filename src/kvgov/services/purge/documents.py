@@ -142,6 +142,13 @@ class PurgePlan(_Document):
     payloads_to_erase: int
     sidecars: tuple[str, ...]
     vllm_engines: tuple[str, ...]
+    #: whether the ledger has seen this user id act in the tenant (None: a tenant purge). A
+    #: purge matches the id exactly as the gateway sent it: an id the ledger never saw is most
+    #: likely misspelt, and its purge finds nothing
+    subject_known: bool | None = None
+    #: how many other spellings of the id (case, surrounding spaces, Unicode form) the ledger
+    #: has seen act in the tenant: the id the operator probably meant
+    spelling_variants_known: int = 0
 
 
 # -- step details ------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ and never commit.
 
 from __future__ import annotations
 
+import unicodedata
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -27,6 +29,32 @@ class ScopedEntry:
     state: EntryState
     tiers: tuple[str, ...]
     size: int | None
+
+
+def spelling_variants(user: str) -> set[str]:
+    """Other spellings of a raw user id an operator may have meant: surrounding spaces
+    stripped, Unicode NFC/NFKC forms, and lower, upper, case-folded, capitalised and title
+    case. A purge matches the id exactly as the gateway sent it (its keyed pseudonym); these
+    only warn that a near miss has data (:func:`known_subjects`)."""
+    forms = {user, user.strip()}
+    forms |= {unicodedata.normalize(nf, f) for f in set(forms) for nf in ("NFC", "NFKC")}
+    cased = (str.lower, str.upper, str.casefold, str.capitalize, str.title)
+    forms |= {case(f) for f in set(forms) for case in cased}
+    forms.discard(user)
+    forms.discard("")
+    return forms
+
+
+def known_subjects(s: Session, tenant: str, pseudonyms: Collection[str]) -> set[str]:
+    """The ``pseudonyms`` the ledger has seen act in ``tenant`` (its ``user_refs``)."""
+    if not pseudonyms:
+        return set()
+    rows = s.scalars(
+        select(UserRef.pseudonym).where(
+            UserRef.tenant == tenant, UserRef.pseudonym.in_(list(pseudonyms))
+        )
+    )
+    return set(rows)
 
 
 def _entry_filter(tenant: str, subject: str | None) -> ColumnElement[bool]:

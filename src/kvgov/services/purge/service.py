@@ -91,9 +91,13 @@ class PurgeService:
         """What a purge would delete, changing nothing (``--dry-run``)."""
         subject = self.subject_of(req)
 
+        variants = self._variant_pseudonyms(req)
+
         def read(s: Session) -> dict[str, Any]:
             entries = scope.scoped_entries(s, req.tenant, subject)
+            named = [subject, *variants] if subject is not None else []
             return {
+                "known": scope.known_subjects(s, req.tenant, named),
                 "entries": entries,
                 "payloads": scope.erasable_payloads(s, req.tenant, subject),
                 "sidecars": sidecars.live_sidecars(
@@ -120,7 +124,26 @@ class PurgeService:
             payloads_to_erase=found["payloads"],
             sidecars=tuple(found["sidecars"]),
             vllm_engines=tuple(self.settings.purge.vllm_engines),
+            subject_known=None if subject is None else subject in found["known"],
+            spelling_variants_known=len(found["known"] & variants),
         )
+
+    async def subject_check(self, req: PurgeRequest) -> tuple[bool | None, int]:
+        """Whether the ledger has seen the request's user act in its tenant (None: a tenant
+        purge), and how many other spellings of the id it has seen (:class:`PurgePlan`)."""
+        subject = self.subject_of(req)
+        if subject is None:
+            return None, 0
+        variants = self._variant_pseudonyms(req)
+        known = await self.ctx.db(
+            lambda s: scope.known_subjects(s, req.tenant, [subject, *variants])
+        )
+        return subject in known, len(known & variants)
+
+    def _variant_pseudonyms(self, req: PurgeRequest) -> set[str]:
+        if req.user is None:
+            return set()
+        return {self._pseudonymize(req.tenant, v) for v in scope.spelling_variants(req.user)}
 
     async def create(self, req: PurgeRequest) -> JobView:
         if req.dry_run:
