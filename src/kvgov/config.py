@@ -169,6 +169,10 @@ class PolicySettings(_Section):
     #: set when your own policies read the request id's value (the shipped ones do not): every
     #: request then misses the decision cache and records its own first allow
     cache_vary_on_request_id: bool = False
+    #: seconds between a running sidecar's checks of ``policy_dir``/``data_file``: on a change
+    #: it reloads them and drops its cached decisions (a revoked engine loses access within
+    #: this); 0: never (a change then needs a restart)
+    reload_interval_s: float = Field(default=10.0, ge=0.0, le=3600.0)
 
 
 class KeysSettings(_Section):

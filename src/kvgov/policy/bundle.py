@@ -12,6 +12,7 @@ without ``data.kvgov.authz.decision`` is refused. Startup stops on any of them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -64,6 +65,27 @@ class PolicyBundle:
     def data_document(self) -> dict[str, Any]:
         """The whole ``data`` document the engines load."""
         return {"kvgov": {"config": self.config}}
+
+
+def source_stamp(policy_dir: Path | None = None, data_file: Path | None = None) -> object:
+    """What :func:`load_bundle` would read, as file identities and times (path, inode, size,
+    mtime; symlinks followed, so a ConfigMap's swapped files count): cheap to take often, and
+    different whenever an operator changed a source. The shipped sources never change."""
+    paths: list[Path] = []
+    if policy_dir is not None:
+        with contextlib.suppress(OSError):
+            paths += sorted(p for p in policy_dir.rglob("*") if not p.name.startswith(".."))
+    if data_file is not None:
+        paths.append(data_file)
+    stamp: list[tuple[str, int, int, int]] = []
+    for path in paths:
+        try:
+            st = path.stat()
+        except OSError:
+            stamp.append((str(path), -1, -1, -1))
+            continue
+        stamp.append((str(path), st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(stamp)
 
 
 def load_bundle(policy_dir: Path | None = None, data_file: Path | None = None) -> PolicyBundle:

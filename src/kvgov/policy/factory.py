@@ -11,7 +11,7 @@ startup stops. Every engine comes wrapped in :class:`CachingPolicyEngine`, which
 from __future__ import annotations
 
 from kvgov.config import Settings
-from kvgov.policy.bundle import PolicyBundle, load_bundle
+from kvgov.policy.bundle import PolicyBundle, load_bundle, source_stamp
 from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.interfaces import DecisionRecorder, PolicyEngine
 
@@ -19,6 +19,11 @@ from kvgov.policy.interfaces import DecisionRecorder, PolicyEngine
 def load_configured_bundle(settings: Settings) -> PolicyBundle:
     """Policies and data from ``policy.policy_dir`` / ``policy.data_file`` (or the shipped)."""
     return load_bundle(settings.policy.policy_dir, settings.policy.data_file)
+
+
+def configured_source_stamp(settings: Settings) -> object:
+    """:func:`~kvgov.policy.bundle.source_stamp` of the configured sources."""
+    return source_stamp(settings.policy.policy_dir, settings.policy.data_file)
 
 
 def build_inner_engine(settings: Settings) -> PolicyEngine:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -127,6 +128,16 @@ class Sidecar:
         if self.pipeline.keyring is not None:
             self._tasks.append(
                 asyncio.create_task(self._revalidate_keys(), name="kvgov-key-revalidation")
+            )
+        policy, every = self.pipeline.policy, self.settings.policy.reload_interval_s
+        if policy is not None and every > 0 and self.settings.policy.engine != "unsafe-allow-all":
+            from kvgov.policy.factory import configured_source_stamp, load_configured_bundle
+            from kvgov.policy.watch import follow_sources
+
+            load = partial(load_configured_bundle, self.settings)
+            stamp = partial(configured_source_stamp, self.settings)
+            self._tasks.append(
+                asyncio.create_task(follow_sources(policy, load, every, stamp), name="kvgov-policy")
             )
         checkpoint_s = self.settings.ledger.checkpoint_interval_s
         if self.writer is not None and checkpoint_s > 0:

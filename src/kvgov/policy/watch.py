@@ -1,0 +1,74 @@
+"""Follow the policy's sources while the sidecar runs.
+
+A running sidecar answers from the policies and data it loaded, and from its decision cache.
+Without a reload, a change to ``policy.policy_dir`` or ``policy.data_file`` (an engine removed
+from a tenant, a class made uncacheable: a Kubernetes ConfigMap updated in place) took effect
+only at the next restart, and cached allows kept serving the old answer meanwhile. Every
+``policy.reload_interval_s`` :func:`follow_sources` looks at the sources' files (their
+identities and times: a few ``stat`` calls); when those changed it loads them in a worker
+thread and, when their revision changed, reloads the engine, which swaps in the new policies
+and drops every cached decision (:meth:`~kvgov.policy.cache.CachingPolicyEngine.reload`).
+Sources that fail to load (invalid Rego or data) are refused and logged once per distinct
+error; the policies in force keep answering. Decisions recorded after a reload name the new
+revision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from kvgov.errors import PolicyError
+from kvgov.logging import get_logger
+from kvgov.policy.bundle import PolicyBundle
+from kvgov.policy.interfaces import PolicyEngine, PolicyRevision
+
+log = get_logger(__name__)
+
+
+async def follow_sources(
+    engine: PolicyEngine,
+    load: Callable[[], PolicyBundle],
+    interval_s: float,
+    stamp: Callable[[], object] | None = None,
+) -> None:
+    """Reload ``engine`` whenever the revision of what ``load`` reads changes (runs until
+    cancelled); with ``stamp``, ``load`` runs only when what ``stamp`` returns changed."""
+    seen: PolicyRevision = engine.revision
+    failed: str | None = None
+    last: object = None  # the first pass loads: a change since the engine was built counts
+    while True:
+        await asyncio.sleep(interval_s)
+        if stamp is not None:
+            now_stamp = await asyncio.to_thread(stamp)
+            if now_stamp == last:
+                continue
+            last = now_stamp
+        try:
+            revision = (await asyncio.to_thread(load)).revision
+        except PolicyError as exc:
+            if str(exc) != failed:  # once per distinct error, not every interval
+                failed = str(exc)
+                log.error("policy.reload_refused", extra={"error": failed[:500]})
+            continue
+        except Exception:  # keep following: a dead task would freeze the policy in force
+            log.exception("policy.sources_unreadable")
+            continue
+        failed = None
+        if revision == seen:
+            continue
+        try:
+            now = await engine.reload()
+        except PolicyError as exc:  # changed again meanwhile, and invalid: the old ones answer
+            log.error("policy.reload_refused", extra={"error": str(exc)[:500]})
+            continue
+        log.info(
+            "policy.sources_changed",
+            extra={
+                "policy_revision": now.policy,
+                "data_revision": now.data,
+                "previous_policy_revision": seen.policy,
+                "previous_data_revision": seen.data,
+            },
+        )
+        seen = revision
