@@ -243,8 +243,13 @@ class DataPlaneSettings(_Section):
     #: engine tokens: ``{"token": "engine-id"}``. Empty in development accepts any engine id.
     engine_tokens: dict[str, SecretStr] = Field(default_factory=dict)
     #: a file holding the engine tokens in the same shape, as JSON (a mounted Secret; read at
-    #: start-up): set this or ``engine_tokens``, not both
+    #: start-up, then followed: ``engine_tokens_reload_interval_s``): set this or
+    #: ``engine_tokens``, not both
     engine_tokens_file: Path | None = None
+    #: seconds between a running sidecar's checks of ``engine_tokens_file``: on a change it
+    #: takes the new tokens and closes the connections of removed ones (a revoked token stops
+    #: working within this); 0: never (a change then needs a restart)
+    engine_tokens_reload_interval_s: float = Field(default=10.0, ge=0.0, le=3600.0)
     max_frame_bytes: int = Field(default=256 * _MIB, ge=_MIB)
     #: open data-plane connections, all listeners together (kvgov wire and lm://); more are
     #: closed at once (``docs/operations.md``, "Limits")

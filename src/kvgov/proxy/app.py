@@ -19,6 +19,7 @@ from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -138,6 +139,11 @@ class Sidecar:
             stamp = partial(configured_source_stamp, self.settings)
             self._tasks.append(
                 asyncio.create_task(follow_sources(policy, load, every, stamp), name="kvgov-policy")
+            )
+        dp = self.settings.dataplane
+        if dp.engine_tokens_file is not None and dp.engine_tokens_reload_interval_s > 0:
+            self._tasks.append(
+                asyncio.create_task(self._follow_engine_tokens(), name="kvgov-engine-tokens")
             )
         checkpoint_s = self.settings.ledger.checkpoint_interval_s
         if self.writer is not None and checkpoint_s > 0:
@@ -295,6 +301,36 @@ class Sidecar:
                 raise
             except Exception:  # keep checking: a dead task would leave the window unbounded
                 log.exception("sidecar.keys.revalidate_failed")
+
+    async def _follow_engine_tokens(self) -> None:
+        """Every ``dataplane.engine_tokens_reload_interval_s``, look at the engine token file
+        (a mounted Secret); when it changed, read it and hand the tokens to the server, which
+        closes the connections of removed ones. A file that does not read (half written,
+        invalid) is refused and logged once, never its content; the tokens in force stay."""
+        path = self.settings.dataplane.engine_tokens_file
+        assert path is not None
+        interval = self.settings.dataplane.engine_tokens_reload_interval_s
+        last = _file_stamp(path)
+        failed: str | None = None
+        while True:
+            await asyncio.sleep(interval)
+            stamp = await asyncio.to_thread(_file_stamp, path)
+            if stamp == last:
+                continue
+            last = stamp
+            try:
+                tokens = await asyncio.to_thread(lambda: self.settings.engine_tokens)
+            except ConfigError as exc:  # names the file and what is wrong, never a token
+                if str(exc) != failed:
+                    failed = str(exc)
+                    log.warning("dataplane.tokens.reload_refused", extra={"error": failed})
+                continue
+            failed = None
+            closed = self.server.replace_tokens(tokens)
+            log.info(
+                "dataplane.tokens.reloaded",
+                extra={"tokens": len(tokens), "connections_closed": closed},
+            )
 
     async def stop(self, grace_s: float = 30.0) -> None:
         """Stop accepting, drain in-flight requests, flush the ledger, close everything."""
@@ -668,3 +704,12 @@ async def run_sidecar(settings: Settings) -> None:
     await sidecar.stop()
     web.should_exit = True
     await web_task
+
+
+def _file_stamp(path: Path) -> tuple[int, int, int] | None:
+    """A file's identity and times (symlinks followed: a Secret's swapped files count)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns

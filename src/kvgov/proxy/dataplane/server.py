@@ -16,6 +16,8 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
+
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.limits import ConnectionLimits, Watchdog
 from kvgov.proxy.dataplane.pipeline import Pipeline
@@ -64,6 +66,30 @@ class WireServer:
             handshake.token_id(token): (token, engine.get_secret_value())
             for token, engine in config.engine_tokens.items()
         }
+
+    def token_current(self, tid: str, engine: str) -> bool:
+        held = self._token_ids.get(tid)
+        return held is not None and held[1] == engine
+
+    def replace_tokens(self, tokens: Mapping[str, SecretStr]) -> int:
+        """Take ``tokens`` (``{"token": "engine-id"}``, a non-empty set) from now on, and
+        close every connection opened with a token that no longer stands for its engine
+        (revoked, or given to another engine); the number closed. A HELLO half-way through
+        its handshake is checked again at its end (:meth:`token_current`)."""
+        self._token_ids = {
+            handshake.token_id(token): (token, engine.get_secret_value())
+            for token, engine in tokens.items()
+        }
+        gone = [
+            conn
+            for conn in self.connections
+            if conn.token_id is not None
+            and conn.identity is not None
+            and not self.token_current(conn.token_id, conn.identity.engine)
+        ]
+        for conn in gone:
+            conn.close()
+        return len(gone)
 
     def _factory(self, *, unix: bool) -> WireConnection:
         return WireConnection(self, unix=unix)
@@ -161,7 +187,7 @@ class WireServer:
                 "a HELLO never carries the token: it names it (token_id) and proves it",
                 hint="docs/protocol.md, Authentication",
             )
-        if self.config.engine_tokens:
+        if self._token_ids:
             tid, nonce, role = meta.get("token_id"), meta.get("nonce"), meta.get("role", "")
             if not isinstance(tid, str) or not handshake.is_nonce(nonce):
                 raise WireError(ErrorCode.UNAUTHENTICATED, "engine token required")

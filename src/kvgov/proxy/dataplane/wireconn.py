@@ -99,6 +99,11 @@ class Hub(Protocol):
         self, meta: Mapping[str, Any], conn: WireConnection
     ) -> Identity | Challenge: ...
 
+    def token_current(self, tid: str, engine: str) -> bool:
+        """Whether token ``tid`` still stands for ``engine`` (tokens may be revoked while a
+        connection is open: :meth:`~kvgov.proxy.dataplane.server.WireServer.replace_tokens`)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Challenge:
@@ -158,6 +163,8 @@ class WireConnection(StreamProtocol):
         self.unix = unix
         self.peer_uid: int | None = None
         self.identity: Identity | None = None
+        #: the id of the engine token this connection proved (None: no token)
+        self.token_id: str | None = None
         #: the protocol features agreed in HELLO (``late_miss``: hits the memory tier lends
         #: are opened as they are sent, and one failing then is withdrawn in GET_END)
         self.features: frozenset[str] = frozenset()
@@ -336,6 +343,9 @@ class WireConnection(StreamProtocol):
         if challenge is not None:  # the second HELLO: the engine's proof of its token
             if not handshake.proven(challenge.proof("client"), meta.get("proof")):
                 raise WireError(ErrorCode.UNAUTHENTICATED, "engine token refused")
+            if not self.server.token_current(challenge.tid, challenge.engine):
+                raise WireError(ErrorCode.UNAUTHENTICATED, "engine token refused")  # revoked
+            self.token_id = challenge.tid
             meta = dict(challenge.meta)
             identity: Identity = Identity(challenge.engine, f"engine:{challenge.engine}")
         else:

@@ -1,0 +1,161 @@
+"""An engine token removed from the sidecar's token file keeps working until a restart.
+
+Attack (review s10): an engine's token leaks; the operator removes it from the mounted Secret
+(``dataplane.engine_tokens_file``). The sidecar had read the file at start only: the leaked
+token still opened new connections, and the connections it had opened went on, until the next
+restart. Now the sidecar follows the file (``dataplane.engine_tokens_reload_interval_s``): a
+removed token opens no new connection and the connections it opened are closed, while the
+other engines' connections stay; a file that does not read leaves the tokens in force.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from kvgov.config import Settings
+from kvgov.proxy.app import Sidecar, build_sidecar
+from kvgov.wire import RequestContext
+from kvgov.wire.codec import ErrorCode, WireError
+from tests.security import doors
+from tests.security.doors import engine, run
+
+pytestmark = pytest.mark.postgres
+
+CTX = RequestContext(request_id="req-token-revoke", user="u1")
+EVERY_S = 0.2
+WITHIN_S = 15.0
+VALUE = b"acme's prompt KV " * 1024
+
+
+def _write_atomically(path: Path, data: str) -> None:
+    """Replace the file in one step, as the kubelet swaps a Secret's files."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(data)
+    tmp.replace(path)
+
+
+def _settings(tmp_path: Path, db: doors.ProdDatabase) -> tuple[Settings, Path]:
+    """A production sidecar's settings with its engine tokens in a file it looks at every
+    ``EVERY_S``; and the file."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    tokens = tmp_path / "engine-tokens.json"
+    tokens.write_text(json.dumps(doors.TOKENS))
+    st = doors.settings(tmp_path, db)
+    dp = st.dataplane.model_copy(
+        update={
+            "engine_tokens": {},
+            "engine_tokens_file": tokens,
+            "engine_tokens_reload_interval_s": EVERY_S,
+        }
+    )
+    return st.model_copy(update={"dataplane": dp}), tokens
+
+
+@asynccontextmanager
+async def _sidecar(tmp_path: Path, db: doors.ProdDatabase) -> AsyncIterator[tuple[Sidecar, Path]]:
+    st, tokens = _settings(tmp_path, db)
+    sc = await build_sidecar(st)
+    await sc.start()
+    try:
+        yield sc, tokens
+    finally:
+        await sc.stop()
+
+
+def _engines(sc: Sidecar) -> dict[str, set[int]]:
+    """The sidecar's authenticated connections, by engine (their ids)."""
+    out: dict[str, set[int]] = {}
+    for conn in sc.server.connections:
+        if conn.identity is not None:
+            out.setdefault(conn.identity.engine, set()).add(id(conn))
+    return out
+
+
+def _refused_within(client: Any, seconds: float) -> WireError | None:
+    """Poll ``client`` until a request is refused as unauthenticated; that refusal, or None."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            client.get(doors.key(1, "acme"), CTX)
+        except WireError as exc:
+            if exc.error is ErrorCode.UNAUTHENTICATED:
+                return exc
+        time.sleep(EVERY_S / 2)
+    return None
+
+
+async def test_a_token_removed_from_the_file_opens_nothing_and_its_connections_close(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    async with _sidecar(tmp_path, prod_db) as (sc, tokens):
+        acme, globex = engine(sc, "tok-acme"), engine(sc, "tok-globex")
+        assert (await run(acme.put, doors.key(1, "acme"), VALUE, CTX)).ok
+        assert (await run(globex.put, doors.key(2, "globex"), VALUE, CTX)).ok
+        before = _engines(sc)
+        assert before.get("vllm-acme") and before.get("vllm-globex")
+
+        revoked = {t: e for t, e in doors.TOKENS.items() if t != "tok-acme"}
+        _write_atomically(tokens, json.dumps(revoked))
+
+        refused = await run(_refused_within, acme, WITHIN_S)
+        assert refused is not None, "the removed token still opens connections"
+        assert "vllm-acme" not in _engines(sc), "the removed token's connections stay open"
+        # the other engine's connection was never closed: the same one answers
+        assert _value(await run(globex.get, doors.key(2, "globex"), CTX)) == VALUE
+        assert _engines(sc)["vllm-globex"] & before["vllm-globex"]
+        acme.close()
+        globex.close()
+
+
+async def test_a_token_file_that_does_not_read_leaves_the_tokens_in_force(
+    tmp_path: Path, prod_db: doors.ProdDatabase, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    async with _sidecar(tmp_path, prod_db) as (sc, tokens):
+        acme = engine(sc, "tok-acme")
+        assert (await run(acme.put, doors.key(1, "acme"), VALUE, CTX)).ok
+        _write_atomically(tokens, '{"tok-acme": ')  # half written
+        await run(time.sleep, 10 * EVERY_S)
+        refused = [r for r in caplog.records if r.getMessage() == "dataplane.tokens.reload_refused"]
+        assert len(refused) == 1, "a token file that does not read must be logged, once"
+        assert "tok-acme" not in refused[0].getMessage() + str(vars(refused[0]))
+        assert _value(await run(acme.get, doors.key(1, "acme"), CTX)) == VALUE
+        acme.close()
+
+
+def _value(got: Any) -> bytes | None:
+    return None if got is None else got[0]
+
+
+async def test_a_token_revoked_during_its_handshake_is_refused_at_its_end(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    """The sidecar answers a HELLO naming a token with its challenge; the token is revoked
+    before the engine's proof arrives: the proof, right as it is, opens nothing."""
+    from kvgov.wire.codec import PROTOCOL_VERSION, FrameType
+    from tests.security.doors import RawWire
+
+    async with _sidecar(tmp_path, prod_db) as (sc, _):
+        first, answer = doors.token_hello("tok-acme", {"engine": "x", "version": PROTOCOL_VERSION})
+        raw = RawWire(sc.server.tcp_port or 0)
+        try:
+            raw.send(FrameType.HELLO, 1, first)
+            challenge = await run(raw.read)
+            proof = answer(challenge.meta)
+            revoked = {t: e for t, e in doors.TOKENS.items() if t != "tok-acme"}
+            sc.server.replace_tokens({t: SecretStr(e) for t, e in revoked.items()})
+            raw.send(FrameType.HELLO, 1, proof)
+            refused = await run(raw.read)
+        finally:
+            raw.close()
+        assert refused.error == "unauthenticated"
+        assert "vllm-acme" not in _engines(sc)
