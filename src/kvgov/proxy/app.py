@@ -310,7 +310,8 @@ class Sidecar:
         path = self.settings.dataplane.engine_tokens_file
         assert path is not None
         interval = self.settings.dataplane.engine_tokens_reload_interval_s
-        last = _file_stamp(path)
+        # the first look reads the file: a change since start counts
+        last: tuple[int, int, int] | None = (-1, -1, -1)
         failed: str | None = None
         while True:
             await asyncio.sleep(interval)
