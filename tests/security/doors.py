@@ -367,3 +367,15 @@ class RawWire:
 def all_events(sc: Sidecar) -> list[LedgerEvent]:
     with Session(sc.engine) as s:
         return list(s.scalars(select(LedgerEvent).order_by(LedgerEvent.seq)).all())
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Replace a file in one step, as the kubelet swaps a ConfigMap's or a Secret's files."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def value_of(got: tuple[bytes, Any] | None) -> bytes | None:
+    """The bytes of a :meth:`~kvgov.wire.WireClient.get` (None: a miss)."""
+    return None if got is None else got[0]

@@ -36,22 +36,11 @@ EVERY_S = 0.2
 WITHIN_S = 15.0
 
 
-def _write_atomically(path: Path, data: str) -> None:
-    """Replace the file in one step, as the kubelet swaps a ConfigMap's files."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(data)
-    tmp.replace(path)
-
-
 def _revoked(data: dict[str, Any]) -> str:
     data = json.loads(json.dumps(data))
     data["tenants"]["acme"]["engines"] = ["lm-acme"]  # vllm-acme removed
     data["revision"] = "security-doors-revoked"
     return json.dumps(data)
-
-
-def _value(got: Any) -> bytes | None:
-    return None if got is None else got[0]
 
 
 def _poll(check: Any, within_s: float) -> bool:
@@ -88,11 +77,12 @@ async def test_an_engine_removed_from_a_tenant_loses_access_without_a_restart(
         a_key, g_key = doors.key(1, "acme"), doors.key(2, "globex")
         value = b"acme's prompt KV " * 4096
         assert (await run(acme.put, a_key, value, CTX)).ok
-        assert _value(await run(acme.get, a_key, CTX)) == value  # allowed: now a cached allow
+        # allowed: now a cached allow
+        assert doors.value_of(await run(acme.get, a_key, CTX)) == value
         assert (await run(globex.put, g_key, value, CTX)).ok
 
         # the operator revokes vllm-acme from acme
-        _write_atomically(data_file, _revoked(original))
+        doors.replace_file(data_file, _revoked(original))
 
         def acme_refused() -> bool:
             return acme.get(a_key, CTX) is None
@@ -113,7 +103,7 @@ async def test_an_engine_removed_from_a_tenant_loses_access_without_a_restart(
         ]
         assert denies, "no denial recorded under the new policy data"
         # another tenant's engine is untouched
-        assert _value(await run(globex.get, g_key, CTX)) == value
+        assert doors.value_of(await run(globex.get, g_key, CTX)) == value
         acme.close()
         globex.close()
 
@@ -130,12 +120,12 @@ async def test_a_policy_change_that_does_not_load_leaves_the_policy_in_force(
         a_key = doors.key(1, "acme")
         value = b"acme's prompt KV " * 4096
         assert (await run(acme.put, a_key, value, CTX)).ok
-        _write_atomically(data_file, '{"tenants": ')
+        doors.replace_file(data_file, '{"tenants": ')
         await run(time.sleep, 10 * EVERY_S)
         refused = [r for r in caplog.records if r.getMessage() == "policy.reload_refused"]
         assert len(refused) == 1, "an invalid change must be logged, once"
-        assert _value(await run(acme.get, a_key, CTX)) == value
-        _write_atomically(data_file, _revoked(original))
+        assert doors.value_of(await run(acme.get, a_key, CTX)) == value
+        doors.replace_file(data_file, _revoked(original))
 
         def acme_refused() -> bool:
             return acme.get(a_key, CTX) is None

@@ -36,13 +36,6 @@ WITHIN_S = 15.0
 VALUE = b"acme's prompt KV " * 1024
 
 
-def _write_atomically(path: Path, data: str) -> None:
-    """Replace the file in one step, as the kubelet swaps a Secret's files."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(data)
-    tmp.replace(path)
-
-
 def _settings(tmp_path: Path, db: doors.ProdDatabase) -> tuple[Settings, Path]:
     """A production sidecar's settings with its engine tokens in a file it looks at every
     ``EVERY_S``; and the file."""
@@ -104,13 +97,13 @@ async def test_a_token_removed_from_the_file_opens_nothing_and_its_connections_c
         assert before.get("vllm-acme") and before.get("vllm-globex")
 
         revoked = {t: e for t, e in doors.TOKENS.items() if t != "tok-acme"}
-        _write_atomically(tokens, json.dumps(revoked))
+        doors.replace_file(tokens, json.dumps(revoked))
 
         refused = await run(_refused_within, acme, WITHIN_S)
         assert refused is not None, "the removed token still opens connections"
         assert "vllm-acme" not in _engines(sc), "the removed token's connections stay open"
         # the other engine's connection was never closed: the same one answers
-        assert _value(await run(globex.get, doors.key(2, "globex"), CTX)) == VALUE
+        assert doors.value_of(await run(globex.get, doors.key(2, "globex"), CTX)) == VALUE
         assert _engines(sc)["vllm-globex"] & before["vllm-globex"]
         acme.close()
         globex.close()
@@ -123,17 +116,13 @@ async def test_a_token_file_that_does_not_read_leaves_the_tokens_in_force(
     async with _sidecar(tmp_path, prod_db) as (sc, tokens):
         acme = engine(sc, "tok-acme")
         assert (await run(acme.put, doors.key(1, "acme"), VALUE, CTX)).ok
-        _write_atomically(tokens, '{"tok-acme": ')  # half written
+        doors.replace_file(tokens, '{"tok-acme": ')  # half written
         await run(time.sleep, 10 * EVERY_S)
         refused = [r for r in caplog.records if r.getMessage() == "dataplane.tokens.reload_refused"]
         assert len(refused) == 1, "a token file that does not read must be logged, once"
         assert "tok-acme" not in refused[0].getMessage() + str(vars(refused[0]))
-        assert _value(await run(acme.get, doors.key(1, "acme"), CTX)) == VALUE
+        assert doors.value_of(await run(acme.get, doors.key(1, "acme"), CTX)) == VALUE
         acme.close()
-
-
-def _value(got: Any) -> bytes | None:
-    return None if got is None else got[0]
 
 
 async def test_a_token_revoked_during_its_handshake_is_refused_at_its_end(
