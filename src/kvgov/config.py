@@ -530,7 +530,7 @@ class Settings(BaseSettings):
         hint = 'it must hold a JSON object {"<token>": "<engine-id>", ...}'
         try:
             data = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ConfigError(f"{name} {path} is not JSON", hint=hint) from None
         if not isinstance(data, dict) or not data:
             raise ConfigError(f"{name} {path} holds no tokens", hint=hint)
@@ -539,6 +539,11 @@ class Settings(BaseSettings):
             if not token or not isinstance(engine, str) or not 0 < len(engine) <= 128:
                 raise ConfigError(
                     f"{name} {path}: every token must map to an engine id (1-128 characters)",
+                    hint=hint,
+                )
+            if not (_is_text(token) and _is_text(engine)):  # a lone surrogate escape
+                raise ConfigError(
+                    f"{name} {path}: a token or engine id is not text (a lone surrogate)",
                     hint=hint,
                 )
             tokens[token] = SecretStr(engine)
@@ -643,3 +648,13 @@ def _unknown_env_names() -> list[str]:
 
 def _is_mapping(annotation: object) -> bool:
     return getattr(annotation, "__origin__", None) is dict
+
+
+def _is_text(value: str) -> bool:
+    """Whether ``value`` encodes as UTF-8 (a JSON ``\\ud800`` escape decodes to a string that
+    does not)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -19,6 +19,8 @@ import asyncio
 import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -502,12 +504,18 @@ class _Ahead(StreamProtocol):
     """Sends one hit opened as it is sent, from a sender thread, its segments opened ahead of
     it in a one-thread ``ahead`` pool; ``done`` resolves with the send's outcome."""
 
-    def __init__(self, opener: _CopyOpener, done: asyncio.Future[BaseException | None]) -> None:
+    def __init__(
+        self,
+        opener: _CopyOpener,
+        done: asyncio.Future[BaseException | None],
+        *,
+        one_pool: bool = False,
+    ) -> None:
         super().__init__()
         self.opener = opener
         self.done = done
         self.pool = ThreadPoolExecutor(1)
-        self.ahead = ThreadPoolExecutor(1)
+        self.ahead = self.pool if one_pool else ThreadPoolExecutor(1)
         size = len(opener.value)
         self.buffer = bytearray(2 * MIB)  # two segment buffers, in turn (plans.open_value)
         self.buffer[:MIB] = opener.value[:MIB]
@@ -568,3 +576,43 @@ async def test_a_failure_opening_ahead_ends_the_send_with_it(fail: Exception) ->
         assert await asyncio.wait_for(done, 10) is fail
         assert await asyncio.wait_for(reader.readexactly(3 * MIB), 10) == value[: 3 * MIB]
         writer.close()
+
+
+_ONE_POOL = """
+import asyncio, os
+from tests.integration.test_dataplane_corrupt import MIB, _Ahead, _CopyOpener, _serving
+
+async def main() -> None:
+    loop = asyncio.get_running_loop()
+    value = os.urandom(6 * MIB + 3)
+    done = loop.create_future()
+    async with _serving(lambda: _Ahead(_CopyOpener(value), done, one_pool=True)) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        got = await asyncio.wait_for(reader.readexactly(len(value)), 20)
+        assert got == value, "bytes differ"
+        assert await asyncio.wait_for(done, 10) is None
+        print("sent", flush=True)
+        writer.close()
+
+asyncio.run(main())
+"""
+
+
+def test_one_pool_for_sending_and_opening_ahead_does_not_deadlock() -> None:
+    """(review s10) ``Pipeline(sender=None)`` sends from the crypto pool itself: a writer that
+    handed its opens to its own one-thread pool would wait for ever on a job queued behind
+    itself. The sender then opens each next segment itself. (In a child process: a deadlock
+    would keep a pool thread, and the process, alive.)"""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _ONE_POOL],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=root,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlock: the sender waits on an open queued behind itself")
+    assert "sent" in proc.stdout, proc.stderr[-2000:]

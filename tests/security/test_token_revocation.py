@@ -148,3 +148,31 @@ async def test_a_token_revoked_during_its_handshake_is_refused_at_its_end(
             raw.close()
         assert refused.error == "unauthenticated"
         assert "vllm-acme" not in _engines(sc)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        json.dumps(doors.TOKENS)[:-1] + ', "\\ud83d": "x"}',  # half a surrogate pair
+        "[" * 100_000,  # nested beyond the parser's recursion
+    ],
+    ids=["lone-surrogate", "deep-nesting"],
+)
+async def test_a_token_file_that_breaks_the_reader_does_not_stop_later_revocations(
+    tmp_path: Path, prod_db: doors.ProdDatabase, bad: str
+) -> None:
+    """(review s10) Only a ConfigError was caught: a token that is no text raised deeper, a
+    deeply nested file raised RecursionError, the follower task ended, and the leaked token
+    removed afterwards (as ``docs/deploy.md`` says) kept working."""
+    async with _sidecar(tmp_path, prod_db) as (sc, tokens):
+        follower = next(t for t in sc._tasks if t.get_name() == "kvgov-engine-tokens")
+        acme = engine(sc, "tok-acme")
+        assert (await run(acme.put, doors.key(1, "acme"), VALUE, CTX)).ok
+        doors.replace_file(tokens, bad)
+        await run(time.sleep, 5 * EVERY_S)
+        assert not follower.done(), "the token follower died"
+        assert doors.value_of(await run(acme.get, doors.key(1, "acme"), CTX)) == VALUE
+        revoked = {t: e for t, e in doors.TOKENS.items() if t != "tok-acme"}
+        doors.replace_file(tokens, json.dumps(revoked))
+        assert await run(_refused_within, acme, WITHIN_S) is not None, "the leaked token works"
+        acme.close()

@@ -64,6 +64,9 @@ def test_tokens_and_a_token_file_together_are_refused(tmp_path: Path) -> None:
         (json.dumps([SECRET]), "holds no tokens"),
         (json.dumps({SECRET: 7}), "engine id"),
         (json.dumps({SECRET: ""}), "engine id"),
+        (json.dumps({SECRET: "vllm-0"})[:-1] + ', "\\ud83d": "x"}', "not text"),
+        (json.dumps({SECRET: "\ud800"}), "not text"),
+        ("[" * 100_000, "not JSON"),
     ],
 )
 def test_a_bad_token_file_stops_startup_naming_the_file_not_its_content(

@@ -4,6 +4,9 @@ change that does not load leaves in force."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,3 +81,62 @@ async def test_it_loads_only_on_a_changed_stamp_and_reloads_only_on_a_new_revisi
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+class _FailingOnce(_Engine):
+    """An engine whose first reload fails with what is no policy error: the kubelet removed
+    the ConfigMap's old ``..<time>`` folder while the reload walked the policy directory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_next = True
+
+    async def reload(self) -> PolicyRevision:
+        if self.fail_next:
+            self.fail_next = False
+            raise FileNotFoundError(2, "No such file or directory", "/etc/kvgov/policy/..old")
+        return await super().reload()
+
+
+async def test_a_reload_that_fails_on_a_passing_fault_is_tried_again() -> None:
+    """(review s10) Only a PolicyError was caught around the engine's reload: any other error
+    ended the task for good, and every later change (a revocation) was ignored."""
+    engine = _FailingOnce()
+    task = asyncio.create_task(
+        follow_sources(engine, lambda: _Bundle("d2"), 0.01, lambda: "unchanged")  # type: ignore[arg-type,return-value]
+    )
+    try:
+        await asyncio.sleep(0.2)
+        assert not task.done(), "the follower died: the policy in force is frozen"
+        assert engine.reloads == 1  # the fault passed; the next look reloaded
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+def test_data_with_a_lone_surrogate_is_refused_not_a_crash(tmp_path: Path) -> None:
+    """(review s10) The Rego engine crashes the process (SIGSEGV) on a string that is not text;
+    a data file with a lone surrogate escape must be a PolicyError, as any invalid data is. In
+    a child process: were it not refused, the crash would take only the child."""
+    data = tmp_path / "data.json"
+    base = json.loads(
+        (Path(__file__).resolve().parents[2] / "src/kvgov/policy/rego/data.json").read_text()
+    )
+    base["note"] = "X"
+    data.write_text(json.dumps(base).replace('"X"', '"\\ud800"'))
+    code = (
+        "import sys, pathlib\nfrom kvgov.errors import PolicyError\n"
+        "from kvgov.policy.bundle import load_bundle\n"
+        "try:\n    load_bundle(None, pathlib.Path(sys.argv[1]))\n"
+        "except PolicyError as exc:\n    print('refused:', exc)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(data)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, f"the process died: rc={proc.returncode} (-11: SIGSEGV)"
+    assert "refused:" in proc.stdout and "not text" in proc.stdout, proc.stdout + proc.stderr

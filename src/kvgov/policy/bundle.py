@@ -198,6 +198,15 @@ def _parse_data(raw: str, source: str) -> dict[str, Any]:
         raise PolicyError(
             f"invalid JSON in data file {source} line {exc.lineno} column {exc.colno}: {exc.msg}"
         ) from exc
+    except RecursionError:
+        raise PolicyError(f"invalid JSON in data file {source}: nested too deeply") from None
+    try:  # a lone surrogate escape ("\ud800") is no text: the Rego engine would crash on it
+        json.dumps(config, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise PolicyError(
+            f"invalid data file {source}: it holds a string that is not text (a lone"
+            " surrogate escape such as \\ud800)"
+        ) from None
     problems = data_problems(config)
     if problems:
         raise PolicyError(

@@ -46,21 +46,18 @@ async def follow_sources(
             last = now_stamp
         try:
             revision = (await asyncio.to_thread(load)).revision
-        except PolicyError as exc:
-            if str(exc) != failed:  # once per distinct error, not every interval
-                failed = str(exc)
-                log.error("policy.reload_refused", extra={"error": failed[:500]})
-            continue
-        except Exception:  # keep following: a dead task would freeze the policy in force
-            log.exception("policy.sources_unreadable")
+            if revision != seen:
+                now = await engine.reload()  # loads again: it may fail where load did not
+        except Exception as exc:  # noqa: BLE001 - a dead task would freeze the policy in force
+            error = str(exc) if isinstance(exc, PolicyError) else type(exc).__name__
+            if error != failed:  # once per distinct error, not every interval
+                failed = error
+                log.error("policy.reload_refused", extra={"error": error[:500]})
+            if not isinstance(exc, PolicyError):
+                last = None  # a passing fault (a file swapped mid-read): look again next time
             continue
         failed = None
         if revision == seen:
-            continue
-        try:
-            now = await engine.reload()
-        except PolicyError as exc:  # changed again meanwhile, and invalid: the old ones answer
-            log.error("policy.reload_refused", extra={"error": str(exc)[:500]})
             continue
         log.info(
             "policy.sources_changed",

@@ -321,13 +321,18 @@ class Sidecar:
             last = stamp
             try:
                 tokens = await asyncio.to_thread(lambda: self.settings.engine_tokens)
-            except ConfigError as exc:  # names the file and what is wrong, never a token
-                if str(exc) != failed:
-                    failed = str(exc)
-                    log.warning("dataplane.tokens.reload_refused", extra={"error": failed})
+                closed = self.server.replace_tokens(tokens)
+            except Exception as exc:  # noqa: BLE001 - a dead task would keep revoked tokens
+                # a ConfigError names the file and what is wrong, never a token; anything
+                # else is named by its type only (its message could quote the file)
+                error = str(exc) if isinstance(exc, ConfigError) else type(exc).__name__
+                if error != failed:
+                    failed = error
+                    log.warning("dataplane.tokens.reload_refused", extra={"error": error})
+                if not isinstance(exc, ConfigError):
+                    last = None  # a passing fault: look again next time
                 continue
             failed = None
-            closed = self.server.replace_tokens(tokens)
             log.info(
                 "dataplane.tokens.reloaded",
                 extra={"tokens": len(tokens), "connections_closed": closed},

@@ -354,7 +354,8 @@ class StreamProtocol(asyncio.BufferedProtocol):
             await self.drain()
         if self._wfd < 0:
             self._wfd = os.dup(self._fd)
-        if plan.opener is None or len(plan.windows) <= 2:
+        if plan.opener is None or len(plan.windows) <= 2 or ahead is sender:
+            # (one pool for both: the writer would wait on an open queued behind itself)
             ahead = None
         job = sender.submit(_write_windows, self, plan.windows, plan.opener, pad, ahead)
         self._wjob = job
