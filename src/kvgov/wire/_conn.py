@@ -156,7 +156,7 @@ class Connection:
             return  # TCP: nothing to check without a token (development only)
         allowed = set(sidecar_uids) if sidecar_uids is not None else {os.getuid(), 0}
         creds = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-        uid = struct.unpack("3i", creds)[1]
+        uid = struct.unpack("iII", creds)[1]  # pid, uid, gid: uids are unsigned
         if uid not in allowed:
             self.close()
             raise WireError(

@@ -192,7 +192,7 @@ class WireConnection(StreamProtocol):
             sock = transport.get_extra_info("socket")
             if sock is not None and hasattr(socket, "SO_PEERCRED"):
                 creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-                self.peer_uid = struct.unpack("3i", creds)[1]
+                self.peer_uid = struct.unpack("iII", creds)[1]  # pid, uid, gid (unsigned)
             peer = f"uid:{self.peer_uid}"
         else:
             name = transport.get_extra_info("peername")
