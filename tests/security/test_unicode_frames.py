@@ -279,7 +279,9 @@ def test_surrogates_are_not_keys_or_strings() -> None:
 def test_an_engine_id_that_is_not_text_authenticates_nothing(engine: str) -> None:
     """Where the engine id becomes the identity (no tokens: a local peer or anonymous), one
     the ledger cannot record is refused."""
-    server: Any = SimpleNamespace(config=SimpleNamespace(engine_tokens={}, allow_anonymous=True))
+    server: Any = SimpleNamespace(
+        config=SimpleNamespace(engine_tokens={}, allow_anonymous=True), _token_ids={}
+    )
     conn: Any = SimpleNamespace(unix=False, peer_uid=None)
     with pytest.raises(WireError) as err:
         WireServer.authenticate(server, {"engine": engine}, conn)
