@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgov.errors import PolicyError
+from kvgov.follow import file_stamp
 from kvgov.policy.interfaces import DECISION_RULE, POLICY_PACKAGE, PolicyRevision, document_digest
 
 _LOCATION = re.compile(r"-->\s*(?P<file>[^\s:]+):(?P<line>\d+):(?P<col>\d+)")
@@ -68,24 +69,16 @@ class PolicyBundle:
 
 
 def source_stamp(policy_dir: Path | None = None, data_file: Path | None = None) -> object:
-    """What :func:`load_bundle` would read, as file identities and times (path, inode, size,
-    mtime; symlinks followed, so a ConfigMap's swapped files count): cheap to take often, and
-    different whenever an operator changed a source. The shipped sources never change."""
+    """What :func:`load_bundle` would read, as file identities and times
+    (:func:`kvgov.follow.file_stamp`): cheap to take often, and different whenever an operator
+    changed a source. The shipped sources never change."""
     paths: list[Path] = []
     if policy_dir is not None:
         with contextlib.suppress(OSError):
             paths += sorted(p for p in policy_dir.rglob("*") if not p.name.startswith(".."))
     if data_file is not None:
         paths.append(data_file)
-    stamp: list[tuple[str, int, int, int]] = []
-    for path in paths:
-        try:
-            st = path.stat()
-        except OSError:
-            stamp.append((str(path), -1, -1, -1))
-            continue
-        stamp.append((str(path), st.st_ino, st.st_size, st.st_mtime_ns))
-    return tuple(stamp)
+    return file_stamp(paths)
 
 
 def load_bundle(policy_dir: Path | None = None, data_file: Path | None = None) -> PolicyBundle:

@@ -16,9 +16,11 @@ revision.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 from kvgov.errors import PolicyError
+from kvgov.follow import follow
 from kvgov.logging import get_logger
 from kvgov.policy.bundle import PolicyBundle
 from kvgov.policy.interfaces import PolicyEngine, PolicyRevision
@@ -33,39 +35,32 @@ async def follow_sources(
     stamp: Callable[[], object] | None = None,
 ) -> None:
     """Reload ``engine`` whenever the revision of what ``load`` reads changes (runs until
-    cancelled); with ``stamp``, ``load`` runs only when what ``stamp`` returns changed."""
-    seen: PolicyRevision = engine.revision
-    failed: str | None = None
-    last: object = None  # the first pass loads: a change since the engine was built counts
-    while True:
-        await asyncio.sleep(interval_s)
-        if stamp is not None:
-            now_stamp = await asyncio.to_thread(stamp)
-            if now_stamp == last:
-                continue
-            last = now_stamp
-        try:
-            revision = (await asyncio.to_thread(load)).revision
-            if revision != seen:
-                now = await engine.reload()  # loads again: it may fail where load did not
-        except Exception as exc:  # noqa: BLE001 - a dead task would freeze the policy in force
-            error = str(exc) if isinstance(exc, PolicyError) else type(exc).__name__
-            if error != failed:  # once per distinct error, not every interval
-                failed = error
-                log.error("policy.reload_refused", extra={"error": error[:500]})
-            if not isinstance(exc, PolicyError):
-                last = None  # a passing fault (a file swapped mid-read): look again next time
-            continue
-        failed = None
-        if revision == seen:
-            continue
+    cancelled); with ``stamp``, ``load`` runs only when what ``stamp`` returns changed
+    (:func:`kvgov.follow.follow`)."""
+    seen: list[PolicyRevision] = [engine.revision]
+
+    async def apply() -> None:
+        revision = (await asyncio.to_thread(load)).revision
+        if revision == seen[0]:
+            return
+        now = await engine.reload()  # loads again: it may fail where load did not
         log.info(
             "policy.sources_changed",
             extra={
                 "policy_revision": now.policy,
                 "data_revision": now.data,
-                "previous_policy_revision": seen.policy,
-                "previous_data_revision": seen.data,
+                "previous_policy_revision": seen[0].policy,
+                "previous_data_revision": seen[0].data,
             },
         )
-        seen = revision
+        seen[0] = revision
+
+    await follow(
+        stamp if stamp is not None else object,  # no stamp: a new object, always "changed"
+        apply,
+        interval_s,
+        log=log,
+        event="policy.reload_refused",
+        refused=PolicyError,
+        level=logging.ERROR,
+    )

@@ -19,7 +19,6 @@ from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -30,6 +29,7 @@ from kvgov.connectors.tiers.chain import TierChain
 from kvgov.connectors.tiers.factory import build_tiers
 from kvgov.db.engine import utcnow
 from kvgov.errors import ConfigError, KvgovError
+from kvgov.follow import file_stamp, follow
 from kvgov.keys.keyring import Keyring
 from kvgov.keys.store import WrappedKeyStore
 from kvgov.ledger.events import Event, EventSink
@@ -306,37 +306,27 @@ class Sidecar:
         """Every ``dataplane.engine_tokens_reload_interval_s``, look at the engine token file
         (a mounted Secret); when it changed, read it and hand the tokens to the server, which
         closes the connections of removed ones. A file that does not read (half written,
-        invalid) is refused and logged once, never its content; the tokens in force stay."""
+        invalid) is refused and logged once, never its content; the tokens in force stay
+        (:func:`kvgov.follow.follow`)."""
         path = self.settings.dataplane.engine_tokens_file
         assert path is not None
-        interval = self.settings.dataplane.engine_tokens_reload_interval_s
-        # the first look reads the file: a change since start counts
-        last: tuple[int, int, int] | None = (-1, -1, -1)
-        failed: str | None = None
-        while True:
-            await asyncio.sleep(interval)
-            stamp = await asyncio.to_thread(_file_stamp, path)
-            if stamp == last:
-                continue
-            last = stamp
-            try:
-                tokens = await asyncio.to_thread(lambda: self.settings.engine_tokens)
-                closed = self.server.replace_tokens(tokens)
-            except Exception as exc:  # noqa: BLE001 - a dead task would keep revoked tokens
-                # a ConfigError names the file and what is wrong, never a token; anything
-                # else is named by its type only (its message could quote the file)
-                error = str(exc) if isinstance(exc, ConfigError) else type(exc).__name__
-                if error != failed:
-                    failed = error
-                    log.warning("dataplane.tokens.reload_refused", extra={"error": error})
-                if not isinstance(exc, ConfigError):
-                    last = None  # a passing fault: look again next time
-                continue
-            failed = None
+
+        async def apply() -> None:
+            tokens = await asyncio.to_thread(lambda: self.settings.engine_tokens)
+            closed = self.server.replace_tokens(tokens)
             log.info(
                 "dataplane.tokens.reloaded",
                 extra={"tokens": len(tokens), "connections_closed": closed},
             )
+
+        await follow(
+            partial(file_stamp, [path]),
+            apply,
+            self.settings.dataplane.engine_tokens_reload_interval_s,
+            log=log,
+            event="dataplane.tokens.reload_refused",
+            refused=ConfigError,  # names the file and what is wrong, never a token
+        )
 
     async def stop(self, grace_s: float = 30.0) -> None:
         """Stop accepting, drain in-flight requests, flush the ledger, close everything."""
@@ -710,12 +700,3 @@ async def run_sidecar(settings: Settings) -> None:
     await sidecar.stop()
     web.should_exit = True
     await web_task
-
-
-def _file_stamp(path: Path) -> tuple[int, int, int] | None:
-    """A file's identity and times (symlinks followed: a Secret's swapped files count)."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
