@@ -39,6 +39,7 @@ from pydantic_settings import (
 
 from kvgov.errors import ConfigError
 from kvgov.types import Environment
+from kvgov.wire.codec import utf8
 
 _MIB = 1024 * 1024
 #: addresses that reach only this host (a pod's own network namespace, in Kubernetes)
@@ -541,7 +542,7 @@ class Settings(BaseSettings):
                     f"{name} {path}: every token must map to an engine id (1-128 characters)",
                     hint=hint,
                 )
-            if not (_is_text(token) and _is_text(engine)):  # a lone surrogate escape
+            if utf8(token) is None or utf8(engine) is None:  # a lone surrogate escape
                 raise ConfigError(
                     f"{name} {path}: a token or engine id is not text (a lone surrogate)",
                     hint=hint,
@@ -648,13 +649,3 @@ def _unknown_env_names() -> list[str]:
 
 def _is_mapping(annotation: object) -> bool:
     return getattr(annotation, "__origin__", None) is dict
-
-
-def _is_text(value: str) -> bool:
-    """Whether ``value`` encodes as UTF-8 (a JSON ``\\ud800`` escape decodes to a string that
-    does not)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
