@@ -91,13 +91,9 @@ class PurgeService:
         """What a purge would delete, changing nothing (``--dry-run``)."""
         subject = self.subject_of(req)
 
-        variants = self._variant_pseudonyms(req)
-
         def read(s: Session) -> dict[str, Any]:
             entries = scope.scoped_entries(s, req.tenant, subject)
-            named = [subject, *variants] if subject is not None else []
             return {
-                "known": scope.known_subjects(s, req.tenant, named),
                 "entries": entries,
                 "payloads": scope.erasable_payloads(s, req.tenant, subject),
                 "sidecars": sidecars.live_sidecars(
@@ -106,6 +102,7 @@ class PurgeService:
             }
 
         found = await self.ctx.db(read)
+        known, variants_known = await self.subject_check(req)
         keys = await asyncio.to_thread(self.ctx.shredder.pending, req.tenant, subject)
         entries = found["entries"]
         present = await self.ctx.tiers.count_present([e.key_digest for e in entries])
@@ -124,8 +121,8 @@ class PurgeService:
             payloads_to_erase=found["payloads"],
             sidecars=tuple(found["sidecars"]),
             vllm_engines=tuple(self.settings.purge.vllm_engines),
-            subject_known=None if subject is None else subject in found["known"],
-            spelling_variants_known=len(found["known"] & variants),
+            subject_known=known,
+            spelling_variants_known=variants_known,
         )
 
     async def subject_check(self, req: PurgeRequest) -> tuple[bool | None, int]:
