@@ -166,6 +166,12 @@ class PolicySettings(_Section):
     opa_url: str = "http://127.0.0.1:8181"
     opa_timeout_s: float = Field(default=0.25, gt=0.0, le=30.0)
     opa_token: SecretStr | None = None
+    #: the longest a decision cached from OPA is served, in seconds (``engine = "opa"`` only;
+    #: the embedded engine's cache is emptied by the reload that follows its sources). OPA's
+    #: authority is its bundle, which can change without kvgov's ``policy_dir``/``data_file``
+    #: changing (an engine revoked from a tenant): a cached allow outlives such a publish by at
+    #: most this much. Must be > 0 (at most an hour); there is no "never"
+    opa_decision_ttl_s: float = 10.0
     cache_max_entries: int = Field(default=65_536, ge=0)
     #: set when your own policies read the request id's value (the shipped ones do not): every
     #: request then misses the decision cache and records its own first allow
@@ -174,6 +180,17 @@ class PolicySettings(_Section):
     #: it reloads them and drops its cached decisions (a revoked engine loses access within
     #: this); 0: never (a change then needs a restart)
     reload_interval_s: float = Field(default=10.0, ge=0.0, le=3600.0)
+
+    @field_validator("opa_decision_ttl_s")
+    @classmethod
+    def _decision_ttl_bounded(cls, value: float) -> float:
+        if not 0.0 < value <= 3600.0:  # not-a-number fails this too
+            raise ValueError(
+                f"must be seconds > 0 and <= 3600, got {value!r}: how long a decision cached "
+                "from OPA may be served after OPA's bundle changed (0 would not mean 'no cache': "
+                "use cache_max_entries = 0 for that)"
+            )
+        return value
 
 
 class KeysSettings(_Section):

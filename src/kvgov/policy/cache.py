@@ -8,6 +8,19 @@ digests are equal), so a hit costs one tuple and one dict lookup, no copy of the
 serialisation: that is what keeps :meth:`decide_cached` in the microseconds.
 Bounded (LRU); ``max_entries=0`` disables caching.
 
+Age. With ``decision_ttl_s`` (``policy.opa_decision_ttl_s``, set for ``policy.engine=opa`` only)
+no cached decision is served once that many seconds passed since the engine was asked for it:
+OPA's authority is its own bundle, which can change (an engine revoked from a tenant) without
+kvgov's revision changing, so the revision-keyed tables alone would serve the old allows until
+the next reload or restart. Each entry carries its deadline on a monotonic clock; a lookup reads
+the clock once (tens of nanoseconds) and only when the entry has a deadline. The embedded engine
+needs none: its policy *is* the sources the follower (:mod:`kvgov.policy.watch`) reloads, and a
+reload empties the cache. Denials age the same way (a stale deny fails closed, and a newly
+admitted engine gets in within the TTL); a deny that says the engine *failed* (OPA timed out,
+refused, answered garbage; the embedded engine raised) is never cached: it describes the
+engine's health, not the policy, and caching it would stretch a passing fault across the TTL
+(or, without one, to the next reload).
+
 The request id is not part of the cache key by default: a decision may depend on whether a
 request id is present (the shipped policy checks its type), never on its value — otherwise every
 request would miss the cache and record a fresh "first allow", one ledger row per request.
@@ -22,7 +35,9 @@ nothing is cached without the policy revision that allowed it being on record.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import replace
 
 from kvgov.errors import KvgovError
@@ -39,10 +54,28 @@ from kvgov.policy.interfaces import (
 
 log = get_logger(__name__)
 
-_Table = OrderedDict[tuple[object, ...], Decision]
+#: a cached decision and its deadline on the engine's clock (None: served until a reload)
+_Entry = tuple[Decision, float | None]
+_Table = OrderedDict[tuple[object, ...], _Entry]
 
 #: what a request id becomes in the cache key (see the module docstring)
 _PRESENT = "\x00present"
+
+#: first reasons of denies that report an engine failure, not a policy answer: never cached
+_FAILURES = frozenset(
+    {
+        DenyReason.OPA_TIMEOUT,
+        DenyReason.OPA_UNAVAILABLE,
+        DenyReason.OPA_INVALID_REPLY,
+        DenyReason.POLICY_ERROR,
+    }
+)
+_BAD_STATUS = f"{DenyReason.OPA_BAD_STATUS}:"
+
+
+def _engine_failed(decision: Decision) -> bool:
+    reason = decision.reason
+    return reason is not None and (reason in _FAILURES or reason.startswith(_BAD_STATUS))
 
 
 class CachingPolicyEngine:
@@ -55,11 +88,19 @@ class CachingPolicyEngine:
         recorder: DecisionRecorder | None = None,
         max_entries: int = 65_536,
         vary_on_request_id: bool = False,
+        decision_ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``decision_ttl_s``: the longest a cached decision is served, in seconds of ``clock``
+        (monotonic); None: until the next reload (engines whose sources the follower watches)."""
+        if decision_ttl_s is not None and not decision_ttl_s > 0:
+            raise ValueError(f"decision_ttl_s must be > 0 seconds, got {decision_ttl_s!r}")
         self.inner = inner
         self.recorder = recorder
         self.max_entries = max_entries
         self.vary_on_request_id = vary_on_request_id
+        self.decision_ttl_s = decision_ttl_s
+        self._clock = clock
         self._table: _Table = OrderedDict()
         self._table_revision = inner.revision
         self.hits = 0
@@ -80,15 +121,19 @@ class CachingPolicyEngine:
         return inp.cache_key(rid)
 
     def decide_cached(self, inp: PolicyInput) -> Decision | None:
-        """A cached allow for this input, else None. Synchronous, no serialisation on a hit."""
+        """A cached allow for this input, else None. Synchronous, no serialisation on a hit;
+        one clock read when the entry can expire."""
         table = self._table
         key = self._cache_key(inp)
         try:
-            decision = table.get(key)
+            entry = table.get(key)
         except TypeError:  # an unhashable field: not a valid input; decide() denies it
             return None
-        if decision is None or not decision.allowed:
+        if entry is None:
             return None
+        decision, deadline = entry
+        if not decision.allowed or (deadline is not None and self._clock() >= deadline):
+            return None  # decide() asks again (and drops the expired entry)
         table.move_to_end(key)
         self.hits += 1
         return decision
@@ -97,19 +142,28 @@ class CachingPolicyEngine:
         if self.inner.revision != self._table_revision:  # the inner engine was reloaded
             self.clear()
         table = self._table
+        key = self._cache_key(inp)
         try:
-            cached = table.get(self._cache_key(inp))
+            entry = table.get(key)
         except TypeError:
-            cached, table = None, OrderedDict()  # evaluate (and deny), cache nothing
-        if cached is not None:
-            self.hits += 1
-            if cached.allowed:
-                table.move_to_end(self._cache_key(inp))
+            entry, table = None, OrderedDict()  # evaluate (and deny), cache nothing
+        if entry is not None:
+            cached, deadline = entry
+            if deadline is not None and self._clock() >= deadline:
+                del table[key]  # too old: ask the engine again
+            elif cached.allowed:
+                self.hits += 1
+                table.move_to_end(key)
                 return cached
-            deny = replace(cached, decision_id=new_decision_id())
-            await self._record(inp, deny)
-            return deny
+            else:
+                self.hits += 1
+                deny = replace(cached, decision_id=new_decision_id())
+                await self._record(inp, deny)
+                return deny
         self.misses += 1
+        ttl = self.decision_ttl_s
+        # the age counts from the question: the answer may reflect the engine's state then
+        deadline = None if ttl is None else self._clock() + ttl
         decision = await self.inner.decide(inp)
         if not await self._record(inp, decision) and decision.allowed:
             return Decision.deny(
@@ -118,11 +172,8 @@ class CachingPolicyEngine:
                 input_digest=decision.input_digest,
                 operation=decision.operation,
             )
-        if self.max_entries > 0 and table is self._table:
-            try:
-                table[self._cache_key(inp)] = replace(decision, cached=True)
-            except TypeError:
-                return decision
+        if self.max_entries > 0 and table is self._table and not _engine_failed(decision):
+            table[key] = (replace(decision, cached=True), deadline)
             if len(table) > self.max_entries:
                 table.popitem(last=False)
         return decision

@@ -5,7 +5,8 @@ server over REST) and ``unsafe-allow-all`` (development only; Settings refuses i
 production). For the first two the policy directory and data file are loaded and checked here:
 invalid Rego or data raises :class:`kvgov.errors.PolicyError` naming the file and line, and
 startup stops. Every engine comes wrapped in :class:`CachingPolicyEngine`, which serves
-:meth:`decide_cached` and applies the recording rule with the given recorder.
+:meth:`decide_cached` and applies the recording rule with the given recorder; for ``opa`` its
+cached decisions expire after ``policy.opa_decision_ttl_s``.
 """
 
 from __future__ import annotations
@@ -54,9 +55,13 @@ def build_policy_engine(
     settings: Settings, *, recorder: DecisionRecorder | None = None
 ) -> CachingPolicyEngine:
     """The engine the sidecar uses. Raises PolicyError when the policies or data are invalid."""
+    policy = settings.policy
     return CachingPolicyEngine(
         build_inner_engine(settings),
         recorder=recorder,
-        max_entries=settings.policy.cache_max_entries,
-        vary_on_request_id=settings.policy.cache_vary_on_request_id,
+        max_entries=policy.cache_max_entries,
+        vary_on_request_id=policy.cache_vary_on_request_id,
+        # OPA answers from its own bundle, which the follower does not see change: bound the
+        # age of what is cached. The embedded engine's cache is emptied by each reload.
+        decision_ttl_s=policy.opa_decision_ttl_s if policy.engine == "opa" else None,
     )

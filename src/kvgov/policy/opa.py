@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from kvgov.errors import PolicyError
 from kvgov.logging import get_logger
-from kvgov.policy.bundle import PolicyBundle
+from kvgov.policy.bundle import PolicyBundle, off_loop
 from kvgov.policy.interfaces import (
     DATA_PATH,
     DECISION_RULE,
@@ -169,8 +169,8 @@ class OpaRestPolicyEngine:
         return decision
 
     async def reload(self) -> PolicyRevision:
-        if self._loader is not None:
-            self._bundle = self._loader()
+        if self._loader is not None:  # loading checks the policies: off the event loop
+            self._bundle = await off_loop(self._loader)
         return self._bundle.revision
 
     async def aclose(self) -> None:

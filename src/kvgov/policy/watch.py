@@ -6,23 +6,26 @@ from a tenant, a class made uncacheable: a Kubernetes ConfigMap updated in place
 only at the next restart, and cached allows kept serving the old answer meanwhile. Every
 ``policy.reload_interval_s`` :func:`follow_sources` looks at the sources' files (their
 identities and times: a few ``stat`` calls); when those changed it loads them in a worker
-thread and, when their revision changed, reloads the engine, which swaps in the new policies
-and drops every cached decision (:meth:`~kvgov.policy.cache.CachingPolicyEngine.reload`).
-Sources that fail to load (invalid Rego or data) are refused and logged once per distinct
-error; the policies in force keep answering. Decisions recorded after a reload name the new
-revision.
+thread and, when their revision changed, reloads the engine, which loads and compiles them in a
+worker thread too, swaps in the new policies and drops every cached decision
+(:meth:`~kvgov.policy.cache.CachingPolicyEngine.reload`). Sources that fail to load (invalid
+Rego or data) are refused and logged once per distinct error; the policies in force keep
+answering. Decisions recorded after a reload name the new revision.
+
+With ``policy.engine = "opa"`` these files are only what kvgov reports as the revision: OPA
+answers from its own bundle, which can change without them. There the cache bounds the age of
+each decision instead (``policy.opa_decision_ttl_s``, :mod:`kvgov.policy.cache`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
 from kvgov.errors import PolicyError
 from kvgov.follow import follow
 from kvgov.logging import get_logger
-from kvgov.policy.bundle import PolicyBundle
+from kvgov.policy.bundle import PolicyBundle, off_loop
 from kvgov.policy.interfaces import PolicyEngine, PolicyRevision
 
 log = get_logger(__name__)
@@ -40,7 +43,7 @@ async def follow_sources(
     seen: list[PolicyRevision] = [engine.revision]
 
     async def apply() -> None:
-        revision = (await asyncio.to_thread(load)).revision
+        revision = (await off_loop(load)).revision
         if revision == seen[0]:
             return
         now = await engine.reload()  # loads again: it may fail where load did not
