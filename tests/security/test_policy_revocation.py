@@ -132,3 +132,34 @@ async def test_a_policy_change_that_does_not_load_leaves_the_policy_in_force(
 
         assert await run(_poll, acme_refused, WITHIN_S), "the valid change was not taken"
         acme.close()
+
+
+async def test_a_change_is_parsed_once_not_once_more_by_the_followers_look(
+    tmp_path: Path, prod_db: doors.ProdDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parsing the Rego (regorus) holds the GIL, and so the event loop, for milliseconds: the
+    follower's look reads the revision only, and the reload that follows checks the sources
+    itself. It used to parse them twice per change (the look, then the reload)."""
+    from kvgov.policy import bundle
+
+    parsed: list[int] = []
+    check = bundle.check_modules
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        parsed.append(1)
+        check(*args, **kwargs)
+
+    async with _sidecar(tmp_path, prod_db) as (sc, data_file):
+        monkeypatch.setattr(bundle, "check_modules", counting)
+        acme = engine(sc, "tok-acme")
+        a_key = doors.key(1, "acme")
+        assert (await run(acme.put, a_key, b"kv " * 30_000, CTX)).ok
+        doors.replace_file(data_file, _revoked(json.loads(data_file.read_text())))
+
+        def acme_refused() -> bool:
+            return acme.get(a_key, CTX) is None
+
+        assert await run(_poll, acme_refused, WITHIN_S), "the change was not taken"
+        await run(time.sleep, 5 * EVERY_S)  # more looks at the unchanged sources
+        assert len(parsed) == 1, f"the change was parsed {len(parsed)} times"
+        acme.close()

@@ -17,9 +17,10 @@ from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.interfaces import DecisionRecorder, PolicyEngine
 
 
-def load_configured_bundle(settings: Settings) -> PolicyBundle:
-    """Policies and data from ``policy.policy_dir`` / ``policy.data_file`` (or the shipped)."""
-    return load_bundle(settings.policy.policy_dir, settings.policy.data_file)
+def load_configured_bundle(settings: Settings, *, check: bool = True) -> PolicyBundle:
+    """Policies and data from ``policy.policy_dir`` / ``policy.data_file`` (or the shipped);
+    ``check=False``: Rego not parsed (:func:`~kvgov.policy.bundle.load_bundle`)."""
+    return load_bundle(settings.policy.policy_dir, settings.policy.data_file, check=check)
 
 
 def configured_source_stamp(settings: Settings) -> object:

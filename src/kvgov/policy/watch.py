@@ -5,9 +5,10 @@ Without a reload, a change to ``policy.policy_dir`` or ``policy.data_file`` (an 
 from a tenant, a class made uncacheable: a Kubernetes ConfigMap updated in place) took effect
 only at the next restart, and cached allows kept serving the old answer meanwhile. Every
 ``policy.reload_interval_s`` :func:`follow_sources` looks at the sources' files (their
-identities and times: a few ``stat`` calls); when those changed it loads them in a worker
-thread and, when their revision changed, reloads the engine, which loads and compiles them in a
-worker thread too, swaps in the new policies and drops every cached decision
+identities and times: a few ``stat`` calls); when those changed it reads their revision in a
+worker thread (the sidecar's ``load`` does not parse the Rego: that is the reload's work, and
+regorus holds the GIL while it parses) and, when it changed, reloads the engine, which loads
+and compiles them in a worker thread too, swaps in the new policies and drops every cached decision
 (:meth:`~kvgov.policy.cache.CachingPolicyEngine.reload`). Sources that fail to load (invalid
 Rego or data) are refused and logged once per distinct error; the policies in force keep
 answering. Decisions recorded after a reload name the new revision.

@@ -135,7 +135,8 @@ class Sidecar:
             from kvgov.policy.factory import configured_source_stamp, load_configured_bundle
             from kvgov.policy.watch import follow_sources
 
-            load = partial(load_configured_bundle, self.settings)
+            # the follower's look reads the revision only; the reload checks and compiles
+            load = partial(load_configured_bundle, self.settings, check=False)
             stamp = partial(configured_source_stamp, self.settings)
             self._tasks.append(
                 asyncio.create_task(follow_sources(policy, load, every, stamp), name="kvgov-policy")
