@@ -140,7 +140,7 @@ async def test_invalid_parameters_are_422_problems(client: httpx.AsyncClient, pa
     body = r.json()
     assert body["status"] == 422
     assert body["type"].startswith("https://kvgov.dev/problems/")
-    assert body["instance"] == "/v1/entries"
+    assert body["instance"] == "/v1/entries"  # the route's template (it has no parameter)
 
 
 async def test_unknown_route_is_a_404_problem(client: httpx.AsyncClient):
@@ -148,6 +148,7 @@ async def test_unknown_route_is_a_404_problem(client: httpx.AsyncClient):
     assert r.status_code == 404
     assert r.headers["content-type"] == "application/problem+json"
     assert r.json()["code"] == "not_found"
+    assert "instance" not in r.json()  # no route: nothing to name but the path itself
 
 
 # -- provenance --------------------------------------------------------------------------------

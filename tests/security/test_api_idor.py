@@ -55,11 +55,11 @@ class World:
 
     def leaks(self, response: httpx.Response) -> list[str]:
         """The globex identifiers in a response, other than the caller's own request echoed
-        back (a problem's ``instance`` or ``detail`` may repeat the id it asked for)."""
+        back (a problem's ``detail`` may repeat the id it asked for; its ``instance`` is the
+        route's template, so it is searched like the rest)."""
         text = response.text
         if response.headers.get("content-type", "").startswith("application/problem+json"):
             problem = response.json()
-            problem.pop("instance", None)
             text = repr(problem)
             url = response.request.url
             asked = [unquote(p) for p in url.path.split("/")]

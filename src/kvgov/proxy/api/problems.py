@@ -3,7 +3,9 @@
 Domain code raises :mod:`kvgov.errors`; this module is the edge that maps them to HTTP statuses,
 together with FastAPI's validation errors (422), unknown routes (404) and anything unexpected
 (500, logged with its traceback and the route's template, never the path, whose parameters
-may be raw user ids; never shown to the client).
+may be raw user ids; never shown to the client). For the same reason a problem's ``instance``
+is the route's template, never the path (the answer's body may be kept by an ingress, a
+browser's error reporting or an APM), and is left out when no route matched.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from kvgov.errors import (
     NotFoundError,
 )
 from kvgov.logging import get_logger
-from kvgov.proxy.api.routes import route_template
+from kvgov.proxy.api.routes import matched_template, route_template
 
 log = get_logger(__name__)
 
@@ -65,7 +67,14 @@ class Problem(BaseModel):
     title: str
     status: int
     detail: str | None = None
-    instance: str | None = Field(default=None, description="the request path")
+    instance: str | None = Field(
+        default=None,
+        description=(
+            "the template of the route that answered (`/v1/users/{user}/footprint`), never "
+            "the request's path, whose parameters may be personal data; absent when no route "
+            "matched"
+        ),
+    )
     code: str
     errors: list[FieldError] | None = None
 
@@ -116,7 +125,8 @@ def problem_response(
         title=_TITLES.get(status, "Error"),
         status=status,
         detail=detail,
-        instance=request.url.path if request is not None else None,
+        # the route's template, never the path: a path parameter may be a raw user id
+        instance=matched_template(request) if request is not None else None,
         code=code,
         errors=errors,
     )
