@@ -7,6 +7,12 @@ report and returns ``[]`` (the ledger's entry index remains the record of what e
 
 Redis returns a value as one ``bytes`` object, so ``get_into`` copies it once into the caller's
 buffer: this is the remote tier, bound by the network (see ``docs/performance.md``).
+
+Several sidecars may share one Redis, so a value no entry this sidecar knows of may be another
+sidecar's put whose ledger row is not committed yet (a put writes its tiers first). For the
+start-up reconciliation (``kvgov.proxy.dataplane.upkeep``), :meth:`RedisTier.delete_idle`
+deletes a value only if nothing wrote or read it for a while, checked and deleted atomically
+(a Lua script: ``OBJECT IDLETIME``, then ``DEL``).
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvgov.connectors.tiers.base import (
@@ -30,6 +37,32 @@ from kvgov.errors import TierError
 _T = TypeVar("_T")
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 _SCAN_BATCH = 1000
+
+#: KEYS[1] a value, ARGV[1] the least idle time (seconds) of one to delete. Returns the size
+#: deleted, or -1: idle time unknown (an LFU ``maxmemory-policy`` tracks none; an ACL may
+#: refuse ``OBJECT``), -2: no such value, -3: touched too recently, -4: not a string (not the
+#: tier's). ``OBJECT IDLETIME`` comes first: it does not touch the value, ``STRLEN`` would.
+_DELETE_IDLE = """
+local ok, idle = pcall(redis.call, 'OBJECT', 'IDLETIME', KEYS[1])
+if not ok then return -1 end
+if not idle then return -2 end
+if idle < tonumber(ARGV[1]) then return -3 end
+if redis.call('TYPE', KEYS[1]).ok ~= 'string' then return -4 end
+local size = redis.call('STRLEN', KEYS[1])
+redis.call('DEL', KEYS[1])
+return size
+"""
+
+
+@dataclass
+class IdleDeletion:
+    """What :meth:`RedisTier.delete_idle` did: the values it deleted (key → size), and how many
+    it kept because something touched them too recently (``young``) or because their idle time
+    is unknown (``unknown``: nothing is deleted then)."""
+
+    removed: dict[str, int] = field(default_factory=dict)
+    young: int = 0
+    unknown: int = 0
 
 
 class RedisTier:
@@ -141,13 +174,41 @@ class RedisTier:
                 self._client.scan(cursor, match=self._pattern, count=_SCAN_BATCH)
             )
             for rkey in batch:
-                yield bytes(rkey)[cut:].decode()
+                try:
+                    yield bytes(rkey)[cut:].decode()
+                except UnicodeDecodeError:  # not a key the tier writes (those are text)
+                    continue
             if cursor == 0:
                 return
 
     async def sweep(self, now: float) -> list[str]:
         self._check_open()
         return []  # Redis removes expired values itself (PXAT)
+
+    async def delete_idle(self, keys: Sequence[str], min_idle_s: int) -> IdleDeletion:
+        """Delete each of ``keys`` whose value nothing wrote or read for ``min_idle_s`` seconds
+        or more (Redis's ``OBJECT IDLETIME``, one-second resolution), each checked and deleted
+        in one atomic step, so a put or a read between the two keeps it. A value whose idle
+        time Redis cannot tell (an LFU ``maxmemory-policy``, an ACL refusing ``OBJECT``) is
+        kept, and so is one that is not a string. One round trip (a pipeline)."""
+        self._check_open()
+        out = IdleDeletion()
+        if not keys:
+            return out
+        for key in keys:
+            check_key(self._name, key)
+        async with self._client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.eval(_DELETE_IDLE, 1, self._rkey(key), max(0, int(min_idle_s)))
+            results = await self._call(pipe.execute(raise_on_error=False))
+        for key, result in zip(keys, results, strict=True):
+            if isinstance(result, int) and result >= 0:
+                out.removed[key] = result
+            elif result == -3:
+                out.young += 1
+            elif result != -2:  # -1, -4, or the script refused (NOPERM, NOSCRIPT): kept
+                out.unknown += 1
+        return out
 
     async def stats(self) -> TierStats:
         """Counts every key under the prefix (a SCAN: for operators, not the data path)."""

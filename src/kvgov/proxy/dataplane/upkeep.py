@@ -1,21 +1,25 @@
 """The entry index's upkeep between operations: entries past their TTL (:func:`expired`,
 :func:`sweep`: the sidecar's sweeper), a tier's capacity eviction (:func:`evicted`: the
-tiers' ``on_evict`` hook, through ``Pipeline.tier_evicted``) and, at start, the values a local
-tier holds that no live entry names (:func:`reconcile`). No operation's flow calls it.
+tiers' ``on_evict`` hook, through ``Pipeline.tier_evicted``) and, at start, the values a tier
+holds that no live entry names (:func:`reconcile`: a local tier's, and a shared tier's that
+have gone untouched for a while). No operation's flow calls it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
+from kvgov.connectors.tiers.base import Tier
 from kvgov.connectors.tiers.chain import TierChain
 from kvgov.db.models import CacheEntry
 from kvgov.ledger.events import Event
+from kvgov.logging import get_logger
 from kvgov.proxy.dataplane.index import EntryIndex
 from kvgov.proxy.dataplane.records import (
     LedgerEntry,
@@ -24,6 +28,13 @@ from kvgov.proxy.dataplane.records import (
     orphan_event,
     orphans_event,
 )
+from kvgov.types import EntryState
+from kvgov.wire.digest import is_digest
+
+if TYPE_CHECKING:
+    from kvgov.connectors.tiers.redis import IdleDeletion
+
+log = get_logger(__name__)
 
 
 async def expired(index: EntryIndex, tiers: TierChain, now: float) -> list[tuple[str, str | None]]:
@@ -42,6 +53,14 @@ async def expired(index: EntryIndex, tiers: TierChain, now: float) -> list[tuple
 #: tiers whose values only this sidecar writes (a Redis may be shared with other sidecars)
 LOCAL_TIERS = frozenset({"filesystem"})
 
+#: a value in a shared tier is taken for an orphan only once nothing wrote or read it for this
+#: long (seconds): a put writes its tiers before its ledger row commits (its journal, then the
+#: writer's batch: normally well within a second, longer while the database is slow or
+#: away), so a younger value that no live row names may be another sidecar's put in
+#: progress. An orphan touched more recently than this stays until a later start (or its
+#: TTL); a put whose row takes longer to commit may lose its Redis copy (a miss, as if Redis
+#: had evicted it: the entry is recomputable).
+SHARED_ORPHAN_MIN_IDLE_S = 600
 
 #: orphans deleted (and recorded) per step: one ledger lookup, then one group commit
 RECONCILE_CHUNK = 1_000
@@ -52,6 +71,17 @@ RECONCILE_RECORDED_MAX = 10_000
 Lookup = Callable[[Sequence[str]], Mapping[str, LedgerEntry]]
 
 
+@runtime_checkable
+class IdleDeleting(Protocol):
+    """A tier several sidecars share that can delete a value only if nothing wrote or read it
+    for a while, checked and deleted atomically (:meth:`RedisTier.delete_idle
+    <kvgov.connectors.tiers.redis.RedisTier.delete_idle>`)."""
+
+    def iter_keys(self) -> AsyncIterator[str]: ...
+
+    async def delete_idle(self, keys: Sequence[str], min_idle_s: int) -> IdleDeletion: ...
+
+
 async def reconcile(
     index: EntryIndex,
     tiers: TierChain,
@@ -60,11 +90,15 @@ async def reconcile(
     lookup: Lookup | None = None,
     principal: str | None = None,
 ) -> dict[str, int]:
-    """At start, once the index holds every live entry the ledger knows: delete what a local
-    tier holds that no live entry names, and return how many per tier. A purge or deletion
-    made while this sidecar was down went to the sidecars alive then, so the values it erased
+    """At start, once the index holds every live entry the ledger knows: delete what a tier
+    holds that no live entry names, and return how many per tier. A purge or deletion made
+    while this sidecar was down went to the sidecars alive then, so the values it erased
     stayed on this disk, where nothing would serve, expire or delete them (and, under a key
-    not shredded, they stay readable to whoever reads the disk).
+    not shredded, they stay readable to whoever reads the disk); a purge that no sidecar
+    sharing a Redis was alive for (or whose deletion failed there) left them in Redis.
+
+    A local tier (:data:`LOCAL_TIERS`): every value the index does not name. A shared tier
+    (:class:`IdleDeleting`, needs ``lookup``): see :func:`_reconcile_shared`.
 
     With a ``recorder``, each deletion is recorded (``kv:delete``, reason ``orphan``, the
     tier, the value's size, the tenant and entry state the ledger's row gives, from
@@ -73,40 +107,131 @@ async def reconcile(
     one summary event counting the rest. No entry-index change: see :func:`orphan_event`."""
     removed: dict[str, int] = {}
     for name in tiers.names:
-        if name not in LOCAL_TIERS:
-            continue
         tier = tiers.tier(name)
-        orphans = [key async for key in tier.iter_keys() if index.get(key) is None]
-        unlisted = unlisted_bytes = 0
-        listed = RECONCILE_RECORDED_MAX if recorder is not None else 0
-        for start in range(0, len(orphans), RECONCILE_CHUNK):
-            chunk = orphans[start : start + RECONCILE_CHUNK]
-            known: Mapping[str, LedgerEntry] = {}
-            if lookup is not None and start < listed:
-                known = await asyncio.to_thread(lookup, chunk[: listed - start])
-            events: list[Event] = []
-            try:
-                for i, key in enumerate(chunk, start):
-                    info = await tier.info(key)
-                    held = await tier.delete(key)
-                    size = info.size if info is not None else None
-                    if i < listed:
-                        events.append(
-                            orphan_event(
-                                key, name, size, known.get(key), removed=held, principal=principal
-                            )
-                        )
-                    else:
-                        unlisted += 1
-                        unlisted_bytes += size or 0
-            finally:  # a tier that fails part-way (start-up stops): record what went before
-                if recorder is not None and events:
-                    await recorder.record_all(events)
-        if recorder is not None and unlisted:
-            await recorder.record_all([orphans_event(name, unlisted, unlisted_bytes, principal)])
-        if orphans:
-            removed[name] = len(orphans)
+        if name in LOCAL_TIERS:
+            count = await _reconcile_local(
+                index, tier, name=name, recorder=recorder, lookup=lookup, principal=principal
+            )
+        elif isinstance(tier, IdleDeleting) and lookup is not None:
+            count = await _reconcile_shared(
+                index, tier, name=name, recorder=recorder, lookup=lookup, principal=principal
+            )
+        else:
+            continue
+        if count:
+            removed[name] = count
     return removed
+
+
+async def _reconcile_local(
+    index: EntryIndex,
+    tier: Tier,
+    *,
+    name: str,
+    recorder: Recorder | None,
+    lookup: Lookup | None,
+    principal: str | None,
+) -> int:
+    orphans = [key async for key in tier.iter_keys() if index.get(key) is None]
+    unlisted = unlisted_bytes = 0
+    listed = RECONCILE_RECORDED_MAX if recorder is not None else 0
+    for start in range(0, len(orphans), RECONCILE_CHUNK):
+        chunk = orphans[start : start + RECONCILE_CHUNK]
+        known: Mapping[str, LedgerEntry] = {}
+        if lookup is not None and start < listed:
+            known = await asyncio.to_thread(lookup, chunk[: listed - start])
+        events: list[Event] = []
+        try:
+            for i, key in enumerate(chunk, start):
+                info = await tier.info(key)
+                held = await tier.delete(key)
+                size = info.size if info is not None else None
+                if i < listed:
+                    events.append(
+                        orphan_event(
+                            key, name, size, known.get(key), removed=held, principal=principal
+                        )
+                    )
+                else:
+                    unlisted += 1
+                    unlisted_bytes += size or 0
+        finally:  # a tier that fails part-way (start-up stops): record what went before
+            if recorder is not None and events:
+                await recorder.record_all(events)
+    if recorder is not None and unlisted:
+        await recorder.record_all([orphans_event(name, unlisted, unlisted_bytes, principal)])
+    return len(orphans)
+
+
+async def _reconcile_shared(
+    index: EntryIndex,
+    tier: IdleDeleting,
+    *,
+    name: str,
+    recorder: Recorder | None,
+    lookup: Lookup,
+    principal: str | None,
+) -> int:
+    """A tier other sidecars write too (Redis): what the index does not name may be theirs,
+    put after this sidecar loaded its index, or being put now (its value stored, its ledger
+    row not committed yet). So a value is deleted only if it is named by a key digest (not
+    by something else under the prefix), the ledger (asked now, not at load) has no live row
+    for it, and nothing wrote or read it for :data:`SHARED_ORPHAN_MIN_IDLE_S`, the last
+    checked atomically with the deletion. Only what was really deleted is recorded (several
+    sidecars may reconcile at once). The keys are scanned, looked up and deleted a step at a
+    time, never all held at once."""
+    removed = young = unknown = unlisted = unlisted_bytes = 0
+
+    async def step(chunk: list[str]) -> None:
+        nonlocal removed, young, unknown, unlisted, unlisted_bytes
+        known = await asyncio.to_thread(lookup, chunk)
+        gone = [key for key in chunk if _not_live(known.get(key))]
+        if not gone:
+            return
+        done = await tier.delete_idle(gone, SHARED_ORPHAN_MIN_IDLE_S)
+        young += done.young
+        unknown += done.unknown
+        events: list[Event] = []
+        for key, size in done.removed.items():
+            if recorder is not None and removed < RECONCILE_RECORDED_MAX:
+                events.append(
+                    orphan_event(key, name, size, known.get(key), removed=True, principal=principal)
+                )
+            else:
+                unlisted += 1
+                unlisted_bytes += size
+            removed += 1
+        if recorder is not None and events:
+            await recorder.record_all(events)
+
+    chunk: list[str] = []
+    async for key in tier.iter_keys():
+        if not is_digest(key) or index.get(key) is not None:
+            continue
+        chunk.append(key)
+        if len(chunk) >= RECONCILE_CHUNK:
+            await step(chunk)
+            chunk = []
+    if chunk:
+        await step(chunk)
+    if recorder is not None and unlisted:
+        await recorder.record_all([orphans_event(name, unlisted, unlisted_bytes, principal)])
+    if young or unknown:
+        log.info(
+            "tiers.reconcile.kept",
+            extra={
+                "tier": name,
+                "touched_recently": young,
+                "idle_time_unknown": unknown,
+                "min_idle_s": SHARED_ORPHAN_MIN_IDLE_S,
+            },
+        )
+    return removed
+
+
+def _not_live(entry: LedgerEntry | None) -> bool:
+    """No live row: purged, deleted, expired, or none at all."""
+    return entry is None or entry.state != EntryState.LIVE
 
 
 def ledger_entries(engine: Engine, digests: Sequence[str]) -> dict[str, LedgerEntry]:
