@@ -139,6 +139,10 @@ def test_input_document_shape() -> None:
         ({"allowed": True, "tiers": [1]}, "tiers"),
         ({"allowed": True, "ttl_s": 1.5}, "ttl_s"),
         ({"allowed": True, "ttl_s": True}, "ttl_s"),
+        # an allowed put with a TTL of 0 was stored without expiry ("keep nothing" became
+        # "keep for ever"); below 0 is as meaningless
+        ({"allowed": True, "ttl_s": 0}, "ttl_s"),
+        ({"allowed": True, "ttl_s": -60}, "ttl_s"),
         ({"allowed": True, "scope": "world"}, "scope"),
     ],
 )

@@ -355,6 +355,9 @@ class Decision:
             return bad("tiers")
         if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, int)):
             return bad("ttl_s")
+        if allowed and ttl_s is not None and ttl_s <= 0:
+            # 0 would be stored without expiry (keep nothing is not keep for ever): deny
+            return bad("ttl_s")
         if scope is not None and scope not in _SCOPES:
             return bad("scope")
         if sensitivity is not None and not isinstance(sensitivity, str):

@@ -257,6 +257,14 @@ _data_denials contains "class_without_ttl" if {
 	not is_number(object.get(class, "max_ttl_s", null))
 }
 
+# a time to live of zero (or less) keeps nothing: a class, or a tenant's cap, of 0 means "do
+# not cache", never "keep for ever"
+_data_denials contains "ttl_not_positive" if {
+	_cacheable
+	is_number(ttl_s)
+	ttl_s <= 0
+}
+
 _tier_denials contains "tier_not_allowed" if {
 	is_string(input.tier)
 	input.tier != ""

@@ -177,6 +177,24 @@ test_phi_allowed_user_scoped_when_tenant_allows if {
 	d.scope == "user"
 }
 
+# --- time to live -----------------------------------------------------------------------
+
+# a tenant's cap of 0 for a class keeps nothing of it (it lowers the class's TTL to nothing)
+test_a_tenant_ttl_cap_of_zero_denies_the_put if {
+	cfg := json.patch(_cfg, [{"op": "add", "path": "/tenants/acme/max_ttl_s/internal", "value": 0}])
+	d := authz.decision with input as _base with data.kvgov.config as cfg
+	d.allowed == false
+	"ttl_not_positive" in d.reasons
+}
+
+test_a_class_ttl_below_zero_denies_the_put if {
+	cfg := json.patch(_cfg, [{"op": "add", "path": "/classes/public/max_ttl_s", "value": -1}])
+	inp := object.union(_base, {"tenant": "globex", "key": {"tenant": "globex"}, "request": {"sensitivity": "public"}})
+	d := authz.decision with input as inp with data.kvgov.config as cfg
+	d.allowed == false
+	"ttl_not_positive" in d.reasons
+}
+
 # --- confidential -----------------------------------------------------------------------
 
 test_confidential_requires_user_scoped_key if {

@@ -696,7 +696,7 @@ class Pipeline:
             writer = await plan.sealed()
             now = self.clock()
             ttl = decision.ttl_s
-            expires_at = now + ttl if ttl else None
+            expires_at = now + ttl if ttl is not None else None  # 0: refused by the policy
             allowed = decision.tiers
             total = plan.body_offset + writer.sealed_len
             reserved, plan.reserved = plan.reserved, None
