@@ -6,7 +6,8 @@ was the request's path: the raw id, in a response body that an ingress, a browse
 reporting or an APM storing response bodies then keeps, where kvgov's rule is that a raw user
 id goes nowhere but the caller's own request (the ledger holds keyed pseudonyms, logs and
 ``api:access`` the route's template). Now ``instance`` is the matched route's template
-(``/v1/users/{user}/footprint``), and a path no route matched (404) has no ``instance``.
+(``/v1/users/{user}/footprint``), and a path no route matched (404) has no ``instance``. A
+trailing slash is one such path: it was redirected (307) with the raw id in ``Location``.
 
 Each request below fails; the raw id (raw, URL-quoted, hex) must appear nowhere in the
 response's body or headers, and ``instance`` must be the template (or absent).
@@ -135,6 +136,9 @@ async def test_a_failed_lookup_by_raw_user_id_answers_no_raw_user_id(
                     404,
                     await get(f"/v1/users/{quote(raw + '/x', safe='')}/footprint"),
                 ),
+                # Starlette redirected a trailing slash (307) to the path without it, the raw
+                # id in the Location header, before any token was looked at
+                ("a trailing slash", 404, await get(path + "/", params={"tenant": "acme"})),
             ]
             for what, status, reply in matched + unmatched:
                 assert reply.status_code == status, (what, reply.text)

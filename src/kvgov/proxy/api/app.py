@@ -75,6 +75,9 @@ def create_control_app(plane: ControlPlane) -> FastAPI:
         openapi_url="/openapi.json" if docs else None,
         docs_url="/docs" if docs else None,
         redoc_url="/redoc" if docs else None,
+        # no 307 to the path without its trailing slash: the redirect's Location echoed the
+        # path, a raw user id in it, before any token was looked at (a plain 404 instead)
+        redirect_slashes=False,
     )
 
     # probes: kubelet sends no token, so they say whether, and nothing else
