@@ -58,7 +58,9 @@ class WireClient:
     """Blocking, thread-safe client. Every method raises :class:`WireError` on failure
     (:class:`WireConnectionError` when the sidecar cannot be reached, :class:`WireTimeoutError` when
     an operation is not done within ``timeout``); an engine-side connector turns those into
-    misses (fail closed)."""
+    misses (fail closed). Any other exception raised during a request (the caller's ``alloc``
+    or ``items`` failing, a bug) drops that connection and is raised as ``WireError``
+    (``INTERNAL``, naming its type) with the original as its ``__cause__``."""
 
     def __init__(
         self,
@@ -117,6 +119,16 @@ class WireClient:
                 return fn(conn)
             finally:
                 conn.disarm()
+        except WireError:
+            raise  # the operation closed the connection if its framing state is lost
+        except BaseException as exc:
+            # anything else (a bug, the caller's allocator or items failing): where the
+            # connection's framing stands is unknown, so it is dropped, never pooled
+            if conn is not None:
+                conn.close()
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt, SystemExit: as they are
+            raise WireError(ErrorCode.INTERNAL, f"request failed: {type(exc).__name__}") from exc
         finally:
             if conn is not None and not conn.closed:
                 if self._closing.is_set():

@@ -36,6 +36,10 @@ MAX_META_BYTES = 1 << 20
 MAX_STREAM_ID = 0xFFFF_FFFF
 #: LMCache's key string limit is 150 bytes; kvgov allows longer keys but bounds them
 MAX_KEY_BYTES = 1024
+#: digits of an integer in metadata: a u64 has 20 (no field carries more). Python ints are
+#: unbounded, and converting a long literal costs time (superlinear in its length where the
+#: interpreter's own ``sys.int_max_str_digits`` cap is lifted) or raises a ValueError of its own
+MAX_INT_DIGITS = 20
 
 
 class FrameType(IntEnum):
@@ -177,13 +181,36 @@ def encode_meta(meta: Mapping[str, Any] | None) -> bytes:
         return json.dumps(meta, separators=(",", ":"), ensure_ascii=True).encode()
 
 
+class _LongIntegerError(ValueError):
+    """An integer literal of more than :data:`MAX_INT_DIGITS` digits."""
+
+
+def _bounded_int(literal: str) -> int:
+    if len(literal) > MAX_INT_DIGITS and len(literal.lstrip("-")) > MAX_INT_DIGITS:
+        raise _LongIntegerError
+    return int(literal)
+
+
+#: the one parser of a peer's JSON (``json.loads`` would build a decoder per call)
+_DECODER = json.JSONDecoder(parse_int=_bounded_int)
+
+
 def decode_meta(data: bytes | bytearray | memoryview) -> dict[str, Any]:
-    """Parse a metadata section: empty or a JSON object. Raises :class:`WireError`."""
+    """Parse a metadata section: empty or a JSON object whose integers have at most
+    :data:`MAX_INT_DIGITS` digits. Raises :class:`WireError` (``BAD_FRAME``) on anything else,
+    whatever the peer sent: this is where its bytes become values."""
     if len(data) == 0:
         return {}
+    raw = bytes(data)
     try:
-        value = json.loads(bytes(data))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        # what ``json.loads`` does with bytes, with the bounded decoder
+        value = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+    except _LongIntegerError:
+        raise WireError(
+            ErrorCode.BAD_FRAME, f"metadata holds an integer of more than {MAX_INT_DIGITS} digits"
+        ) from None
+    except (ValueError, RecursionError) as exc:
+        # ValueError: JSONDecodeError, UnicodeDecodeError, and any other the parser raises
         raise WireError(ErrorCode.BAD_FRAME, "metadata is not valid JSON") from exc
     if not isinstance(value, dict):
         raise WireError(ErrorCode.BAD_FRAME, "metadata must be a JSON object")

@@ -76,11 +76,18 @@ class ControlChannel:
         self._thread.join(timeout)
 
     def _loop(self) -> None:
+        # The thread must not end while the channel is open: whatever a peer sends (or a bug
+        # raises), the connection is dropped and the channel reconnects. An exception that is
+        # not a WireError is logged by its type alone: its text may quote what the peer sent.
         while not self._stop.is_set():
             try:
                 conn = self._client._connect(role="control")
             except WireError as exc:
                 log.warning("wire.control.connect_failed", extra={"error": exc.error.name})
+                self._stop.wait(self._delay)
+                continue
+            except Exception as exc:  # noqa: BLE001 - never ends the thread; type only
+                log.warning("wire.control.lost", extra={"error": type(exc).__name__})
                 self._stop.wait(self._delay)
                 continue
             self._conn = conn
@@ -92,6 +99,9 @@ class ControlChannel:
                     log.warning(
                         "wire.control.lost", extra={"error": exc.error.name, "reason": exc.code}
                     )
+            except Exception as exc:  # noqa: BLE001 - never ends the thread; type only
+                if not self._stop.is_set():
+                    log.warning("wire.control.lost", extra={"error": type(exc).__name__})
             finally:
                 self.connected.clear()
                 conn.close()
