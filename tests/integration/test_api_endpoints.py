@@ -125,6 +125,8 @@ async def test_user_filter_needs_a_tenant(client: httpx.AsyncClient):
     [
         {"cursor": "not-a-cursor!!"},
         {"cursor": "WzEsMiwzXQ"},  # base64 of [1,2,3]: not our shape
+        # deeply nested (the longest a cursor may be): a bad cursor, not a server error
+        {"cursor": base64.urlsafe_b64encode(b"[" * 760).decode().rstrip("=")},
         {"limit": 0},
         {"limit": 100000},
         {"state": "sideways"},

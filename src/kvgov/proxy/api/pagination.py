@@ -61,7 +61,7 @@ def decode_cursor(cursor: str, shape: Sequence[KeyType]) -> tuple[KeyValue, ...]
     try:
         padded = cursor + "=" * (-len(cursor) % 4)
         values = json.loads(base64.urlsafe_b64decode(padded.encode("ascii")))
-    except (ValueError, binascii.Error, UnicodeError) as exc:
+    except (ValueError, binascii.Error, UnicodeError, RecursionError) as exc:
         raise InvalidInputError("cursor is not valid") from exc
     if not isinstance(values, list) or len(values) != len(shape):
         raise InvalidInputError("cursor is not valid")
