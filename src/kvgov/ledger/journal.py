@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 from kvgov.errors import LedgerError
 from kvgov.ledger.events import EntryChange, Event, JSONValue
 from kvgov.logging import get_logger
+from kvgov.privatefs import describe, is_private
 from kvgov.types import EntryState, EventKind, Outcome, Scope, Sensitivity
 
 log = get_logger(__name__)
@@ -67,12 +68,10 @@ def _check_private(path: Path, what: str, is_kind: Callable[[int], bool]) -> Non
     them could forge acknowledged events (docs/threat-model.md: "0600 files in a 0700
     directory"; an emptyDir or a shared host path is 0777 until kvgov makes its own)."""
     st = os.lstat(path)
-    loose = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    if not is_kind(st.st_mode) or st.st_uid != os.geteuid() or loose:
+    if not is_private(st, is_kind):
         raise LedgerError(
             f"the ledger journal {what} {path} is not this process's own and private"
-            f" ({stat.filemode(st.st_mode)}, owner uid {st.st_uid}; this process runs as uid"
-            f" {os.geteuid()}): anyone who can write it could forge ledger events",
+            f" ({describe(st)}): anyone who can write it could forge ledger events",
             hint=(
                 "point ledger.journal_dir at a directory only the sidecar's user owns and"
                 " writes (chmod 700, no symlink), e.g. a new one inside data_dir"

@@ -13,16 +13,20 @@ temporary files and files that do not parse; a read that finds a file corrupt (i
 not parse, its length disagrees with the file or with what was put) removes it and raises
 :class:`~kvgov.errors.CorruptValueError`. File I/O runs in a small thread pool; ``get_into``
 reads straight into the caller's buffer (``readinto``).
+
+The root must be the process's own and private; it is opened once and every path is relative
+to that descriptor; a fan-out directory is used only once checked ours (at start, or at the
+first put that needs it): :mod:`~kvgov.connectors.tiers.fsroot`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import math
 import os
-import re
 import secrets
 import threading
 import time
@@ -44,17 +48,17 @@ from kvgov.connectors.tiers.fsformat import (
     fanout,
     file_name,
     fsync_dir,
-    parse_file,
     read_header,
     write_all,
 )
+from kvgov.connectors.tiers.fsroot import make_fanout, open_root, scan
 from kvgov.errors import CorruptValueError, TierError
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-_FANOUT_DIR = re.compile(r"[0-9a-f]{2}")
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class FilesystemTier:
@@ -79,6 +83,10 @@ class FilesystemTier:
         self._bytes = 0
         self._hits = self._misses = self._expirations = 0
         self._closed = False
+        #: the root, opened and checked by ``fsroot.open_root``; every path is relative to it
+        self._root_fd = -1
+        #: fan-out directories checked to be our own and private (a put lstats only a new one)
+        self._fanouts: set[str] = set()
 
     @classmethod
     async def open(
@@ -96,6 +104,8 @@ class FilesystemTier:
             await tier._run(tier._recover)
         except BaseException:
             tier._pool.shutdown(wait=False)
+            if tier._root_fd >= 0:
+                os.close(tier._root_fd)
             raise
         return tier
 
@@ -195,6 +205,9 @@ class FilesystemTier:
             return
         self._closed = True
         await asyncio.to_thread(self._pool.shutdown, wait=True)
+        if self._root_fd >= 0:
+            os.close(self._root_fd)
+            self._root_fd = -1
 
     # -- event-loop side helpers -------------------------------------------------------------
 
@@ -235,10 +248,13 @@ class FilesystemTier:
     # -- worker-thread side ------------------------------------------------------------------
 
     def _write(self, key: str, data: memoryview, expires_at: float | None) -> None:
-        path = self.path_of(key)
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        sub, name = fanout(key), file_name(key)
+        if sub not in self._fanouts:
+            self._check_fanout(sub)
+        path, tmp = f"{sub}/{name}", f"{sub}/.{name}.{secrets.token_hex(6)}.tmp"
+        root = self._root_fd
         try:
-            fd = self._create(tmp)
+            fd = self._create(sub, tmp)
             try:
                 write_all(fd, memoryview(encode_header(key, data.nbytes, expires_at)))
                 write_all(fd, data)
@@ -247,25 +263,48 @@ class FilesystemTier:
             finally:
                 os.close(fd)
             with self._lock:
-                tmp.replace(path)
+                os.replace(tmp, path, src_dir_fd=root, dst_dir_fd=root)
                 old = self._index.get(key)
                 self._index[key] = EntryInfo(data.nbytes, expires_at)
                 self._bytes += data.nbytes - (old.size if old else 0)
             if self._fsync:
-                fsync_dir(path.parent)
+                fsync_dir(sub, dir_fd=root)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=root)
             raise TierError(f"tier {self._name}: write failed: {exc.strerror}") from exc
 
-    def _create(self, tmp: Path) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    def _create(self, sub: str, tmp: str) -> int:
         try:
-            return os.open(tmp, flags, 0o600)
-        except FileNotFoundError:
-            tmp.parent.mkdir(mode=0o700, exist_ok=True)
-            if self._fsync:
-                fsync_dir(self._root)
-            return os.open(tmp, flags, 0o600)
+            return os.open(tmp, _CREATE_FLAGS, 0o600, dir_fd=self._root_fd)
+        except FileNotFoundError:  # its fan-out directory was removed since it was checked
+            self._fanouts.discard(sub)
+            self._check_fanout(sub)
+            return os.open(tmp, _CREATE_FLAGS, 0o600, dir_fd=self._root_fd)
+
+    def _check_fanout(self, sub: str) -> None:
+        """Use ``<root>/<sub>`` only once made or found ours and private; the check is
+        remembered (nobody else can replace it in our root), so a put does not repeat it."""
+        try:
+            why = make_fanout(self._root_fd, sub, fsync=self._fsync)
+        except OSError as exc:
+            raise TierError(f"tier {self._name}: write failed: {exc.strerror}") from exc
+        if why is None:
+            self._fanouts.add(sub)
+            return
+        raise TierError(
+            f"tier {self._name}: {self._root / sub} is not this process's own and private"
+            f" ({why}); nothing is written through it",
+            hint=f"remove {self._root / sub}: kvgov makes its own (0700) at the next put",
+        )
+
+    def _entry(self, key: str) -> tuple[str, str] | None:
+        """A key's fan-out directory and file path (relative to the root), or None when that
+        directory is not one checked ours: a file there is none of ours to read or delete."""
+        sub = fanout(key)
+        if sub not in self._fanouts:
+            return None
+        return sub, f"{sub}/{file_name(key)}"
 
     def _open_entry(self, key: str) -> tuple[int, int] | None:
         """An open fd positioned at the value, and the value length; None if the file is gone.
@@ -273,10 +312,13 @@ class FilesystemTier:
         A file that does not hold what was put under ``key`` (a header that does not parse, a
         length that disagrees with the file or with the length put, another key) is removed
         and :class:`CorruptValueError` raised: the caller records it (not a plain miss)."""
-        path = self.path_of(key)
+        entry = self._entry(key)
+        if entry is None:
+            return None
+        path = entry[1]
         try:
             with self._lock:  # the file and the index entry of one put (a put renames under it)
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd)
                 put = self._index.get(key)
         except FileNotFoundError:
             return None
@@ -336,19 +378,21 @@ class FilesystemTier:
             os.close(fd)
 
     def _unlink(self, key: str) -> EntryInfo | None:
-        path = self.path_of(key)
+        entry = self._entry(key)
         with self._lock:
             meta = self._index.pop(key, None)
             if meta is not None:
                 self._bytes -= meta.size
+            if entry is None:
+                return meta
             try:
-                path.unlink()
+                os.unlink(entry[1], dir_fd=self._root_fd)
             except FileNotFoundError:
                 return meta
             except OSError as exc:
                 raise TierError(f"tier {self._name}: delete failed: {exc.strerror}") from exc
         if self._fsync:
-            fsync_dir(path.parent)
+            fsync_dir(entry[0], dir_fd=self._root_fd)
         return meta
 
     def _unlink_many(self, keys: list[str], now: float) -> list[str]:
@@ -366,48 +410,42 @@ class FilesystemTier:
                 removed.append(key)
         return removed
 
-    def _drop_corrupt(self, key: str, path: Path, why: str) -> None:
+    def _drop_corrupt(self, key: str, path: str, why: str) -> None:
         log.warning("tier.corrupt_entry", extra={"tier": self._name, "why": why})
         with self._lock:
             meta = self._index.pop(key, None)
             if meta is not None:
                 self._bytes -= meta.size
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path, dir_fd=self._root_fd)
 
     def _recover(self) -> None:
-        """Rebuild the index from disk; remove temporary leftovers and unreadable files."""
-        try:
-            self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as exc:
-            raise TierError(f"tier {self._name}: cannot create {self._root}: {exc}") from exc
-        stray = corrupt = 0
-        for sub in sorted(self._root.iterdir()):
-            if not sub.is_dir() or not _FANOUT_DIR.fullmatch(sub.name):
-                continue
-            for path in sub.iterdir():
-                if path.name.endswith(".tmp"):
-                    path.unlink(missing_ok=True)
-                    stray += 1
-                    continue
-                try:
-                    key, meta = parse_file(path)
-                except (CorruptEntryError, OSError):
-                    path.unlink(missing_ok=True)
-                    corrupt += 1
-                    continue
-                if self.path_of(key) != path:
-                    path.unlink(missing_ok=True)
-                    corrupt += 1
-                    continue
-                self._index[key] = meta
-                self._bytes += meta.size
+        """Open the root (:func:`~kvgov.connectors.tiers.fsroot.open_root`) and rebuild the
+        index from disk, removing temporary leftovers and unreadable files of our own."""
+        self._root_fd = open_root(self._root, self._name)
+        found = scan(self._root_fd)
+        self._index = found.entries
+        self._bytes = sum(meta.size for meta in found.entries.values())
+        self._fanouts = found.fanouts
+        if found.untrusted or found.kept:
+            log.warning(
+                "tier.untrusted_skipped",
+                extra={
+                    "tier": self._name,
+                    "fanout_dirs": found.untrusted,
+                    "entries_kept": found.kept,
+                    "hint": "remove them: only the sidecar's own files and 0700 directories"
+                    " belong in the tier root",
+                },
+            )
         log.info(
             "tier.recovered",
             extra={
                 "tier": self._name,
                 "entries": len(self._index),
                 "bytes": self._bytes,
-                "stray_tmp_removed": stray,
-                "corrupt_removed": corrupt,
+                "stray_tmp_removed": found.stray,
+                "corrupt_removed": found.corrupt,
+                "untrusted_skipped": len(found.untrusted) + found.kept,
             },
         )

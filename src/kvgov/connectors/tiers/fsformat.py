@@ -55,8 +55,9 @@ def write_all(fd: int, data: memoryview) -> None:
         done += os.write(fd, data[done:])
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_dir(path: str | Path, *, dir_fd: int | None = None) -> None:
+    """fsync a directory (``path`` relative to ``dir_fd`` if given; never through a symlink)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         os.fsync(fd)
     finally:
@@ -84,8 +85,10 @@ def read_header(fd: int) -> tuple[str, int, float | None]:
     return key, size, (expiry if flags & _HAS_EXPIRY else None)
 
 
-def parse_file(path: Path) -> tuple[str, EntryInfo]:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+def parse_file(path: str | Path, *, dir_fd: int | None = None) -> tuple[str, EntryInfo]:
+    """Key and index entry from a file's header (``path`` relative to ``dir_fd`` if given;
+    never through a symlink)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         key, size, expires_at = read_header(fd)
     finally:
