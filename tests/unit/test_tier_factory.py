@@ -9,6 +9,7 @@ import pytest
 from kvgov.config import Settings, TierSettings
 from kvgov.connectors.tiers.base import Tier
 from kvgov.connectors.tiers.factory import REGISTRY, TierHooks, build_tiers
+from kvgov.connectors.tiers.filesystem import FilesystemTier
 from kvgov.errors import StartupError
 
 
@@ -85,3 +86,38 @@ async def test_a_builder_that_raises_anything_stops_startup(tmp_path: Path) -> N
             settings(tmp_path, chain=["memory", "filesystem"]),
             registry={**REGISTRY, "filesystem": broken},
         )
+
+
+async def test_a_process_beside_the_sidecar_keeps_its_puts_in_progress(tmp_path: Path) -> None:
+    """``kvgov purge`` opens the filesystem tier in its own process while the sidecar that owns
+    it runs: its recovery removed every ``*.tmp``, so the sidecar's puts in progress failed at
+    their rename. Another process now removes only leftovers old enough to be a crash's; the
+    owner (``build_tiers``: the sidecar, at its start) removes them all."""
+    import os
+    import time
+
+    owner = await build_tiers(settings(tmp_path, chain=["filesystem"]))
+    await owner.put("a" * 64, b"stored", allowed=owner.names)
+    fs = owner.tier("filesystem")
+    assert isinstance(fs, FilesystemTier)
+    fanout = fs.path_of("a" * 64).parent
+    await owner.close()
+    in_progress = fanout / f".{'b' * 64}.0123456789ab.tmp"
+    crashed = fanout / f".{'c' * 64}.ba9876543210.tmp"
+    in_progress.write_bytes(b"half a put")
+    crashed.write_bytes(b"a crash's half put")
+    hour_ago = time.time() - 3600
+    os.utime(crashed, (hour_ago, hour_ago))
+
+    other = await REGISTRY["filesystem"](settings(tmp_path, chain=["filesystem"]), TierHooks())
+    try:
+        assert in_progress.exists(), "another process removed a put in progress"
+        assert not crashed.exists()
+        assert await other.get("a" * 64) == b"stored"
+    finally:
+        await other.close()
+    owner = await build_tiers(settings(tmp_path, chain=["filesystem"]))
+    try:
+        assert not in_progress.exists()  # the owner's own, at its start: a crash's
+    finally:
+        await owner.close()

@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlsplit
 from kvgov.config import Settings
 from kvgov.connectors.tiers.base import EvictListener, Tier
 from kvgov.connectors.tiers.chain import TierChain
-from kvgov.connectors.tiers.filesystem import FilesystemTier
+from kvgov.connectors.tiers.filesystem import STRAY_MIN_AGE_S, FilesystemTier
 from kvgov.connectors.tiers.memory import MemoryTier
 from kvgov.errors import ConfigError, KvgovError, StartupError, TierError
 
@@ -27,6 +27,9 @@ class TierHooks:
     """What the data plane hands every tier it builds."""
 
     on_evict: EvictListener | None = None
+    #: the process is the tiers' owner (the sidecar: :func:`build_tiers`), the only one that
+    #: writes them; another (``kvgov purge``) leaves what may be the owner's puts in progress
+    owner: bool = False
 
 
 TierBuilder = Callable[[Settings, TierHooks], Awaitable[Tier]]
@@ -38,7 +41,9 @@ async def _memory(settings: Settings, hooks: TierHooks) -> Tier:
 
 async def _filesystem(settings: Settings, hooks: TierHooks) -> Tier:
     return await FilesystemTier.open(
-        settings.filesystem_tier_path, fsync=settings.tiers.filesystem_fsync
+        settings.filesystem_tier_path,
+        fsync=settings.tiers.filesystem_fsync,
+        stray_min_age_s=0.0 if hooks.owner else STRAY_MIN_AGE_S,
     )
 
 
@@ -97,7 +102,7 @@ async def build_tiers(
         raise StartupError("no tiers configured", hint="set tiers.chain, e.g. [memory, filesystem]")
     if len(set(names)) != len(names):
         raise StartupError(f"tiers.chain names a tier twice: {names}")
-    hooks = TierHooks(on_evict=on_evict)
+    hooks = TierHooks(on_evict=on_evict, owner=True)
     built: list[Tier] = []
     try:
         for name in names:

@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+#: what a process that does not own the tier (``kvgov purge`` beside a running sidecar) takes
+#: for a crash's leftover: a put's temporary file lives for the length of one write
+STRAY_MIN_AGE_S = 600.0
+
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -83,6 +87,8 @@ class FilesystemTier:
         self._bytes = 0
         self._hits = self._misses = self._expirations = 0
         self._closed = False
+        #: leftovers younger than this are not removed at open (see :meth:`open`)
+        self._stray_min_age_s = 0.0
         #: the root, opened and checked by ``fsroot.open_root``; every path is relative to it
         self._root_fd = -1
         #: fan-out directories checked to be our own and private (a put lstats only a new one)
@@ -97,9 +103,14 @@ class FilesystemTier:
         fsync: bool = True,
         io_threads: int = 4,
         clock: Callable[[], float] = time.time,
+        stray_min_age_s: float = 0.0,
     ) -> FilesystemTier:
-        """Create ``root`` if needed and rebuild the index from what is on disk."""
+        """Create ``root`` if needed and rebuild the index from what is on disk.
+        ``stray_min_age_s``: remove only leftovers (``*.tmp``) at least that old; a process
+        other than the sidecar that owns the tier (``kvgov purge``) must not take the
+        sidecar's puts in progress for a crash's leftovers (:data:`STRAY_MIN_AGE_S`)."""
         tier = cls(root, name=name, fsync=fsync, io_threads=io_threads, clock=clock)
+        tier._stray_min_age_s = stray_min_age_s
         try:
             await tier._run(tier._recover)
         except BaseException:
@@ -423,7 +434,7 @@ class FilesystemTier:
         """Open the root (:func:`~kvgov.connectors.tiers.fsroot.open_root`) and rebuild the
         index from disk, removing temporary leftovers and unreadable files of our own."""
         self._root_fd = open_root(self._root, self._name)
-        found = scan(self._root_fd)
+        found = scan(self._root_fd, stray_min_age_s=self._stray_min_age_s)
         self._index = found.entries
         self._bytes = sum(meta.size for meta in found.entries.values())
         self._fanouts = found.fanouts
@@ -445,6 +456,7 @@ class FilesystemTier:
                 "entries": len(self._index),
                 "bytes": self._bytes,
                 "stray_tmp_removed": found.stray,
+                "young_tmp_kept": found.young,
                 "corrupt_removed": found.corrupt,
                 "untrusted_skipped": len(found.untrusted) + found.kept,
             },

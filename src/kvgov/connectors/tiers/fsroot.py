@@ -15,9 +15,11 @@ regular files of the process's own uid.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import stat
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,12 +106,17 @@ class Scan:
     corrupt: int = 0
     #: entries of checked fan-out directories that are not our regular files: left alone
     kept: int = 0
+    #: leftovers (``*.tmp``) too young to be taken for a crash's: left alone
+    young: int = 0
 
 
-def scan(root_fd: int) -> Scan:
-    """Index the tier's files; remove our own leftovers (``*.tmp``) and files that do not
-    parse or sit under the wrong name; enter no fan-out entry that fails the check."""
+def scan(root_fd: int, *, stray_min_age_s: float = 0.0) -> Scan:
+    """Index the tier's files; remove our own leftovers (``*.tmp`` last modified at least
+    ``stray_min_age_s`` ago: a younger one may be a put in progress in the process that owns
+    the tier, when another one opens it) and files that do not parse or sit under the wrong
+    name; enter no fan-out entry that fails the check."""
     found = Scan()
+    stale_before = time.time() - stray_min_age_s if stray_min_age_s > 0 else math.inf
     with os.scandir(root_fd) as it:
         subs = sorted(e.name for e in it if FANOUT_DIR.fullmatch(e.name))
     for sub in subs:
@@ -118,14 +125,14 @@ def scan(root_fd: int) -> Scan:
             continue
         fd = os.open(sub, DIR_FLAGS, dir_fd=root_fd)
         try:
-            _scan_dir(sub, fd, found)
+            _scan_dir(sub, fd, found, stale_before)
         finally:
             os.close(fd)
         found.fanouts.add(sub)
     return found
 
 
-def _scan_dir(sub: str, dir_fd: int, found: Scan) -> None:
+def _scan_dir(sub: str, dir_fd: int, found: Scan, stale_before: float) -> None:
     me = os.geteuid()
     with os.scandir(dir_fd) as it:
         names = [e.name for e in it]
@@ -135,6 +142,9 @@ def _scan_dir(sub: str, dir_fd: int, found: Scan) -> None:
             found.kept += 1  # a symlink, a FIFO (opening it would hang), another uid's file
             continue
         if name.endswith(".tmp"):
+            if st.st_mtime >= stale_before:
+                found.young += 1  # perhaps a put in progress in the tier's own process
+                continue
             found.stray += 1
         else:
             try:
