@@ -347,6 +347,12 @@ class ApiSettings(_Section):
     timeout_keep_alive_s: float = Field(default=5.0, gt=0.0, le=600.0)
     #: seconds for a request (head and body) to arrive once begun; else it is closed
     request_timeout_s: float = Field(default=10.0, gt=0.0, le=600.0)
+    #: seconds a response may wait for its peer to read any of it (a slow reader that keeps
+    #: reading is not cut off); else the connection is reset and its slot freed
+    response_timeout_s: float = Field(default=30.0, gt=0.0, le=600.0)
+    #: connections one peer address may hold (0: no cap); beyond it a new one is reset.
+    #: Behind an ingress or a proxy, each of its addresses is one peer
+    max_connections_per_peer: int = Field(default=256, ge=0)
     #: bytes of a request head (request line and headers)
     max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024)
     #: bytes of a request body (413 beyond)

@@ -3,18 +3,31 @@
 
 uvicorn bounds concurrency (``limit_concurrency``: 503 beyond it), idle keep-alive connections
 and the size of a request head (h11's incomplete-event limit), but not the time a client may
-take to send a request: a connection that trickles (or never finishes) its head or body would
-stay open for ever. :func:`api_protocol` adds that deadline: a request must arrive whole within
-``api.request_timeout_s`` of its first byte (or of the connection, for the first request);
-otherwise the connection is closed. Bodies larger than ``api.max_body_bytes`` are refused
-(413) before they are read, and heads larger than ``api.max_header_bytes`` (431; h11 alone
-only bounds a head that arrives in pieces), by :class:`BodyLimit`.
+take to send a request, nor the time it may leave a response unread. :func:`api_protocol` adds
+both deadlines and two caps:
+
+- a request must arrive whole within ``api.request_timeout_s`` of its first byte (or of the
+  connection, for the first request); otherwise the connection is closed;
+- a response (or what is left of one when the connection closes) whose peer takes none of its
+  bytes for ``api.response_timeout_s`` is dropped: the connection is reset, which also ends the
+  request's task waiting for the peer and frees its ``limit_concurrency`` slot. Before, a peer
+  that pipelined requests and read nothing held both for ever (review 2, finding 3). The
+  deadline runs from the last byte the peer took, so a slow client that reads keeps its
+  response;
+- one peer address holds at most ``api.max_connections_per_peer`` connections;
+- ``GET /healthz`` and ``/readyz`` are not counted by ``limit_concurrency``: a full API does
+  not fail the kubelet's probes (and restart the sidecar, or take the pod out of service).
+
+Bodies larger than ``api.max_body_bytes`` are refused (413) before they are read, and heads
+larger than ``api.max_header_bytes`` (431; h11 alone only bounds a head that arrives in
+pieces), by :class:`BodyLimit`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from kvgov.proxy.dataplane.limits import SummaryLog
@@ -28,20 +41,65 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgov.api.server")
 
 
+#: the probes (a constant and a flag: no token, no database) that ``limit_concurrency`` does not
+#: count
+PROBES = frozenset({"/healthz", "/readyz"})
+
+
 def api_protocol(
-    request_timeout_s: float, summary: SummaryLog | None = None
+    request_timeout_s: float,
+    summary: SummaryLog | None = None,
+    *,
+    response_timeout_s: float = 30.0,
+    max_connections_per_peer: int = 0,
 ) -> type[asyncio.Protocol]:
-    """uvicorn's h11 protocol with a deadline on receiving each request."""
+    """uvicorn's h11 protocol with a deadline on receiving each request and on the peer's
+    reading of each response, a cap on connections per peer address (0: none), and the probes
+    outside ``limit_concurrency``. One class per server: the per-peer counts are its own."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     note = summary if summary is not None else SummaryLog(log)
+    peers: Counter[str] = Counter()
+    #: how often a stalled response is looked at: it is dropped between ``response_timeout_s``
+    #: and a quarter more after the peer last took a byte
+    step = response_timeout_s / 4
 
     class DeadlineH11Protocol(H11Protocol):
         _request_timer: asyncio.TimerHandle | None = None
+        _send_timer: asyncio.TimerHandle | None = None
+        #: bytes the transport held at the last look, and when the peer last took some
+        _unsent = 0
+        _last_taken = 0.0
+        _peer: str | None = None
+        _limit: int | None = None
+
+        @property
+        def limit_concurrency(self) -> int | None:
+            """uvicorn reads this for each request, once its ``scope`` is set: the probes are
+            answered however full the server is (each takes no token, database or I/O)."""
+            scope = getattr(self, "scope", None)
+            if scope is not None and scope["path"] in PROBES and scope["method"] == "GET":
+                return None
+            return self._limit
+
+        @limit_concurrency.setter
+        def limit_concurrency(self, value: int | None) -> None:
+            self._limit = value
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            # pause_writing() as soon as the transport holds a byte the socket did not take
+            # (and resume_writing() once it holds none): so a stall is seen at any size, also
+            # after close(), which waits for the buffer to empty before the connection goes
+            transport.set_write_buffer_limits(high=0)
+            if max_connections_per_peer and (peer := _peer_host(transport)) is not None:
+                if peers[peer] >= max_connections_per_peer:
+                    note.note("api.connection.refused", cap="peer")
+                    transport.abort()
+                    return
+                peers[peer] += 1
+                self._peer = peer
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -53,7 +111,44 @@ def api_protocol(
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
-            super().connection_lost(exc)
+            self._stop_send_timer()
+            if self._peer is not None:
+                peers[self._peer] -= 1
+                if peers[self._peer] <= 0:
+                    del peers[self._peer]
+                self._peer = None
+            super().connection_lost(exc)  # resumes writing: a task waiting in drain() ends
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._send_timer is None:
+                self._unsent = self.transport.get_write_buffer_size()
+                self._last_taken = self.loop.time()
+                self._send_timer = self.loop.call_later(step, self._send_stalled)
+
+        def resume_writing(self) -> None:
+            self._stop_send_timer()
+            super().resume_writing()
+
+        def _send_stalled(self) -> None:
+            self._send_timer = None
+            unsent = self.transport.get_write_buffer_size()
+            if not unsent:
+                return
+            now = self.loop.time()
+            if unsent < self._unsent:
+                self._last_taken = now  # the peer read some: the deadline starts again
+            self._unsent = unsent
+            if now - self._last_taken < response_timeout_s:
+                self._send_timer = self.loop.call_later(step, self._send_stalled)
+                return
+            note.note("api.response.timed_out")
+            self.transport.abort()  # not close(): that would wait for the peer to read
+
+        def _stop_send_timer(self) -> None:
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+                self._send_timer = None
 
         def _arm(self) -> None:
             self._disarm()
@@ -72,6 +167,14 @@ def api_protocol(
             self.transport.close()
 
     return DeadlineH11Protocol
+
+
+def _peer_host(transport: asyncio.BaseTransport) -> str | None:
+    """The peer's address (a TCP peer's host), or None where there is none to count by."""
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and peer and isinstance(peer[0], str):
+        return peer[0]
+    return None
 
 
 class BodyLimit:
@@ -159,7 +262,14 @@ def api_config(app: ASGIApp, api: ApiSettings) -> uvicorn.Config:
         # (admin requests are recorded in the ledger instead, by route template)
         access_log=False,
         lifespan="off",
-        http=api_protocol(api.request_timeout_s),
+        # no WebSocket routes: an upgrade would hand the connection to another protocol,
+        # away from the deadlines and the per-peer count of this one
+        ws="none",
+        http=api_protocol(
+            api.request_timeout_s,
+            response_timeout_s=api.response_timeout_s,
+            max_connections_per_peer=api.max_connections_per_peer,
+        ),
         limit_concurrency=api.limit_concurrency,
         timeout_keep_alive=int(max(1, api.timeout_keep_alive_s)),
         h11_max_incomplete_event_size=api.max_header_bytes,
