@@ -434,7 +434,12 @@ class FilesystemTier:
         """Open the root (:func:`~kvgov.connectors.tiers.fsroot.open_root`) and rebuild the
         index from disk, removing temporary leftovers and unreadable files of our own."""
         self._root_fd = open_root(self._root, self._name)
-        found = scan(self._root_fd, stray_min_age_s=self._stray_min_age_s)
+        try:
+            found = scan(self._root_fd, stray_min_age_s=self._stray_min_age_s)
+        except OSError as exc:
+            raise TierError(
+                f"tier {self._name}: cannot read {self._root}: {exc.strerror or exc}"
+            ) from exc
         self._index = found.entries
         self._bytes = sum(meta.size for meta in found.entries.values())
         self._fanouts = found.fanouts

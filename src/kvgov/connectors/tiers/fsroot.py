@@ -120,10 +120,17 @@ def scan(root_fd: int, *, stray_min_age_s: float = 0.0) -> Scan:
     with os.scandir(root_fd) as it:
         subs = sorted(e.name for e in it if FANOUT_DIR.fullmatch(e.name))
     for sub in subs:
-        if fanout_problem(root_fd, sub) is not None:
+        try:
+            problem = fanout_problem(root_fd, sub)
+        except FileNotFoundError:
+            continue  # removed since it was listed
+        if problem is not None:
             found.untrusted.append(sub)
             continue
-        fd = os.open(sub, DIR_FLAGS, dir_fd=root_fd)
+        try:
+            fd = os.open(sub, DIR_FLAGS, dir_fd=root_fd)
+        except FileNotFoundError:
+            continue
         try:
             _scan_dir(sub, fd, found, stale_before)
         finally:
@@ -137,7 +144,12 @@ def _scan_dir(sub: str, dir_fd: int, found: Scan, stale_before: float) -> None:
     with os.scandir(dir_fd) as it:
         names = [e.name for e in it]
     for name in names:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            # gone since it was listed: the tier's owner renamed its put into place or deleted
+            # a value while another process (kvgov purge) opened the tier
+            continue
         if not stat.S_ISREG(st.st_mode) or st.st_uid != me:
             found.kept += 1  # a symlink, a FIFO (opening it would hang), another uid's file
             continue
@@ -149,6 +161,8 @@ def _scan_dir(sub: str, dir_fd: int, found: Scan, stale_before: float) -> None:
         else:
             try:
                 key, meta = parse_file(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                continue  # deleted by the tier's owner since: neither an entry nor corrupt
             except (CorruptEntryError, OSError):
                 key = None
             if key is not None and fanout(key) == sub and file_name(key) == name:
