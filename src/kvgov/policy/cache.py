@@ -35,6 +35,7 @@ nothing is cached without the policy revision that allowed it being on record.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -73,6 +74,18 @@ _FAILURES = frozenset(
 _BAD_STATUS = f"{DenyReason.OPA_BAD_STATUS}:"
 
 
+async def _outcome(flight: asyncio.Future[Decision]) -> Decision | None:
+    """The answer another caller's question got, or None when it got none (it failed or was
+    cancelled: ask the engine yourself). Cancelling the waiter leaves the question running."""
+    try:
+        return await asyncio.shield(flight)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # the waiter itself was cancelled
+        return None
+
+
 def _engine_failed(decision: Decision) -> bool:
     reason = decision.reason
     return reason is not None and (reason in _FAILURES or reason.startswith(_BAD_STATUS))
@@ -103,6 +116,10 @@ class CachingPolicyEngine:
         self._clock = clock
         self._table: _Table = OrderedDict()
         self._table_revision = inner.revision
+        #: inputs the inner engine is being asked about now (by cache key): whoever misses on
+        #: the same input meanwhile awaits that answer instead of asking again (one question,
+        #: one recorded decision, when a hot input's entry expires or after a reload)
+        self._flights: dict[tuple[object, ...], asyncio.Future[Decision]] = {}
         self.hits = 0
         self.misses = 0
 
@@ -161,6 +178,34 @@ class CachingPolicyEngine:
                 await self._record(inp, deny)
                 return deny
         self.misses += 1
+        if table is not self._table:  # an unhashable input: nothing to share or cache
+            return await self._ask(inp, key, table)
+        flight = self._flights.get(key)
+        if flight is not None:  # the engine is being asked this already: share its answer
+            shared = await _outcome(flight)
+            if shared is not None:
+                if shared.allowed:
+                    return shared
+                deny = replace(shared, decision_id=new_decision_id())
+                await self._record(inp, deny)
+                return deny
+        flight = asyncio.get_running_loop().create_future()
+        flights = self._flights
+        flights[key] = flight
+        try:
+            decision = await self._ask(inp, key, table)
+        except BaseException:
+            flight.cancel()  # those waiting on it ask the engine themselves
+            raise
+        finally:
+            if flights.get(key) is flight:
+                del flights[key]
+        flight.set_result(decision)
+        return decision
+
+    async def _ask(self, inp: PolicyInput, key: tuple[object, ...], table: _Table) -> Decision:
+        """Ask the inner engine, record its answer, and cache it in ``table`` (the current
+        one: not for an unhashable input)."""
         ttl = self.decision_ttl_s
         # the age counts from the question: the answer may reflect the engine's state then
         deadline = None if ttl is None else self._clock() + ttl
@@ -196,9 +241,11 @@ class CachingPolicyEngine:
         return True
 
     def clear(self) -> None:
-        """Forget every cached decision (a fresh table for the current revision)."""
+        """Forget every cached decision (a fresh table for the current revision); a question
+        already put to the engine is not shared with those who ask after this."""
         self._table = OrderedDict()
         self._table_revision = self.inner.revision
+        self._flights = {}
 
     async def reload(self) -> PolicyRevision:
         revision = await self.inner.reload()
