@@ -14,16 +14,8 @@ from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.embedded import EmbeddedPolicyEngine
 from kvgov.policy.interfaces import Decision, PolicyInput, PolicyRevision
 from kvgov.policy.recording import InMemoryDecisionRecorder
+from tests.unit.test_policy_cache_ttl import ALLOW, Clock
 
-ALLOW = PolicyInput(
-    operation="put",
-    tenant="acme",
-    engine="vllm-acme-0",
-    key_tenant="acme",
-    actor_user="u1",
-    request_id="r1",
-    sensitivity="internal",
-)
 DENY = PolicyInput(
     operation="put",
     tenant="acme",
@@ -33,14 +25,6 @@ DENY = PolicyInput(
     request_id="r1",
     sensitivity="internal",
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class SlowOpa:

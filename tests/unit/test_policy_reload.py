@@ -33,17 +33,8 @@ from kvgov.policy import embedded
 from kvgov.policy.bundle import PolicyBundle, load_bundle
 from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.embedded import EmbeddedPolicyEngine
-from kvgov.policy.interfaces import PolicyInput
+from tests.unit.test_policy_cache_ttl import ALLOW
 
-ALLOW = PolicyInput(
-    operation="put",
-    tenant="acme",
-    engine="vllm-acme-0",
-    key_tenant="acme",
-    actor_user="u1",
-    request_id="r1",
-    sensitivity="internal",
-)
 SLOW_S = 0.2
 TICK_S = 0.01
 
