@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import struct
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -379,3 +381,25 @@ def replace_file(path: Path, text: str) -> None:
 def value_of(got: tuple[bytes, Any] | None) -> bytes | None:
     """The bytes of a :meth:`~kvgov.wire.WireClient.get` (None: a miss)."""
     return None if got is None else got[0]
+
+
+def wait_for(cond: Callable[[], bool], limit: float) -> bool:
+    """Poll ``cond`` every 10 ms for at most ``limit`` seconds; whether it came true."""
+    deadline = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def error_logs(records: list[logging.LogRecord]) -> list[logging.LogRecord]:
+    """What a crashed handler leaves: a record at ERROR, one carrying a traceback, or
+    ``dataplane.connection.failed``."""
+    return [
+        r
+        for r in records
+        if r.levelno >= logging.ERROR
+        or r.exc_info
+        or r.getMessage() == "dataplane.connection.failed"
+    ]

@@ -25,7 +25,6 @@ import logging
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,6 @@ import pytest
 from kvgov.wire import WireClient, WireError
 from kvgov.wire._conn import Connection
 from kvgov.wire.codec import (
-    HEADER,
     ErrorCode,
     Flag,
     FrameHeader,
@@ -66,15 +64,6 @@ def _frame(ftype: FrameType, sid: int, meta_json: str, flags: Flag = Flag.NONE) 
     """A frame whose metadata is the JSON text given."""
     body = meta_json.encode()
     return encode_header(ftype, sid, len(body), 0, flags) + body
-
-
-def _wait_for(cond: Callable[[], bool], limit: float) -> bool:
-    deadline = time.monotonic() + limit
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _no_poison_logged(caplog: pytest.LogCaptureFixture) -> None:
@@ -143,7 +132,7 @@ def _control(fake: FakeSidecar, token: str | None = None) -> tuple[bool, bool]:
     client = WireClient(fake.endpoint, engine_id="engine-test", token=token, timeout=T)
     channel = client.control(lambda request: list(request.digests), reconnect_delay=0.05)
     try:
-        _wait_for(lambda: fake.accepted >= 2, LIMIT)
+        doors.wait_for(lambda: fake.accepted >= 2, LIMIT)
         # token-less the fake completes HELLO; with a token it cannot (it is no sidecar), so
         # there only the retry itself is asked for
         reconnected = fake.accepted >= 2 and (token is not None or channel.connected.wait(LIMIT))
@@ -212,7 +201,7 @@ def test_a_bigint_evict_after_hello_drops_that_connection_and_reconnects(
         client = WireClient(fake.endpoint, engine_id="engine-test", timeout=T)
         channel = client.control(lambda req: evicted.append(req) or [], reconnect_delay=0.05)
         try:
-            _wait_for(lambda: fake.accepted >= 2, LIMIT)
+            doors.wait_for(lambda: fake.accepted >= 2, LIMIT)
             reconnected = fake.accepted >= 2 and channel.connected.wait(LIMIT)
             alive = channel._thread.is_alive()
         finally:
@@ -380,22 +369,6 @@ def test_any_other_exception_in_a_request_discards_its_connection() -> None:
 # -- the sidecar -----------------------------------------------------------------------------
 
 
-def _error_logs(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    """What a crashed handler leaves: a record at ERROR (``dataplane.connection.failed``)."""
-    return [
-        r
-        for r in caplog.records
-        if r.levelno >= logging.ERROR
-        or r.exc_info
-        or r.getMessage() == "dataplane.connection.failed"
-    ]
-
-
-def _raw_frame(ftype: FrameType, sid: int, meta_json: str) -> bytes:
-    body = meta_json.encode()
-    return HEADER.pack(b"KVGV", 1, ftype, 0, sid, len(body), 0) + body
-
-
 @pytest.mark.postgres
 @pytest.mark.parametrize(
     "hello",
@@ -416,7 +389,7 @@ async def test_a_bigint_hello_before_authentication_is_an_error_frame(
         assert port is not None
         raw = RawWire(port)
         try:
-            raw.send_raw(_raw_frame(FrameType.HELLO, 1, hello))
+            raw.send_raw(_frame(FrameType.HELLO, 1, hello))
             answer = await run(raw.read)
             assert answer.error == "bad_frame", answer
             assert await run(raw.closed_by_peer)
@@ -428,7 +401,9 @@ async def test_a_bigint_hello_before_authentication_is_an_error_frame(
             assert (await run(honest.put, key(9, "acme"), b"v" * 64, ctx)).ok
         finally:
             honest.close()
-    assert not _error_logs(caplog), [r.getMessage() for r in _error_logs(caplog)]
+    assert not doors.error_logs(caplog.records), [
+        r.getMessage() for r in doors.error_logs(caplog.records)
+    ]
     _no_poison_logged(caplog)
 
 
@@ -448,7 +423,7 @@ async def test_a_bigint_request_after_hello_is_a_bad_frame(
             assert await run(honest.ping) >= 0
             assert (await run(raw.hello, "tok-acme")).type == FrameType.HELLO
             meta = f'{{"keys":["{key(1, "acme")}"],"ctx":{{"tenant":"acme"}},"n":{BIGINT}}}'
-            raw.send_raw(_raw_frame(FrameType.EXISTS, 2, meta))
+            raw.send_raw(_frame(FrameType.EXISTS, 2, meta))
             answer = await run(raw.read)
             assert answer.error == "bad_frame", answer
             assert await run(raw.closed_by_peer)
@@ -456,5 +431,7 @@ async def test_a_bigint_request_after_hello_is_a_bad_frame(
         finally:
             raw.close()
             honest.close()
-    assert not _error_logs(caplog), [r.getMessage() for r in _error_logs(caplog)]
+    assert not doors.error_logs(caplog.records), [
+        r.getMessage() for r in doors.error_logs(caplog.records)
+    ]
     _no_poison_logged(caplog)

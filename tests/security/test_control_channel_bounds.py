@@ -30,6 +30,7 @@ from kvgov.wire import WireClient
 from kvgov.wire.codec import HEADER_SIZE, Flag, FrameHeader, FrameType, encode_frame
 from kvgov.wire.digest import KeyDigester
 from kvgov.wire.messages import EvictRequest, evict_meta
+from tests.security import doors
 from tests.security.fake_sidecar import HELLO_REPLY, FakeSidecar, fake_sidecar, read_frame, reply
 
 T = 0.4
@@ -130,19 +131,10 @@ def _run(attack_fn: AttackFn, *, drop: bool = True) -> tuple[FakeSidecar, Attack
         try:
             assert attack.done.wait(2 * LIMIT), "the attack never ended"
             if drop:
-                _wait_for(lambda: fake.accepted >= 2, LIMIT)
+                doors.wait_for(lambda: fake.accepted >= 2, LIMIT)
         finally:
             channel.close()
     return fake, attack, calls
-
-
-def _wait_for(cond: Callable[[], bool], limit: float) -> bool:
-    deadline = time.monotonic() + limit
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _assert_dropped_and_reconnected(fake: FakeSidecar, attack: Attack) -> None:

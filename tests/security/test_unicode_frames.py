@@ -43,15 +43,6 @@ def _frame(ftype: FrameType, sid: int, meta_json: str, payload: bytes = b"") -> 
     return HEADER.pack(b"KVGV", 1, ftype, 0, sid, len(body), len(payload)) + body + payload
 
 
-def _error_logs(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    """What a crashed handler leaves: a record at ERROR (``dataplane.connection.failed``)."""
-    return [
-        r
-        for r in caplog.records
-        if r.levelno >= logging.ERROR or r.getMessage() == "dataplane.connection.failed"
-    ]
-
-
 async def _denials(sc: Any) -> list[Any]:
     assert sc.writer is not None
     await sc.writer.flush()
@@ -96,7 +87,9 @@ async def test_a_surrogate_before_hello_is_an_error_frame_not_a_crash(
             assert (await run(honest.put, key(9, "acme"), b"v" * 64, ctx)).ok
         finally:
             honest.close()
-    assert not _error_logs(caplog), [r.getMessage() for r in _error_logs(caplog)]
+    assert not doors.error_logs(caplog.records), [
+        r.getMessage() for r in doors.error_logs(caplog.records)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -155,7 +148,9 @@ async def test_a_surrogate_after_hello_is_a_bad_request_and_the_connection_lives
         finally:
             raw.close()
         assert not doors.events(sc, EventKind.KV_PUT)
-    assert not _error_logs(caplog), [r.getMessage() for r in _error_logs(caplog)]
+    assert not doors.error_logs(caplog.records), [
+        r.getMessage() for r in doors.error_logs(caplog.records)
+    ]
 
 
 async def test_a_superscript_layer_key_is_a_recorded_malformed_key_on_the_wire(
@@ -187,7 +182,9 @@ async def test_a_superscript_layer_key_is_a_recorded_malformed_key_on_the_wire(
     assert {(e.reason, e.principal, e.outcome) for e in denied} == {
         ("malformed_key", "engine:vllm-acme", Outcome.DENY)
     }
-    assert not _error_logs(caplog), [r.getMessage() for r in _error_logs(caplog)]
+    assert not doors.error_logs(caplog.records), [
+        r.getMessage() for r in doors.error_logs(caplog.records)
+    ]
 
 
 async def test_a_superscript_layer_key_is_a_recorded_malformed_key_on_lm(
@@ -219,7 +216,9 @@ async def test_a_superscript_layer_key_is_a_recorded_malformed_key_on_lm(
     assert {(e.reason, e.principal, e.outcome) for e in denied} == {
         ("malformed_key", "lm:lm-acme", Outcome.DENY)
     }
-    assert not _error_logs(caplog), [r.getMessage() for r in _error_logs(caplog)]
+    assert not doors.error_logs(caplog.records), [
+        r.getMessage() for r in doors.error_logs(caplog.records)
+    ]
 
 
 # -- the parsers themselves ---------------------------------------------------------------------
