@@ -6,6 +6,11 @@ directories (a symlink planted there made the sidecar delete or write files outs
 Both take an ``lstat`` (a symlink is never of the kind asked for) and refuse what
 :func:`is_private` does not accept, saying why with :func:`describe`
 (``docs/threat-model.md``: "0600 files in a 0700 directory").
+
+Both keep the directory open (:func:`open_dir`) and name everything inside it relative to that
+descriptor (``dir_fd``), never by path again: whoever can write the directory's *parent* (a
+0777 emptyDir or hostPath above ``data_dir``) could otherwise rename the checked directory away
+and put a symlink to one of theirs in its place, after the check.
 """
 
 from __future__ import annotations
@@ -13,9 +18,23 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable
+from pathlib import Path
 
 #: the mode bits that let another user write
 WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
+#: a directory opened as itself: never through a symlink
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: what every open inside such a directory adds: a symlink planted there is not followed
+NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class NotPrivateError(Exception):
+    """What is at a path is not this process's own and private (a symlink, another kind of
+    file, another user's, or writable by others); ``st`` is what was found."""
+
+    def __init__(self, st: os.stat_result) -> None:
+        super().__init__(describe(st))
+        self.st = st
 
 
 def is_private(st: os.stat_result, is_kind: Callable[[int], bool]) -> bool:
@@ -33,3 +52,50 @@ def describe(st: os.stat_result) -> str:
         f"{stat.filemode(st.st_mode)}, owner uid {st.st_uid};"
         f" this process runs as uid {os.geteuid()}"
     )
+
+
+def open_dir(path: Path) -> int:
+    """Create ``path`` (0700, parents too) if it is missing, open it without following a
+    symlink and return the descriptor if it is ours and private (:func:`is_private`, checked
+    on the descriptor: what was opened, not the path). Raises :class:`NotPrivateError` for a
+    symlink, something not a directory, or a directory that is not ours and private; an
+    :class:`OSError` when it cannot be created or opened."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, DIR_FLAGS)
+    except OSError:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            st = None
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise NotPrivateError(st) from None  # a symlink, a file
+        raise
+    st = os.fstat(fd)
+    if not is_private(st, stat.S_ISDIR):
+        os.close(fd)
+        raise NotPrivateError(st)
+    return fd
+
+
+def read_file(dir_fd: int, name: str) -> bytes:
+    """The bytes of ``name`` in the directory ``dir_fd`` if it is a regular file of ours that
+    others cannot write (opened without following a symlink, and without blocking: a FIFO
+    planted there would hang a blocking open). Raises :class:`NotPrivateError`, or
+    :class:`FileNotFoundError` when it is gone."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | NOFOLLOW, dir_fd=dir_fd)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise NotPrivateError(os.stat(name, dir_fd=dir_fd, follow_symlinks=False)) from None
+    try:
+        st = os.fstat(fd)
+        if not is_private(st, stat.S_ISREG):
+            raise NotPrivateError(st)
+        chunks = []
+        while chunk := os.read(fd, max(st.st_size, 1 << 16)):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

@@ -13,6 +13,7 @@ not a regular file, and the sidecar does not start.
 from __future__ import annotations
 
 import contextlib
+import os
 import stat
 from pathlib import Path
 
@@ -137,4 +138,75 @@ def test_journal_open_refuses_a_segment_that_is_a_symlink(tmp_path: Path) -> Non
     seg = next((tmp_path / "elsewhere").glob("journal-*.log"))
     seg.chmod(0o600)
     (d / seg.name).symlink_to(seg)
+    assert "segment" in _refused(d)
+
+
+def _swap_for_symlink(d: Path, elsewhere: Path) -> Path:
+    """What someone who can write the journal directory's parent does once the sidecar has
+    checked and opened it: rename it away and put a symlink to a directory of theirs in its
+    place. Returns where the real directory went."""
+    moved = d.with_name(d.name + "-moved")
+    d.rename(moved)
+    elsewhere.mkdir(mode=0o700, exist_ok=True)
+    d.symlink_to(elsewhere)
+    return moved
+
+
+def test_segments_written_after_the_directory_was_swapped_stay_in_the_real_one(
+    tmp_path: Path,
+) -> None:
+    """The journal used to name every file by path: a segment started after the swap (the
+    writer starts one after each trim, and when one is full) was created in the symlink's
+    target, so acknowledged events went to a directory someone else chose (and, at the next
+    start, were replayed from wherever the path pointed then). Now every file is opened
+    relative to the directory the journal checked and holds open."""
+    d = tmp_path / "journal"
+    j = Journal(d, segment_bytes=4096)
+    try:
+        assert j.open(0, chain_id=CHAIN) == []
+        first = j.append(b"before")
+        j.sync()
+        moved = _swap_for_symlink(d, tmp_path / "theirs")
+        j.trim(first)  # the writer's committer: that segment is in the chain now
+        last = 0
+        for i in range(40):  # past segment_bytes: a second new segment
+            last = j.append(b"after %d " % i + b"x" * 200)
+            j.sync()
+        assert list((tmp_path / "theirs").iterdir()) == [], "segments written into theirs"
+        names = sorted(p.name for p in moved.glob("journal-*.log"))
+        assert len(names) >= 2, names
+    finally:
+        j.close(applied_upto=-1)
+    j2 = Journal(moved)
+    try:
+        assert [pos for pos, _ in j2.open(first, chain_id=CHAIN)] == list(range(2, last + 1))
+    finally:
+        j2.close(applied_upto=-1)
+
+
+def test_a_trim_after_the_swap_deletes_nothing_of_theirs(tmp_path: Path) -> None:
+    """Trimming unlinked ``<path>/journal-<n>.log``: through a swapped-in symlink, a file of
+    that name in the target went, and the real segment stayed."""
+    d = tmp_path / "journal"
+    j = Journal(d)
+    try:
+        j.open(0, chain_id=CHAIN)
+        pos = j.append(b"event")
+        j.sync()
+        [seg] = [p.name for p in d.glob("journal-*.log")]
+        theirs = tmp_path / "theirs"
+        moved = _swap_for_symlink(d, theirs)
+        (theirs / seg).write_bytes(b"someone else's file")
+        j.trim(pos)
+        assert (theirs / seg).read_bytes() == b"someone else's file"
+        assert not (moved / seg).exists(), "the applied segment was left behind"
+    finally:
+        j.close(applied_upto=-1)
+
+
+def test_a_fifo_planted_as_a_segment_is_refused_without_hanging(tmp_path: Path) -> None:
+    d = tmp_path / "journal"
+    d.mkdir(mode=0o700)
+    (d / "chain").write_text(CHAIN)
+    os.mkfifo(d / f"journal-{1:020d}.log", 0o600)
     assert "segment" in _refused(d)

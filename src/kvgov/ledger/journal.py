@@ -33,11 +33,10 @@ import contextlib
 import fcntl
 import marshal
 import os
-import stat
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -46,7 +45,7 @@ from typing import Any, NamedTuple
 from kvgov.errors import LedgerError
 from kvgov.ledger.events import EntryChange, Event, JSONValue
 from kvgov.logging import get_logger
-from kvgov.privatefs import describe, is_private
+from kvgov.privatefs import NOFOLLOW, NotPrivateError, describe, open_dir, read_file
 from kvgov.types import EntryState, EventKind, Outcome, Scope, Sensitivity
 
 log = get_logger(__name__)
@@ -62,33 +61,41 @@ _LOCK_NAME = "lock"
 _OWNER_NAME = "chain"
 
 
-def _check_private(path: Path, what: str, is_kind: Callable[[int], bool]) -> None:
-    """Refuse a journal directory or segment that is not this process's own, or that another
-    user may write: replay chains whatever records the segments hold, so whoever could write
-    them could forge acknowledged events (docs/threat-model.md: "0600 files in a 0700
-    directory"; an emptyDir or a shared host path is 0777 until kvgov makes its own)."""
-    st = os.lstat(path)
-    if not is_private(st, is_kind):
-        raise LedgerError(
-            f"the ledger journal {what} {path} is not this process's own and private"
-            f" ({describe(st)}): anyone who can write it could forge ledger events",
-            hint=(
-                "point ledger.journal_dir at a directory only the sidecar's user owns and"
-                " writes (chmod 700, no symlink), e.g. a new one inside data_dir"
-            ),
-        )
+def _not_private(path: Path, what: str, st: os.stat_result) -> LedgerError:
+    """A journal directory or segment that is not this process's own, or that another user
+    may write: replay chains whatever records the segments hold, so whoever could write them
+    could forge acknowledged events (docs/threat-model.md: "0600 files in a 0700 directory";
+    an emptyDir or a shared host path is 0777 until kvgov makes its own)."""
+    return LedgerError(
+        f"the ledger journal {what} {path} is not this process's own and private"
+        f" ({describe(st)}): anyone who can write it could forge ledger events",
+        hint=(
+            "point ledger.journal_dir at a directory only the sidecar's user owns and"
+            " writes (chmod 700, no symlink), e.g. a new one inside data_dir"
+        ),
+    )
+
+
+def _segment_names(where: int | Path) -> list[str]:
+    """The segments' names in a directory (a descriptor, or a path), in position order."""
+    with os.scandir(where) as it:
+        names: Iterable[str] = [e.name for e in it]
+    return sorted(n for n in names if n.startswith(_PREFIX) and n.endswith(_SUFFIX))
 
 
 def _segment_paths(directory: Path) -> list[Path]:
-    return sorted(directory.glob(f"{_PREFIX}*{_SUFFIX}"))
+    return [directory / n for n in _segment_names(directory)]
 
 
-def _span(path: Path, scan: _Scan) -> tuple[int, int]:
+def _span(name: str, scan: _Scan) -> tuple[int, int]:
     """A segment's first and last positions: its records', or, with none, the one its name
     gives and the one before."""
     if scan.records:
         return scan.records[0][0], scan.records[-1][0]
-    first = int(path.name[len(_PREFIX) : -len(_SUFFIX)] or 0)
+    try:
+        first = int(name[len(_PREFIX) : -len(_SUFFIX)] or 0)
+    except ValueError:
+        first = 0
     return first, first - 1
 
 
@@ -104,7 +111,8 @@ def encode_record(pos: int, payload: bytes) -> bytes:
 
 @dataclass(slots=True)
 class _Segment:
-    path: Path
+    #: its file's name in the journal directory
+    name: str
     first: int
     #: the last position written to it (``first - 1`` while empty)
     last: int
@@ -222,7 +230,7 @@ def inspect_journal(directory: Path) -> JournalReport:
         except FileNotFoundError:  # deleted meanwhile by the running sidecar
             continue
         scan = _scan(data, expect)
-        first, last = _span(path, scan)
+        first, last = _span(path.name, scan)
         if scan.records:
             expect = last + 1
         segments.append(
@@ -240,6 +248,9 @@ class Journal:
         self.directory = directory
         self._segment_bytes = segment_bytes
         self._fsync = fsync
+        #: the directory, held open from :meth:`open` to :meth:`close`: everything in it is
+        #: named relative to this descriptor, never by path again (:mod:`kvgov.privatefs`)
+        self._dir_fd = -1
         self._lock_fd = -1
         self._fd = -1
         self._segments: list[_Segment] = []
@@ -262,41 +273,52 @@ class Journal:
         or a record that is not the last does not read back."""
         d = self.directory
         try:
-            d.mkdir(parents=True, exist_ok=True, mode=0o700)
-            _check_private(d, "directory", stat.S_ISDIR)
-            self._lock_fd = os.open(d / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+            self._dir_fd = open_dir(d)
+        except NotPrivateError as err:
+            raise _not_private(d, "directory", err.st) from None
         except OSError as err:
             raise LedgerError(
                 f"cannot open the ledger journal at {d}: {err.strerror}",
                 hint="ledger.journal_dir must be a writable local directory",
             ) from err
         try:
+            self._lock_fd = self._open(_LOCK_NAME, os.O_RDWR | os.O_CREAT)
+        except OSError as err:
+            self.close(applied_upto=-1)
+            raise LedgerError(
+                f"cannot open the ledger journal's lock in {d}: {err.strerror}",
+                hint="ledger.journal_dir must be a writable local directory",
+            ) from err
+        try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+            self.close(applied_upto=-1)
             raise LedgerError(
                 f"the ledger journal at {d} is in use by another process",
                 hint="each sidecar needs its own data_dir (or ledger.journal_dir)",
             ) from err
         self._check_owner(chain_id)
-        paths = _segment_paths(d)
+        names = _segment_names(self._dir_fd)
         pending: list[tuple[int, bytes]] = []
         expect: int | None = None
         last_pos = 0
-        for i, path in enumerate(paths):
+        for i, name in enumerate(names):
             try:
-                _check_private(path, "segment", stat.S_ISREG)
-            except LedgerError:
+                data = read_file(self._dir_fd, name)
+            except (NotPrivateError, OSError) as err:
                 self.close(applied_upto=-1)
-                raise
-            data = path.read_bytes()
+                if isinstance(err, NotPrivateError):
+                    raise _not_private(d / name, "segment", err.st) from None
+                raise LedgerError(
+                    f"cannot read ledger journal segment {name}: {err.strerror}"
+                ) from err
             scan = _scan(data, expect)
-            is_last = i == len(paths) - 1
+            is_last = i == len(names) - 1
             if scan.damage is not None:
                 if not is_last:
+                    self.close(applied_upto=-1)
                     raise LedgerError(
-                        f"ledger journal segment {path.name} is damaged: {scan.damage}",
+                        f"ledger journal segment {name} is damaged: {scan.damage}",
                         hint=(
                             "acknowledged ledger events may be in it: `kvgov audit journal`"
                             " shows what reads back; keep a copy for the audit trail, then move"
@@ -307,42 +329,55 @@ class Journal:
                 log.warning(
                     "ledger.journal.truncated",
                     extra={
-                        "segment": path.name,
+                        "segment": name,
                         "damage": scan.damage,
                         "bytes_dropped": len(data) - scan.good_bytes,
                     },
                 )
-                self._truncate(path, max(scan.good_bytes, len(MAGIC)))
-            first, last = _span(path, scan)
+                self._truncate(name, max(scan.good_bytes, len(MAGIC)))
+            first, last = _span(name, scan)
             if scan.records:
                 expect, last_pos = last + 1, last
             size = max(scan.good_bytes, len(MAGIC))
-            self._segments.append(_Segment(path, first, last, size))
+            self._segments.append(_Segment(name, first, last, size))
             pending.extend(r for r in scan.records if r[0] > applied_upto)
         self._next = max(last_pos, applied_upto) + 1
         self.durable = self._next - 1
         self.trim(applied_upto)
         if self._segments:
             tail = self._segments[-1]
-            self._fd = os.open(tail.path, os.O_WRONLY | os.O_APPEND)
+            self._fd = self._open(tail.name, os.O_WRONLY | os.O_APPEND)
         return pending
+
+    def _open(self, name: str, flags: int) -> int:
+        """Open ``name`` in the journal's directory (by its descriptor; a symlink is not
+        followed), 0600 if created."""
+        return os.open(name, flags | NOFOLLOW, 0o600, dir_fd=self._dir_fd)
 
     def _check_owner(self, chain_id: str) -> None:
         """The directory's chain, written on first use: replaying one chain's records into
         another would record them twice (their positions count the first chain's mark)."""
-        owner = self.directory / _OWNER_NAME
+        found: str | None
         try:
-            found: str | None = owner.read_text(encoding="utf-8")
+            found = read_file(self._dir_fd, _OWNER_NAME).decode("utf-8", "replace")
         except FileNotFoundError:
             found = None
-        if found != chain_id and not _segment_paths(self.directory):
+        except NotPrivateError as err:
+            self.close(applied_upto=-1)
+            raise _not_private(self.directory / _OWNER_NAME, "owner file", err.st) from None
+        if found != chain_id and not _segment_names(self._dir_fd):
             found = None  # nothing to replay: the directory is free for this chain
         if found is None:
-            tmp = owner.with_suffix(".tmp")
-            tmp.write_text(chain_id, encoding="utf-8")
-            with tmp.open("rb") as f:
-                os.fsync(f.fileno())
-            tmp.replace(owner)
+            tmp = _OWNER_NAME + ".tmp"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=self._dir_fd)  # a leftover (or something planted)
+            fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            try:
+                os.write(fd, chain_id.encode("utf-8"))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, _OWNER_NAME, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
             if self._fsync:
                 self._sync_dir()
             return
@@ -357,8 +392,8 @@ class Journal:
                 ),
             )
 
-    def _truncate(self, path: Path, size: int) -> None:
-        fd = os.open(path, os.O_RDWR)
+    def _truncate(self, name: str, size: int) -> None:
+        fd = self._open(name, os.O_RDWR)
         try:
             if size <= len(MAGIC):
                 os.ftruncate(fd, 0)
@@ -421,29 +456,27 @@ class Journal:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        path = self.directory / f"{_PREFIX}{first_pos:020d}{_SUFFIX}"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        name = f"{_PREFIX}{first_pos:020d}{_SUFFIX}"
+        fd = self._open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
         os.write(fd, MAGIC)
         if self._fsync:
             os.fdatasync(fd)
             self._sync_dir()
         self._fd = fd
-        seg = _Segment(path, first_pos, first_pos - 1, len(MAGIC))
+        seg = _Segment(name, first_pos, first_pos - 1, len(MAGIC))
         self._segments.append(seg)
         return seg
 
     def _sync_dir(self) -> None:
-        fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        os.fsync(self._dir_fd)
 
     def trim(self, applied_upto: int) -> None:
         """Delete the segments every record of which the chain holds, the one being written
         too (the next sync starts a new one): applied records do not linger on disk, and an
         idle sidecar's journal is empty."""
         with self._seg_lock:
+            if self._dir_fd < 0:  # closed: what is left stays for the next start
+                return
             keep: list[_Segment] = []
             last = len(self._segments) - 1
             for i, seg in enumerate(self._segments):
@@ -452,7 +485,7 @@ class Journal:
                         os.close(self._fd)
                         self._fd = -1
                     with contextlib.suppress(FileNotFoundError):
-                        seg.path.unlink()
+                        os.unlink(seg.name, dir_fd=self._dir_fd)
                 else:
                     keep.append(seg)
             self._segments = keep
@@ -472,11 +505,14 @@ class Journal:
             if clean:
                 for seg in self._segments:
                     with contextlib.suppress(FileNotFoundError):
-                        seg.path.unlink()
+                        os.unlink(seg.name, dir_fd=self._dir_fd)
                 self._segments = []
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
 
 
 # -- events as journal payloads --------------------------------------------------------------

@@ -26,10 +26,9 @@ from pathlib import Path
 from kvgov.connectors.tiers.base import EntryInfo
 from kvgov.connectors.tiers.fsformat import CorruptEntryError, fanout, file_name, parse_file
 from kvgov.errors import TierError
-from kvgov.privatefs import describe, is_private
+from kvgov.privatefs import DIR_FLAGS, NotPrivateError, describe, is_private, open_dir
 
 FANOUT_DIR = re.compile(r"[0-9a-f]{2}")
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def open_root(root: Path, tier: str) -> int:
@@ -38,24 +37,15 @@ def open_root(root: Path, tier: str) -> int:
     opened is checked, not the path: a root someone else created first (in a parent they can
     write) is theirs, and refused."""
     try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(root, DIR_FLAGS)
+        return open_dir(root)
+    except NotPrivateError as exc:
+        raise _refused(root, tier, exc) from None
     except OSError as exc:
-        try:
-            st = os.lstat(root)
-        except OSError:
-            st = None
-        if st is not None and not stat.S_ISDIR(st.st_mode):
-            raise _refused(root, tier, st) from None  # a symlink, a file
         raise TierError(f"tier {tier}: cannot create {root}: {exc}") from exc
-    st = os.fstat(fd)
-    if not is_private(st, stat.S_ISDIR):
-        os.close(fd)
-        raise _refused(root, tier, st)
-    return fd
 
 
-def _refused(root: Path, tier: str, st: os.stat_result) -> TierError:
+def _refused(root: Path, tier: str, exc: NotPrivateError) -> TierError:
+    st = exc.st
     if stat.S_ISLNK(st.st_mode):
         what = "is a symlink"
     elif not stat.S_ISDIR(st.st_mode):
