@@ -323,8 +323,8 @@ async def test_sidecars_sharing_the_database_each_take_their_own_steps(env: Env)
     assert job.state is PurgeState.COMPLETED
     by_label = {s.label: s for s in job.steps}
     assert set(by_label) == {
-        "keys", "tiers", "gpu", "ledger",
-        "tiers@sc-a", "engines@sc-a", "tiers@sc-b", "engines@sc-b",
+        "keys", "tiers", "ledger",
+        "tiers@sc-a", "engines@sc-a", "gpu@sc-a", "tiers@sc-b", "engines@sc-b", "gpu@sc-b",
     }  # fmt: skip
     assert all(s.attempts == 1 for s in job.steps), [(s.label, s.attempts) for s in job.steps]
     assert by_label["tiers@sc-a"].detail["executed_by"] == "sidecar:sc-a"

@@ -104,15 +104,21 @@ class JobView:
 
 
 def plan_steps(live_sidecars: list[str]) -> list[StepPlan]:
-    """The steps of a new job: global ones plus ``tiers``/``engines`` per live sidecar."""
-    plans = [
-        StepPlan(StepName.KEYS),
-        StepPlan(StepName.TIERS),
-        StepPlan(StepName.GPU),
-    ]
-    for sid in sorted(set(live_sidecars)):
+    """The steps of a new job: global ones plus ``tiers``/``engines``/``gpu`` per live sidecar.
+
+    The GPU prefix-cache reset is each sidecar's own (``gpu@S``): ``purge.vllm_engines`` is
+    set per pod, and in the shipped manifests it is the pod's own vLLM on loopback, so a
+    single fleet-wide step, taken by whichever executor came first, reset one pod's engine and
+    the receipt still said ``completed``. Only with no live sidecar (the CLI alone) is the
+    reset one global step, run with the executor's own configuration."""
+    sidecars = sorted(set(live_sidecars))
+    plans = [StepPlan(StepName.KEYS), StepPlan(StepName.TIERS)]
+    if not sidecars:
+        plans.append(StepPlan(StepName.GPU))
+    for sid in sidecars:
         plans.append(StepPlan(StepName.TIERS, sid))
         plans.append(StepPlan(StepName.ENGINES, sid))
+        plans.append(StepPlan(StepName.GPU, sid))
     plans.append(StepPlan(StepName.LEDGER))
     return plans
 
