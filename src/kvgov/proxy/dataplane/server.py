@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -40,6 +41,9 @@ __all__ = [
     "WireConnection",
     "WireServer",
 ]
+
+#: the longest Unix socket path Linux binds (``sun_path`` is 108 bytes with its NUL)
+_SUN_PATH_MAX = 107
 
 log = logging.getLogger("kvgov.dataplane.server")
 
@@ -107,11 +111,37 @@ class WireServer:
             # a fresh volume (a container's emptyDir) may not hold the socket's folder yet;
             # group members (the engine's container, by fsGroup) may reach the socket in it
             Path(unix_path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-            srv = await loop.create_unix_server(lambda: self._factory(unix=True), unix_path)
-            os.chmod(unix_path, 0o660)  # noqa: PTH101
+            srv = await self._bind_unix(loop, unix_path)
             self._servers.append(srv)
             self.addresses.append(f"unix://{unix_path}")
         self.watchdog.start()
+
+    async def _bind_unix(self, loop: asyncio.AbstractEventLoop, unix_path: str) -> asyncio.Server:
+        """Listen on ``unix_path``, mode 0660, without ever changing a mode through that path.
+
+        The socket's folder is shared with the engine's container (which may write it): a
+        socket bound there and then ``chmod``-ed by path let the engine, in between, put a
+        symlink in its place, and the ``chmod`` re-moded whatever sidecar file it pointed to
+        (a journal segment made group-writable, say). So the socket is bound in a new 0700
+        folder beside it, given its mode there, and renamed into place (a rename replaces
+        whatever is at the path, a planted symlink included, and follows nothing). A path
+        too long for that folder's extra characters is bound in place, as before."""
+        staging = Path(tempfile.mkdtemp(prefix=".k", dir=Path(unix_path).parent))  # 0700
+        staged = staging / "s"
+        try:
+            if len(os.fsencode(staged)) > _SUN_PATH_MAX:
+                srv = await loop.create_unix_server(lambda: self._factory(unix=True), unix_path)
+                os.chmod(unix_path, 0o660)  # noqa: PTH101
+                return srv
+            srv = await loop.create_unix_server(lambda: self._factory(unix=True), str(staged))
+            staged.chmod(0o660)  # in a folder nobody else can write: nothing to swap
+            staged.replace(unix_path)
+            return srv
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(staged)  # noqa: PTH108 - gone already when renamed into place
+            with contextlib.suppress(OSError):
+                os.rmdir(staging)  # noqa: PTH106
 
     @property
     def tcp_port(self) -> int | None:

@@ -1,0 +1,76 @@
+"""Attack: the engine's container re-modes a sidecar file through the Unix socket's path.
+
+The socket's folder is a volume both containers write (the engine connects there). The sidecar
+bound its socket and then ``chmod``-ed it to 0660 *by path*: between the two, the engine could
+replace the socket with a symlink to a file of the sidecar's, and the ``chmod`` made that file
+group-readable and group-writable (the engine runs in the sidecar's group: a journal segment it
+could then write, a key file it could read). Now the socket is bound and moded in a private
+folder and renamed into place (review 4a, observation "socket chmod"). The race is made
+deterministic here: the "engine" plants its symlink right after each bind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.security import doors
+from tests.security.conftest import ProdDatabase
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="kvu-"))  # a socket path must stay short
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+async def test_a_symlink_swapped_in_after_bind_is_not_followed(
+    tmp_path: Path, prod_db: ProdDatabase, short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sock = short_dir / "d.sock"
+    victim = tmp_path / "sidecar-secret"  # a file of the sidecar's, 0600
+    victim.write_bytes(b"only the sidecar reads this")
+    victim.chmod(0o600)
+    loop_type = type(asyncio.get_running_loop())
+    real = loop_type.create_unix_server
+    swapped: list[str] = []
+
+    async def bind_then_swap(self: Any, factory: Any, path: str, **kw: Any) -> Any:
+        srv = await real(self, factory, path, **kw)
+        # the engine, right after the bind: the socket's path now points at the victim
+        sock.unlink(missing_ok=True)
+        sock.symlink_to(victim)
+        swapped.append(path)
+        return srv
+
+    monkeypatch.setattr(loop_type, "create_unix_server", bind_then_swap)
+    async with doors.sidecar(tmp_path, prod_db, unix_path=str(sock)):
+        assert swapped, "the race was not run"
+        mode = stat.S_IMODE(victim.stat().st_mode)
+        assert mode == 0o600, f"the sidecar re-moded its own file to {oct(mode)}"
+        st = os.lstat(sock)
+        assert stat.S_ISSOCK(st.st_mode), "the path is not the sidecar's socket"
+        assert stat.S_IMODE(st.st_mode) == 0o660
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(sock))  # the listener is the one at the path
+        assert sorted(p.name for p in short_dir.iterdir())  # noqa: ASYNC240 == ["d.sock"], "a staging leftover"
+
+
+async def test_the_socket_is_group_reachable_and_nothing_else_is_left(
+    tmp_path: Path, prod_db: ProdDatabase, short_dir: Path
+) -> None:
+    sock = short_dir / "d.sock"
+    async with doors.sidecar(tmp_path, prod_db, unix_path=str(sock)):
+        st = os.lstat(sock)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
+        assert sorted(p.name for p in short_dir.iterdir())  # noqa: ASYNC240 == ["d.sock"]
