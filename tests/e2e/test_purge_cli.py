@@ -143,6 +143,46 @@ def _files(settings: Settings, digests: dict[str, bytes]) -> int:
     return asyncio.run(count())
 
 
+def test_cli_purge_takes_the_user_id_on_standard_input(
+    deployment: tuple[dict[str, str], Settings], tmp_path: Path
+) -> None:
+    """A raw user id on the command line is kept by the platform (the API server's audit log
+    for ``kubectl exec``, ``/proc/<pid>/cmdline``): ``--user-file -`` takes it on standard
+    input. A file with no id never widens a user's purge to the whole tenant."""
+    env, settings = deployment
+    data = asyncio.run(_seed(settings, [("acme", "alice"), ("acme", "bob")]))
+    alice, bob = data[("acme", "alice")], data[("acme", "bob")]
+
+    for args, stdin in (
+        (("--user-file", "-", "--yes"), ""),  # no id at all: not a tenant purge
+        (("--user-file", "-", "--yes"), "\n"),
+        (("--user-file", "-", "--yes"), "alice\nbob\n"),  # two lines: which one?
+        (("--user-file", "-", "--user", "alice", "--yes"), "alice\n"),  # both: which one?
+        (("--user-file", "-"), "alice\n"),  # stdin holds the id: no room for a "y"
+    ):
+        refused = kvgov(env, "purge", "--tenant", "acme", *args, stdin=stdin)
+        assert refused.returncode == 2, (args, stdin, refused.stdout + refused.stderr)
+        assert _files(settings, alice) == N and _files(settings, bob) == N
+    shred = kvgov(env, "keys", "shred", "--tenant", "acme", "--user-file", "-", "--yes", stdin="")
+    assert shred.returncode == 2, shred.stdout + shred.stderr
+
+    plan = kvgov(
+        env, "purge", "--tenant", "acme", "--user-file", "-", "--dry-run", "--json", stdin="alice"
+    )
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["entries_in_scope"] == N
+    done = kvgov(env, "purge", "--tenant", "acme", "--user-file", "-", "--yes", stdin="alice\n")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _files(settings, alice) == 0
+    assert _files(settings, bob) == N
+
+    id_file = tmp_path / "subject"
+    id_file.write_text("bob\n")
+    id_file.chmod(0o600)
+    reuse = kvgov(env, "provenance", "--tenant", "acme", "--user-file", str(id_file), "--json")
+    assert reuse.returncode == 0, reuse.stdout + reuse.stderr
+
+
 def test_cli_purge_user_end_to_end(
     deployment: tuple[dict[str, str], Settings], tmp_path: Path
 ) -> None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvgov.cli._common import EXIT_FAILED, echo, emit_json, settings
+from kvgov.cli.userid import UserFileOpt, user_id
 from kvgov.config import Settings
 from kvgov.types import EventKind, KeyState
 
@@ -68,14 +69,18 @@ def register(app: typer.Typer) -> None:
 
     @group.command("rotate")
     def rotate(
-        ctx: typer.Context, tenant: TenantOpt, user: UserOpt = None, as_json: JsonOpt = False
+        ctx: typer.Context,
+        tenant: TenantOpt,
+        user: UserOpt = None,
+        user_file: UserFileOpt = None,
+        as_json: JsonOpt = False,
     ) -> None:
         """Start a new key version for new data; older versions stay readable (retired)."""
         from kvgov.keys.keyring import Keyring
         from kvgov.services.keys import rotate_key
 
         cfg = settings(ctx)
-        subject = _pseudonym(cfg, tenant, user)
+        subject = _pseudonym(cfg, tenant, user_id(user, user_file))
         with _store(cfg) as store:
             done = rotate_key(
                 Keyring.from_settings(cfg, store),
@@ -99,6 +104,7 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         tenant: TenantOpt,
         user: UserOpt = None,
+        user_file: UserFileOpt = None,
         dry_run: Annotated[
             bool, typer.Option("--dry-run", help="Show what would be destroyed; change nothing.")
         ] = False,
@@ -111,8 +117,10 @@ def register(app: typer.Typer) -> None:
         from kvgov.keys.keyring import key_id_for
         from kvgov.services.keys import key_event
 
+        if user_file == "-" and not (yes or dry_run):
+            raise typer.BadParameter("--user-file - reads standard input: add --yes (or --dry-run)")
         cfg = settings(ctx)
-        subject = _pseudonym(cfg, tenant, user)
+        subject = _pseudonym(cfg, tenant, user_id(user, user_file))
         key_id_for(tenant, subject)  # validates the names before anything is asked
         with _store(cfg) as store:
             live = [

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvgov.cli._common import EXIT_FAILED, echo, emit_json, fail, settings
+from kvgov.cli.userid import UserFileOpt, user_id
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 def register(app: typer.Typer) -> None:
     @app.command("provenance")
-    def provenance_cmd(
+    def provenance_cmd(  # noqa: PLR0917 - one parameter per CLI option
         ctx: typer.Context,
         request_id: Annotated[
             str | None, typer.Argument(help="The request whose cached inputs to list.")
@@ -36,6 +37,7 @@ def register(app: typer.Typer) -> None:
         user: Annotated[
             str | None, typer.Option("--user", "-u", help="Reverse query: this user's chunks.")
         ] = None,
+        user_file: UserFileOpt = None,
         tenant: Annotated[
             str | None,
             typer.Option(
@@ -49,6 +51,7 @@ def register(app: typer.Typer) -> None:
         """Show the cached chunks that fed REQUEST_ID (or, with --user, where they went)."""
         from kvgov.db.engine import make_engine, make_sessionmaker
 
+        user = user_id(user, user_file)
         if (request_id is None) == (user is None):
             raise fail("kvgov: give a REQUEST_ID, or --user with --tenant", 2)
         if user is not None and not tenant:

@@ -1,6 +1,7 @@
 """``kvgov purge``: erase a user (or a whole tenant) from every tier, with a signed receipt.
 
     kvgov purge --user U --tenant T [--dry-run] [--yes] [--json] [--wait/--no-wait] [--receipt F]
+    kvgov purge --user-file - --tenant T --yes ...   (the id on standard input: kvgov.cli.userid)
     kvgov purge --tenant T ...
     kvgov purge status ID [--json]
     kvgov purge verify-receipt FILE [--public-key PEM]
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvgov.cli._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, emit_json, settings
+from kvgov.cli.userid import UserFileOpt, user_id
 
 if TYPE_CHECKING:
     from kvgov.config import Settings
@@ -45,6 +47,7 @@ def register(app: typer.Typer) -> None:
         user: Annotated[
             str | None, typer.Option("--user", "-u", help="User id (omit: whole tenant).")
         ] = None,
+        user_file: UserFileOpt = None,
         dry_run: Annotated[
             bool, typer.Option("--dry-run", help="Report what would be deleted; change nothing.")
         ] = False,
@@ -71,6 +74,9 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(EXIT_USAGE)
         from kvgov.db.purge_views import PurgeRequest
 
+        user = user_id(user, user_file)
+        if user_file == "-" and not (yes or dry_run):
+            raise typer.BadParameter("--user-file - reads standard input: add --yes (or --dry-run)")
         req = PurgeRequest(tenant=tenant, user=user, dry_run=dry_run, requested_by="cli")
         code = asyncio.run(
             _purge(settings(ctx), req, wait=wait, as_json=as_json, out=receipt, confirm=not yes)
