@@ -15,6 +15,7 @@ import base64
 import binascii
 import json
 import os
+import re
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
@@ -34,6 +35,7 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
@@ -523,7 +525,9 @@ class Settings(BaseSettings):
         picked up by the next process). Errors name the file, never what it holds. ``database``:
         a database URL (else the Redis tier's)."""
         if path is None:
-            return value.get_secret_value()
+            url = value.get_secret_value()
+            self._check_url(url, name.removesuffix("_file"), database=database)
+            return url
         try:
             url = path.read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as exc:
@@ -534,7 +538,17 @@ class Settings(BaseSettings):
             raise ConfigError(f"{name} {path} is empty", hint=f"it must hold {what}")
         if database and self.environment is Environment.PRODUCTION and url.startswith("sqlite"):
             raise ConfigError(f"{name} {path} names SQLite: production needs a Postgres ledger")
+        self._check_url(url, f"{name} {path}", database=database)
         return url
+
+    @staticmethod
+    def _check_url(url: str, name: str, *, database: bool) -> None:
+        """Refuse a URL whose password the driver would split (its tail taken for the host,
+        then quoted in the connection error): the error names the setting, never the URL."""
+        problem = url_password_problem(url) if url else None
+        if problem:
+            what = "database URL" if database else "Redis URL"
+            raise ConfigError(f"{name}: the {what} is malformed: {problem}")
 
     @property
     def engine_tokens(self) -> dict[str, SecretStr]:
@@ -633,15 +647,70 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     try:
         return Settings(**overrides)
     except ValidationError as exc:
-        lines = [
-            f"  {'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
-            for err in exc.errors()
-        ]
-        raise ConfigError("invalid settings:\n" + "\n".join(lines)) from exc
+        lines = [f"  {error_location(err['loc'])}: {err['msg']}" for err in exc.errors()]
+        raise ConfigError("invalid settings:\n" + "\n".join(lines)) from None
+    except SettingsError as exc:  # a value that is not JSON where JSON is expected: no value
+        raise ConfigError(f"invalid settings: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {config_file} is not valid TOML: {exc}") from exc
     finally:
         _CONFIG_FILE.reset(token)
+
+
+#: settings whose keys are secrets (``{"<token>": "<engine-id>"}``): an error below one names
+#: the setting, never the key
+_SECRET_KEYED = frozenset({"engine_tokens"})
+
+
+def error_location(loc: tuple[int | str, ...]) -> str:
+    """A validation error's location as ``section.setting``, with what lies below a setting
+    whose keys are secrets (an engine token) redacted: ``dataplane.engine_tokens[<redacted>]``."""
+    parts: list[str] = []
+    for part in loc:
+        parts.append(str(part))
+        if part in _SECRET_KEYED and len(parts) < len(loc):
+            return ".".join(parts) + "[<redacted>]"
+    return ".".join(parts) or "<root>"
+
+
+def mask_url(url: str) -> str:
+    """``url`` safe to show: everything between the user name and the last ``@`` (the password,
+    whatever it holds, an unescaped ``@`` or ``/`` included) shown as ``***``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "<not a URL>"
+    if "@" not in rest:
+        return url
+    userinfo, _, host = rest.rpartition("@")
+    user, colon, _password = userinfo.partition(":")
+    user = user.partition("/")[0].partition("?")[0]
+    return f"{scheme}://{user}{':***' if colon else ''}@{host}"
+
+
+def url_secret_parts(url: str) -> list[str]:
+    """The pieces of ``url``'s password a driver may quote on its own (it split the password at
+    an unescaped ``@``, ``/``, ``:`` or ``?``), longest first: what an error message about the
+    URL must not show."""
+    _scheme, sep, rest = url.partition("://")
+    userinfo = rest.rpartition("@")[0] if sep else ""
+    password = userinfo.partition(":")[2]
+    if not password:
+        return []
+    parts = {password, *re.split(r"[@/:?#]", password)}
+    return sorted((p for p in parts if len(p) >= 3), key=len, reverse=True)
+
+
+def url_password_problem(url: str) -> str | None:
+    """Why ``url`` cannot mean what it says (a password with an unescaped ``@``: the driver
+    would take its tail for the host), else None. Never quotes the URL."""
+    _scheme, sep, rest = url.partition("://")
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0] if sep else ""
+    if authority.count("@") < 2:
+        return None
+    return (
+        "its password holds an unescaped '@' (the driver would take part of it for the host):"
+        " percent-encode it ('@' as %40)"
+    )
 
 
 def _unknown_env_names() -> list[str]:

@@ -80,6 +80,7 @@ def settings(tmp_path: Path, db: ProdDatabase, **dataplane: Any) -> Settings:
     data_file = tmp_path / "policy-data.json"
     data_file.write_text(json.dumps(policy_data()))
     kek = provisioned_kek(tmp_path / "kek.key")
+    provisioned_keys(tmp_path / "data")
     return Settings(
         environment="production",
         data_dir=tmp_path / "data",
@@ -105,6 +106,17 @@ def provisioned_kek(path: Path) -> Path:
         generate_kek_file(path)
         path.write_text(path.read_text().replace(" auto-generated", " provisioned", 1))
     return path
+
+
+def provisioned_keys(data_dir: Path) -> None:
+    """The fleet's pseudonym and signing keys, where these settings look for them (the data
+    directory's default paths): production never generates them (review 4a, finding 2)."""
+    from kvgov.ledger.chain import generate_signing_key_file
+    from kvgov.ledger.pseudonym import generate_pseudonym_key_file
+
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    generate_pseudonym_key_file(data_dir / "pseudonym.key")
+    generate_signing_key_file(data_dir / "ledger-signing.key")
 
 
 @asynccontextmanager

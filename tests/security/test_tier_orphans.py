@@ -30,6 +30,7 @@ from kvgov.config import Settings
 from kvgov.connectors.tiers.chain import TierChain
 from kvgov.connectors.tiers.filesystem import FilesystemTier
 from kvgov.db.models import CacheEntry, LedgerEvent
+from kvgov.ledger.chain import generate_signing_key_file
 from kvgov.ledger.events import InMemoryEventSink
 from kvgov.proxy.app import build_sidecar
 from kvgov.proxy.dataplane import upkeep
@@ -301,6 +302,7 @@ async def test_values_erased_from_a_shared_redis_while_its_sidecars_were_down_ar
             }
         )
         s2.data_dir.mkdir(parents=True)
+        generate_signing_key_file(s2.signing_key_path)  # its own chain's key, provisioned
         other = await build_sidecar(s2)
         await other.start()
         try:

@@ -96,6 +96,7 @@ def _settings(tmp_path: Path, db: doors.ProdDatabase, root: Path | None = None) 
     keys = tmp_path / "keys"
     keys.mkdir(mode=0o700, exist_ok=True)
     kek = doors.provisioned_kek(keys / "kek.key")
+    doors.provisioned_keys(keys)  # production never makes them (the copied Secret's files)
     return base.model_copy(
         update={
             "keys": base.keys.model_copy(update={"kek_path": kek}),

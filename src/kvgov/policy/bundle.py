@@ -113,6 +113,19 @@ def source_stamp(policy_dir: Path | None = None, data_file: Path | None = None) 
     return file_stamp(paths)
 
 
+#: the data source of the packaged example data document (tenants ``demo``, ``acme``,
+#: ``initech``): what runs when the operator named none. Production refuses it at start
+SHIPPED_DATA_SOURCE = "kvgov/policy/rego/data.json (shipped)"
+
+
+def operator_data_file(policy_dir: Path | None, data_file: Path | None) -> Path | None:
+    """The data document an operator named: ``data_file``, else a ``data.json`` in
+    ``policy_dir``; None means :func:`load_bundle` falls back to the shipped example."""
+    if data_file is None and policy_dir is not None and (policy_dir / "data.json").is_file():
+        return policy_dir / "data.json"
+    return data_file
+
+
 def load_bundle(
     policy_dir: Path | None = None, data_file: Path | None = None, *, check: bool = True
 ) -> PolicyBundle:
@@ -129,12 +142,11 @@ def load_bundle(
         modules, tests = _dir_modules(policy_dir)
         policy_source = str(policy_dir)
         manifest_revision = _manifest_revision(policy_dir)
-    if data_file is None and policy_dir is not None and (policy_dir / "data.json").is_file():
-        data_file = policy_dir / "data.json"
+    data_file = operator_data_file(policy_dir, data_file)
     if data_file is None:
         raw = resources.files("kvgov.policy").joinpath("rego", "data.json").read_text("utf-8")
-        config = _parse_data(raw, "kvgov/policy/rego/data.json (shipped)")
-        data_source = "kvgov/policy/rego/data.json (shipped)"
+        config = _parse_data(raw, SHIPPED_DATA_SOURCE)
+        data_source = SHIPPED_DATA_SOURCE
     else:
         config = _parse_data(_read(data_file), str(data_file))
         data_source = str(data_file)

@@ -416,6 +416,31 @@ def touch_sidecar(engine: Engine, sidecar_id: str, chain_id: str) -> None:
         sidecars.heartbeat(session, sidecar_id, now=utcnow(), chain_id=chain_id)
 
 
+def provisioning_problems(settings: Settings, *, signs: bool, own_policy: bool) -> list[str]:
+    """What a sidecar outside development must find provisioned and does not (empty: none):
+    the fleet's pseudonym key, its signing key (``signs``: it writes the ledger) and, for the
+    configured policy (``own_policy``), a data document the operator named. Each names its
+    setting; none quotes a key."""
+    from kvgov.policy.bundle import operator_data_file
+
+    problems: list[str] = []
+    keys = [("ledger.pseudonym_key_path", settings.pseudonym_key_path, "pseudonym key")]
+    if signs:
+        keys.append(("ledger.signing_key_path", settings.signing_key_path, "signing key"))
+    for name, path, what in keys:
+        if not path.is_file():
+            where = " (unset)" if getattr(settings.ledger, name.split(".")[1]) is None else ""
+            problems.append(f"{name}{where}: no {what} at {path}")
+    policy = settings.policy
+    explicit = operator_data_file(policy.policy_dir, policy.data_file) is not None
+    if own_policy and policy.engine != "unsafe-allow-all" and not explicit:
+        problems.append(
+            "policy.data_file is unset (and policy.policy_dir holds no data.json): the "
+            "packaged example data (tenant 'demo' admits every engine) is for development"
+        )
+    return problems
+
+
 async def build_sidecar(
     settings: Settings,
     *,
@@ -456,8 +481,6 @@ async def _build_sidecar(
     undo.callback(executor.shutdown, wait=False)
     undo.callback(sender.shutdown, wait=False)
     settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    generate_pseudonym_key_file(settings.pseudonym_key_path)
-    pseudonymizer = Pseudonymizer.from_file(settings.pseudonym_key_path)
     index = EntryIndex()
     engine = writer = key_events = None
     sealer: Sealer = PlaintextSealer()
@@ -472,14 +495,31 @@ async def _build_sidecar(
             check_schema(settings)
         engine = make_engine(settings.database_url, pool_size=settings.database.pool_size)
         undo.callback(engine.dispose)
+    signs = sink is None and engine is not None and recorded
+    if settings.environment is Environment.DEVELOPMENT:
+        # a development sidecar makes what it lacks (kvgov demo, a first run); production
+        # never does: a pod's own key would record pseudonyms no purge of the fleet can name
+        generate_pseudonym_key_file(settings.pseudonym_key_path)
+        if signs:
+            from kvgov.ledger.chain import generate_signing_key_file
+
+            generate_signing_key_file(settings.signing_key_path)
+    else:
+        problems = provisioning_problems(settings, signs=signs, own_policy=policy is None)
+        if problems:
+            raise ConfigError(
+                "not provisioned for production: " + "; ".join(problems),
+                hint="outside development kvgov never generates these: provision the fleet's "
+                "keys and policy data (docs/deploy.md), or set environment=development",
+            )
+    pseudonymizer = Pseudonymizer.from_file(settings.pseudonym_key_path)
     if sink is None and not recorded:
         sink = NullEventSink()
     if sink is None and engine is not None:
-        from kvgov.ledger.chain import generate_signing_key_file, load_signing_key
+        from kvgov.ledger.chain import load_signing_key
         from kvgov.ledger.journal import Journal
         from kvgov.ledger.writer import LedgerWriter
 
-        generate_signing_key_file(settings.signing_key_path)
         writer = LedgerWriter(
             engine,
             chain_id=settings.chain_id,
