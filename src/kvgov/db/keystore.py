@@ -91,18 +91,40 @@ class SqlKeyStore:
         if not key_ids:
             return {}
         t = self._t
-        query = select(t.c.key_id, t.c.version, t.c.state).where(t.c.key_id.in_(list(key_ids)))
+        gone = t.c.wrapped.is_(None).label("gone")
+        query = select(t.c.key_id, t.c.version, t.c.state, gone).where(
+            t.c.key_id.in_(list(key_ids))
+        )
         with self.engine.connect() as conn:
-            return {(r.key_id, r.version): KeyState(r.state) for r in conn.execute(query)}
+            return {
+                # a row without wrapped bytes is destroyed whatever its state column says
+                (r.key_id, r.version): KeyState.DESTROYED if r.gone else KeyState(r.state)
+                for r in conn.execute(query)
+            }
 
-    def set_state(self, key_id: str, version: int, state: KeyState) -> None:
+    def set_state(self, key_id: str, version: int, state: KeyState) -> bool:
+        """Conditional: a destroyed row (or one without wrapped bytes) is never changed, so a
+        shred that lands between a caller's read and this call stays a shred."""
         t = self._t
         with self.engine.begin() as conn:
             done = conn.execute(
-                update(t).where(t.c.key_id == key_id, t.c.version == version).values(state=state)
+                update(t)
+                .where(
+                    t.c.key_id == key_id,
+                    t.c.version == version,
+                    t.c.state != KeyState.DESTROYED,
+                    t.c.wrapped.is_not(None),
+                )
+                .values(state=state)
             )
-        if done.rowcount == 0:
+            if done.rowcount:
+                return True
+            exists = conn.execute(
+                select(t.c.version).where(t.c.key_id == key_id, t.c.version == version)
+            ).first()
+        if exists is None:
             raise KeyError((key_id, version))
+        return False
 
     def add_usage(self, key_id: str, version: int, count: int) -> None:
         t = self._t

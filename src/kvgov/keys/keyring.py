@@ -67,6 +67,12 @@ __all__ = [
 KeyListener = Callable[[EventKind, WrappedKey], None]
 
 
+def _live(row: WrappedKey, state: KeyState) -> bool:
+    """``row`` is in ``state`` and still has its wrapped bytes (a row without them is
+    destroyed, whatever its state column says)."""
+    return row.state is state and row.wrapped is not None
+
+
 class _Entry:
     """A cached key version with its usage: known total and not yet added to the store."""
 
@@ -141,7 +147,7 @@ class Keyring(Sealing):
                     self._active.move_to_end(key_id)
                     return entry.handle
             row = self._store.latest(key_id)
-            if row is None or row.state is not KeyState.ACTIVE:
+            if row is None or not _live(row, KeyState.ACTIVE):
                 entry = self._create(key_id, tenant, user, row)
             else:
                 entry = self._cache.get((key_id, row.version)) or self._load(row)
@@ -221,7 +227,7 @@ class Keyring(Sealing):
                 if self._active.get(key_id) == active[key_id]:  # not changed here meanwhile
                     del self._active[key_id]
             for row in fresh:
-                if row is None or row.state is not KeyState.ACTIVE:
+                if row is None or not _live(row, KeyState.ACTIVE):
                     continue  # changed again since: the next seal reads the store
                 if self._active.get(row.key_id, 0) < row.version:
                     ident = (row.key_id, row.version)
@@ -273,7 +279,7 @@ class Keyring(Sealing):
         except ValueError:
             # another process created that version first: use theirs
             theirs = self._store.get(key_id, version)
-            if theirs is None or theirs.state is not KeyState.ACTIVE:
+            if theirs is None or not _live(theirs, KeyState.ACTIVE):
                 raise
             log.info("keys.create.lost_race", extra={"key_id": key_id, "version": version})
             return self._load(theirs)
@@ -286,9 +292,24 @@ class Keyring(Sealing):
     def _rotate_locked(self, key_id: str, tenant: str, user: str | None) -> _Entry:
         self._flush_locked()
         latest = self._store.latest(key_id)
-        if latest is not None and latest.state is KeyState.ACTIVE:
-            self._store.set_state(key_id, latest.version, KeyState.RETIRED)
+        if (
+            latest is not None
+            and _live(latest, KeyState.ACTIVE)
+            and not self._store.set_state(key_id, latest.version, KeyState.RETIRED)
+        ):
+            # shredded since it was read (the store never changes a destroyed row): drop this
+            # process's copy now rather than at the next revalidation
+            self._drop_locked((key_id, latest.version))
         return self._create(key_id, tenant, user, latest)
+
+    def _drop_locked(self, ident: tuple[str, int]) -> None:
+        entry = self._cache.pop(ident, None)
+        if entry is not None:
+            entry.handle.destroy()
+            if self._dirty.pop(ident, None) is not None:
+                self._pending_total -= entry.pending
+        if self._active.get(ident[0]) == ident[1]:
+            del self._active[ident[0]]
 
     def _load(self, row: WrappedKey) -> _Entry:
         if row.state is KeyState.DESTROYED or row.wrapped is None:

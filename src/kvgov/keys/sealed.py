@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from cryptography.exceptions import InvalidTag
 
-from kvgov.errors import SealError, SealVersionError
+from kvgov.errors import KeyDestroyedError, SealError, SealVersionError
 from kvgov.keys.handle import KeyHandle
 
 MAGIC = b"KVGS"
@@ -219,8 +219,7 @@ class SealWriter:
         context: bytes = b"",
     ) -> None:
         _check_geometry(plain_len, segment_size)
-        aead = key.aead  # raises KeyDestroyedError before anything is written
-        self._aead = aead
+        _ = key.aead  # raises KeyDestroyedError before anything is written
         header = SealedHeader(
             key_id=key.key_id,
             key_version=key.version,
@@ -262,9 +261,12 @@ class SealWriter:
             raise ValueError(f"segment {index} is {length} bytes, got {len(src)}")
         if self._sealed[index]:
             raise ValueError(f"segment {index} already sealed (a nonce is never reused)")
+        # the handle's context, read per segment: once the key is shredded (or dropped by a
+        # revalidation) a put in progress fails here instead of sealing under it
+        aead = self.key.aead
         self._sealed[index] = 1
         off, slen = header.sealed_span(index)
-        self._aead.encrypt_into(
+        aead.encrypt_into(
             self._seg.nonce(index),
             src,
             self._seg.aad(index, self._seg.is_final(index)),
@@ -320,7 +322,8 @@ class SealReader:
                 f"sealed chunk is {what}: {len(view)} bytes, header says {header.sealed_size}"
                 f" ({header.segments} segments)"
             )
-        self._aead = key.aead
+        _ = key.aead  # raises KeyDestroyedError for a destroyed key
+        self._key = key
         self._view = view
         self._seg = _Segments(header, bytes(view[:HEADER_SIZE]), tenant, bytes(context))
 
@@ -337,8 +340,9 @@ class SealReader:
             raise ValueError(f"segment {index} is {length} bytes, destination {len(out)}")
         off, slen = header.sealed_span(index)
         data = self._view[off : off + slen]
+        aead = self._key.aead  # per segment: a shred stops a streamed open in progress
         try:
-            self._aead.decrypt_into(
+            aead.decrypt_into(
                 self._seg.nonce(index), data, self._seg.aad(index, self._seg.is_final(index)), out
             )
         except InvalidTag:
@@ -356,7 +360,7 @@ class SealReader:
             for i in range(header.segments):
                 start, length = header.plain_span(i)
                 self.open_segment(i, out[start : start + length])
-        except SealError:
+        except (SealError, KeyDestroyedError):  # nothing of a chunk that failed to open
             out[: header.plain_len] = bytes(header.plain_len)
             raise
         return header.plain_len
@@ -366,13 +370,14 @@ class SealReader:
         header = self._seg.header
         n = header.segments
         if n <= _DIAGNOSE_MAX_SEGMENTS:
+            aead = self._key.aead
             scratch = bytearray(len(data) - TAG_SIZE)
             for j in range(n):
                 for final in (False, True):
                     if j == index and final == self._seg.is_final(index):
                         continue
                     try:
-                        self._aead.decrypt_into(
+                        aead.decrypt_into(
                             self._seg.nonce(j), data, self._seg.aad(j, final), scratch
                         )
                     except InvalidTag:

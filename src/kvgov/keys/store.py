@@ -34,10 +34,15 @@ class WrappedKeyStore(Protocol):
 
     def states(self, key_ids: Collection[str]) -> dict[tuple[str, int], KeyState]:
         """The state of every version of those key ids, in one read (what a keyring checks
-        its in-memory copies against: destroyed versions, newer active ones)."""
+        its in-memory copies against: destroyed versions, newer active ones). A version
+        without wrapped bytes is reported destroyed whatever its state says."""
         ...
 
-    def set_state(self, key_id: str, version: int, state: KeyState) -> None: ...
+    def set_state(self, key_id: str, version: int, state: KeyState) -> bool:
+        """Change a live version's state (``active`` to ``retired``). A destroyed version is
+        never changed (a shred racing the caller wins): False then. KeyError if there is no
+        such version."""
+        ...
 
     def add_usage(self, key_id: str, version: int, count: int) -> None:
         """Add ``count`` sealed chunks to that version's usage counter."""
@@ -77,12 +82,19 @@ class InMemoryKeyStore:
     def states(self, key_ids: Collection[str]) -> dict[tuple[str, int], KeyState]:
         wanted = set(key_ids)
         with self._lock:
-            return {ident: row.state for ident, row in self._rows.items() if ident[0] in wanted}
+            return {
+                ident: KeyState.DESTROYED if row.wrapped is None else row.state
+                for ident, row in self._rows.items()
+                if ident[0] in wanted
+            }
 
-    def set_state(self, key_id: str, version: int, state: KeyState) -> None:
+    def set_state(self, key_id: str, version: int, state: KeyState) -> bool:
         with self._lock:
             row = self._rows[(key_id, version)]
+            if row.state is KeyState.DESTROYED or row.wrapped is None:
+                return False
             self._rows[(key_id, version)] = replace(row, state=state)
+            return True
 
     def add_usage(self, key_id: str, version: int, count: int) -> None:
         with self._lock:
