@@ -16,6 +16,8 @@ Positions count every record ever journaled for the chain, one by one, across se
 restarts. Postgres holds the chain's mark (``ledger_journal_marks.applied_upto``), moved in the
 same transaction as the events it covers, so on start the records after the mark are exactly
 the acknowledged events the chain does not hold: they are replayed, none lost, none twice.
+The mark is a mutable row the runtime database role can write, so before anything is deleted
+on its word the writer confirms it against the chain (``check`` of :meth:`Journal.open`).
 
 Recovery: a torn record at the end of the last segment (a crash mid-write: never acknowledged,
 since acknowledgement waits for the sync) is cut off, with a warning. Anything else that does
@@ -36,7 +38,7 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -97,6 +99,11 @@ def _span(name: str, scan: _Scan) -> tuple[int, int]:
     except ValueError:
         first = 0
     return first, first - 1
+
+
+#: what :meth:`Journal.open` asks to confirm a mark with: the last record at or below it still
+#: on disk, and the first one after it (either None); raises to refuse the mark
+MarkCheck = Callable[[tuple[int, bytes] | None, tuple[int, bytes] | None], None]
 
 
 def _crc(length: int, pos: int, payload: bytes | memoryview) -> int:
@@ -265,12 +272,20 @@ class Journal:
 
     # -- start ----------------------------------------------------------------------------
 
-    def open(self, applied_upto: int, *, chain_id: str = "") -> list[tuple[int, bytes]]:
+    def open(
+        self, applied_upto: int, *, chain_id: str = "", check: MarkCheck | None = None
+    ) -> list[tuple[int, bytes]]:
         """Lock the directory, read every segment and return the records after
         ``applied_upto`` (the chain's mark), in order. Segments wholly applied are deleted;
         a torn tail of the last one is cut off. Raises :class:`LedgerError` if the directory
         is another process's or another chain's (its positions count that chain's records),
-        or a record that is not the last does not read back."""
+        or a record that is not the last does not read back.
+
+        ``check``, when given, is called before anything is deleted with the last record at
+        or below the mark that is still on disk and the first one after it (either None):
+        the mark is a mutable row the runtime database role can write, so the caller confirms
+        it against the chain (:func:`kvgov.ledger.writing.replay.check_mark`). An exception
+        from it closes the journal, every segment left as it is, and propagates."""
         d = self.directory
         try:
             self._dir_fd = open_dir(d)
@@ -300,6 +315,8 @@ class Journal:
         self._check_owner(chain_id)
         names = _segment_names(self._dir_fd)
         pending: list[tuple[int, bytes]] = []
+        #: the last record at or below the mark still on disk (what the mark claims applied)
+        held: tuple[int, bytes] | None = None
         expect: int | None = None
         last_pos = 0
         for i, name in enumerate(names):
@@ -341,6 +358,14 @@ class Journal:
             size = max(scan.good_bytes, len(MAGIC))
             self._segments.append(_Segment(name, first, last, size))
             pending.extend(r for r in scan.records if r[0] > applied_upto)
+            if scan.records and scan.records[0][0] <= applied_upto:
+                held = [r for r in scan.records if r[0] <= applied_upto][-1]
+        if check is not None:
+            try:
+                check(held, pending[0] if pending else None)
+            except BaseException:
+                self.close(applied_upto=-1)  # nothing deleted on a mark not confirmed
+                raise
         self._next = max(last_pos, applied_upto) + 1
         self.durable = self._next - 1
         self.trim(applied_upto)

@@ -187,7 +187,12 @@ class LedgerWriter:
         if self.journal is not None:
             try:
                 items = await replay(
-                    self.journal, self.chain_id, mark, executor=self._executor, stats=self.stats
+                    self.journal,
+                    self.chain_id,
+                    mark,
+                    executor=self._executor,
+                    stats=self.stats,
+                    engine=self.engine,  # the mark confirmed against the chain
                 )
             except BaseException:  # not started: the session stays open, as after a crash
                 self._session = self._claim = None
