@@ -63,7 +63,8 @@ async def test_a_symlink_swapped_in_after_bind_is_not_followed(
         assert stat.S_IMODE(st.st_mode) == 0o660
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(str(sock))  # the listener is the one at the path
-        assert sorted(p.name for p in short_dir.iterdir())  # noqa: ASYNC240 == ["d.sock"], "a staging leftover"
+        left = sorted(p.name for p in short_dir.iterdir())  # noqa: ASYNC240
+        assert left == ["d.sock"], f"a staging leftover: {left}"
 
 
 async def test_the_socket_is_group_reachable_and_nothing_else_is_left(
@@ -73,4 +74,40 @@ async def test_the_socket_is_group_reachable_and_nothing_else_is_left(
     async with doors.sidecar(tmp_path, prod_db, unix_path=str(sock)):
         st = os.lstat(sock)
         assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
-        assert sorted(p.name for p in short_dir.iterdir())  # noqa: ASYNC240 == ["d.sock"]
+        left = sorted(p.name for p in short_dir.iterdir())  # noqa: ASYNC240
+        assert left == ["d.sock"], left
+
+
+async def test_a_staging_folder_swapped_after_bind_is_not_followed(
+    tmp_path: Path, prod_db: ProdDatabase, short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 5, finding A: the socket was bound in a private staging folder but then moded
+    by path: the engine could rename that folder aside right after the bind and put its own
+    in its place, holding ``s -> <a sidecar file>``. Now the mode and the rename go through
+    the descriptor of the folder the sidecar made."""
+    sock = short_dir / "d.sock"
+    victim = tmp_path / "journal-segment"
+    victim.write_bytes(b"acknowledged ledger events")
+    victim.chmod(0o600)
+    loop_type = type(asyncio.get_running_loop())
+    real = loop_type.create_unix_server
+    swapped: list[str] = []
+
+    async def bind_then_swap(self: Any, factory: Any, path: str, **kw: Any) -> Any:
+        srv = await real(self, factory, path, **kw)
+        staging = Path(path).parent
+        if staging.parent == short_dir:  # the engine: the sidecar's folder aside, its own in
+            staging.rename(short_dir / "moved-aside")
+            staging.mkdir(mode=0o700)
+            (staging / "s").symlink_to(victim)
+            swapped.append(path)
+        return srv
+
+    monkeypatch.setattr(loop_type, "create_unix_server", bind_then_swap)
+    async with doors.sidecar(tmp_path, prod_db, unix_path=str(sock)):
+        assert swapped, "the race was not run"
+        mode = stat.S_IMODE(victim.stat().st_mode)
+        assert mode == 0o600, f"the sidecar re-moded its own file to {oct(mode)}"
+        assert stat.S_ISSOCK(os.lstat(sock).st_mode)
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(sock))

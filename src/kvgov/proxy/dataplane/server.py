@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -19,6 +20,8 @@ from typing import Any
 
 from pydantic import SecretStr
 
+from kvgov.errors import ConfigError
+from kvgov.privatefs import DIR_FLAGS, is_private
 from kvgov.proxy.dataplane.identity import Identity
 from kvgov.proxy.dataplane.limits import ConnectionLimits, Watchdog
 from kvgov.proxy.dataplane.pipeline import Pipeline
@@ -117,31 +120,60 @@ class WireServer:
         self.watchdog.start()
 
     async def _bind_unix(self, loop: asyncio.AbstractEventLoop, unix_path: str) -> asyncio.Server:
-        """Listen on ``unix_path``, mode 0660, without ever changing a mode through that path.
+        """Listen on ``unix_path``, mode 0660, without ever changing a mode through a path
+        someone else can write.
 
         The socket's folder is shared with the engine's container (which may write it): a
         socket bound there and then ``chmod``-ed by path let the engine, in between, put a
         symlink in its place, and the ``chmod`` re-moded whatever sidecar file it pointed to
         (a journal segment made group-writable, say). So the socket is bound in a new 0700
-        folder beside it, given its mode there, and renamed into place (a rename replaces
-        whatever is at the path, a planted symlink included, and follows nothing). A path
-        too long for that folder's extra characters is bound in place, as before."""
+        folder beside it, held open from its creation: the mode is set and the socket renamed
+        into place relative to that descriptor (a rename replaces whatever is at the path, a
+        planted symlink included, and follows nothing). Someone who renames the folder away
+        and puts one of theirs in its place before the bind gets the socket bound in theirs,
+        and the start fails: nothing of the sidecar's is re-moded."""
         staging = Path(tempfile.mkdtemp(prefix=".k", dir=Path(unix_path).parent))  # 0700
-        staged = staging / "s"
         try:
+            dir_fd = os.open(staging, DIR_FLAGS)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.rmdir(staging)  # noqa: PTH106
+            raise
+        try:
+            staged = staging / "s"
             if len(os.fsencode(staged)) > _SUN_PATH_MAX:
-                srv = await loop.create_unix_server(lambda: self._factory(unix=True), unix_path)
-                os.chmod(unix_path, 0o660)  # noqa: PTH101
-                return srv
+                raise ConfigError(
+                    f"dataplane.unix_path {unix_path} is too long to bind safely"
+                    f" ({len(os.fsencode(unix_path))} bytes; at most"
+                    f" {_SUN_PATH_MAX - len(os.fsencode(staged)) + len(os.fsencode(unix_path))})",
+                    hint="use a shorter path, e.g. /run/kvgov/data.sock",
+                )
+            if not is_private(os.fstat(dir_fd), stat.S_ISDIR):
+                raise ConfigError(f"the socket's staging folder {staging} is not the sidecar's own")
             srv = await loop.create_unix_server(lambda: self._factory(unix=True), str(staged))
-            staged.chmod(0o660)  # in a folder nobody else can write: nothing to swap
-            staged.replace(unix_path)
+            try:
+                st = os.stat("s", dir_fd=dir_fd, follow_symlinks=False)
+                if not stat.S_ISSOCK(st.st_mode):
+                    raise ConfigError(f"no socket bound in {staging}: something replaced it")
+                # in a folder only this process can write: "s" is the socket just bound
+                os.chmod("s", 0o660, dir_fd=dir_fd)
+                os.replace("s", unix_path, src_dir_fd=dir_fd)
+            except FileNotFoundError:
+                srv.close()
+                raise ConfigError(
+                    f"the Unix socket's staging folder {staging} was replaced while binding"
+                    f" (whoever can write {Path(unix_path).parent} did it)"
+                ) from None
+            except BaseException:
+                srv.close()
+                raise
             return srv
         finally:
             with contextlib.suppress(OSError):
-                os.unlink(staged)  # noqa: PTH108 - gone already when renamed into place
+                os.unlink("s", dir_fd=dir_fd)  # gone already when renamed into place
+            os.close(dir_fd)
             with contextlib.suppress(OSError):
-                os.rmdir(staging)  # noqa: PTH106
+                os.rmdir(staging)  # noqa: PTH106 - only ever an empty folder
 
     @property
     def tcp_port(self) -> int | None:
