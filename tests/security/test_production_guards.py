@@ -291,3 +291,61 @@ def test_a_misparsed_password_is_not_quoted(tmp_path: Path, url: str) -> None:
     assert "Traceback" not in text, text
     for piece in ("wo:rd", "ss:wo", "5word", "Pa5/5"):
         assert piece not in text, text
+
+
+async def test_a_reload_never_puts_the_example_policy_data_in_force(tmp_path: Path) -> None:
+    """Review 5, finding D: the start refused the packaged example data, but the running
+    sidecar's reload (every ``policy.reload_interval_s``) fell back to it as soon as its
+    ``data.json`` left ``policy_dir`` (a ConfigMap key renamed or dropped): tenant ``demo``,
+    which admits every engine, came into force. Now such a reload is refused (logged by the
+    follower as ``policy.reload_refused``) and the operator's data stays in force."""
+    from importlib import resources
+
+    from kvgov.errors import PolicyError
+    from kvgov.policy.bundle import SHIPPED_DATA_SOURCE
+    from kvgov.policy.factory import build_inner_engine
+    from kvgov.types import Environment
+
+    policy_dir = tmp_path / "policy"
+    policy_dir.mkdir()
+    rego = resources.files("kvgov.policy").joinpath("rego")
+    (policy_dir / "authz.rego").write_text(rego.joinpath("authz.rego").read_text("utf-8"))
+    (policy_dir / "data.json").write_text(json.dumps(doors.policy_data()))
+    settings = Settings(data_dir=tmp_path, policy={"policy_dir": str(policy_dir)}).model_copy(
+        update={"environment": Environment.PRODUCTION}
+    )
+    engine = build_inner_engine(settings)
+    ours = engine.bundle.data_source
+    assert ours == str(policy_dir / "data.json")
+    (policy_dir / "data.json").unlink()  # the ConfigMap loses its data.json key
+    with pytest.raises(PolicyError, match="development only"):
+        await engine.reload()
+    assert engine.bundle.data_source == ours != SHIPPED_DATA_SOURCE
+    with pytest.raises(PolicyError, match="development only"):  # nor at a start
+        build_inner_engine(settings)
+    dev = settings.model_copy(update={"environment": Environment.DEVELOPMENT})
+    assert build_inner_engine(dev).bundle.data_source == SHIPPED_DATA_SOURCE
+
+
+def test_a_password_given_as_a_query_parameter_is_not_quoted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review 5, finding G: libpq and SQLAlchemy also take the password as ``?password=``;
+    the CLI's database error printed such a URL whole."""
+    from kvgov.cli.main import main
+    from kvgov.db.engine import redact_url
+
+    secret = "Hunter2SuperSecret"
+    for name in [k for k in os.environ if k.startswith("KVGOV_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("KVGOV_DATA_DIR", str(tmp_path))
+    url = f"postgresql+psycopg://kvgov@127.0.0.1:1/kvgov?password={secret}&connect_timeout=2"
+    monkeypatch.setenv("KVGOV_DATABASE_URL", url)
+    with pytest.raises(SystemExit):
+        main(["keys", "list", "--tenant", "acme"])
+    err = capsys.readouterr().err
+    assert "cannot use the database" in err, err
+    assert secret not in err, err
+    assert "password=***" in err
+    assert secret not in redact_url(url)
+    assert secret not in redact_url(url.replace("?password=", "?sslpassword="))

@@ -127,13 +127,21 @@ def operator_data_file(policy_dir: Path | None, data_file: Path | None) -> Path 
 
 
 def load_bundle(
-    policy_dir: Path | None = None, data_file: Path | None = None, *, check: bool = True
+    policy_dir: Path | None = None,
+    data_file: Path | None = None,
+    *,
+    check: bool = True,
+    shipped_data: bool = True,
 ) -> PolicyBundle:
     """Read and validate policies and data; raises :class:`PolicyError` naming what is wrong.
 
     ``check=False`` skips parsing the Rego (regorus, which holds the GIL throughout: ~12 ms for
     the shipped test module): for a look at the sources' revision only, as the policy follower
-    takes before it reloads an engine, which checks them itself."""
+    takes before it reloads an engine, which checks them itself. ``shipped_data=False``
+    (outside development): no operator data document is an error, never the packaged example,
+    at start or at a reload (a ConfigMap whose ``data.json`` went missing must not turn a
+    running production sidecar's policy into the example's, where tenant ``demo`` admits
+    every engine)."""
     if policy_dir is None:
         modules, tests = _packaged_modules()
         policy_source = "kvgov/policy/rego (shipped)"
@@ -143,6 +151,12 @@ def load_bundle(
         policy_source = str(policy_dir)
         manifest_revision = _manifest_revision(policy_dir)
     data_file = operator_data_file(policy_dir, data_file)
+    if data_file is None and not shipped_data:
+        raise PolicyError(
+            "no policy data: policy.data_file is unset and policy.policy_dir holds no"
+            " data.json; the packaged example data (tenant 'demo' admits every engine) is for"
+            " development only"
+        )
     if data_file is None:
         raw = resources.files("kvgov.policy").joinpath("rego", "data.json").read_text("utf-8")
         config = _parse_data(raw, SHIPPED_DATA_SOURCE)

@@ -15,12 +15,18 @@ from kvgov.config import Settings
 from kvgov.policy.bundle import PolicyBundle, load_bundle, source_stamp
 from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.interfaces import DecisionRecorder, PolicyEngine
+from kvgov.types import Environment
 
 
 def load_configured_bundle(settings: Settings, *, check: bool = True) -> PolicyBundle:
     """Policies and data from ``policy.policy_dir`` / ``policy.data_file`` (or the shipped);
     ``check=False``: Rego not parsed (:func:`~kvgov.policy.bundle.load_bundle`)."""
-    return load_bundle(settings.policy.policy_dir, settings.policy.data_file, check=check)
+    return load_bundle(
+        settings.policy.policy_dir,
+        settings.policy.data_file,
+        check=check,
+        shipped_data=settings.environment is Environment.DEVELOPMENT,
+    )
 
 
 def configured_source_stamp(settings: Settings) -> object:
