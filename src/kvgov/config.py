@@ -673,18 +673,45 @@ def error_location(loc: tuple[int | str, ...]) -> str:
     return ".".join(parts) or "<root>"
 
 
+#: query parameters of a URL whose value is a secret (libpq's ``password``, ``sslpassword``;
+#: anything named like one): masked and scrubbed like the password in its userinfo
+_SECRET_PARAM = re.compile(r"(?i)(pass|secret|token)")
+_QUERY_PARAM = re.compile(r"([?&;])([^=&;#]*)=([^&;#]*)")
+
+
+def _query_secrets(url: str) -> list[str]:
+    """The values of ``url``'s query parameters that are secrets (raw and percent-decoded)."""
+    from urllib.parse import unquote_plus
+
+    found: list[str] = []
+    query = "?" + url.partition("?")[2] if "?" in url else ""
+    for _, name, value in _QUERY_PARAM.findall(query):
+        if value and _SECRET_PARAM.search(unquote_plus(name)):
+            found += [value, unquote_plus(value)]
+    return found
+
+
 def mask_url(url: str) -> str:
     """``url`` safe to show: everything between the user name and the last ``@`` (the password,
-    whatever it holds, an unescaped ``@`` or ``/`` included) shown as ``***``."""
+    whatever it holds, an unescaped ``@`` or ``/`` included), and the value of every query
+    parameter that is a secret (``?password=...``, which libpq and SQLAlchemy accept too),
+    shown as ``***``."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return "<not a URL>"
-    if "@" not in rest:
-        return url
-    userinfo, _, host = rest.rpartition("@")
-    user, colon, _password = userinfo.partition(":")
-    user = user.partition("/")[0].partition("?")[0]
-    return f"{scheme}://{user}{':***' if colon else ''}@{host}"
+    if "@" in rest:
+        userinfo, _, host = rest.rpartition("@")
+        user, colon, _password = userinfo.partition(":")
+        user = user.partition("/")[0].partition("?")[0]
+        rest = f"{user}{':***' if colon else ''}@{host}"
+    return f"{scheme}://" + _QUERY_PARAM.sub(_masked_param, rest)
+
+
+def _masked_param(m: re.Match[str]) -> str:
+    from urllib.parse import unquote_plus
+
+    lead, name, value = m.groups()
+    return f"{lead}{name}=***" if value and _SECRET_PARAM.search(unquote_plus(name)) else m[0]
 
 
 def url_secret_parts(url: str) -> list[str]:
@@ -694,9 +721,9 @@ def url_secret_parts(url: str) -> list[str]:
     _scheme, sep, rest = url.partition("://")
     userinfo = rest.rpartition("@")[0] if sep else ""
     password = userinfo.partition(":")[2]
-    if not password:
-        return []
-    parts = {password, *re.split(r"[@/:?#]", password)}
+    parts = set(_query_secrets(url))
+    if password:
+        parts |= {password, *re.split(r"[@/:?#]", password)}
     return sorted((p for p in parts if len(p) >= 3), key=len, reverse=True)
 
 

@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 from sqlalchemy.types import TypeDecorator
 
-from kvgov.config import Settings
+from kvgov.config import Settings, mask_url
 from kvgov.errors import ConfigError, KvgovError, LedgerError, StartupError
 from kvgov.logging import get_logger
 
@@ -365,9 +365,10 @@ def _migration_error(exc: Exception, url: str) -> LedgerError:
 
 
 def redact_url(url: str) -> str:
-    """A database URL fit for a message: the password masked."""
+    """A database URL fit for a message: the password masked, and so is a query parameter
+    that is one (``?password=...``, which libpq and SQLAlchemy accept too)."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        return mask_url(make_url(url).render_as_string(hide_password=True))
     except (ArgumentError, ValueError):  # not a URL SQLAlchemy reads: say nothing of it
         return "<database URL>"
 
