@@ -66,7 +66,9 @@ def vllms() -> Iterator[tuple[_Vllm, _Vllm]]:
         p.server.server_close()
 
 
-async def _purge(pg_url: str, tmp: Path, pods: tuple[_Vllm, _Vllm]) -> object:
+async def _purge(
+    pg_url: str, tmp: Path, pods: tuple[_Vllm, _Vllm], *, late: bool = False
+) -> object:
     upgrade(pg_url)
     engine = make_engine(pg_url)
     key = Ed25519PrivateKey.generate()
@@ -80,7 +82,7 @@ async def _purge(pg_url: str, tmp: Path, pods: tuple[_Vllm, _Vllm]) -> object:
         purge={"poll_interval_s": 0.05, "job_timeout_s": 20.0, "http_timeout_s": 2.0},
     )
 
-    def service(sid: str, vllm: _Vllm) -> PurgeService:
+    def service(sid: str | None, vllm: _Vllm) -> PurgeService:
         # each pod's own settings: its loopback vLLM, as the manifests set it
         settings = base.model_copy(
             update={"purge": base.purge.model_copy(update={"vllm_engines": [vllm.url]})}
@@ -95,18 +97,33 @@ async def _purge(pg_url: str, tmp: Path, pods: tuple[_Vllm, _Vllm]) -> object:
             pseudonymize=pseudo.user,
             checkpoint=writer_checkpointer(writer, engine, "pod-a"),
             sidecar_id=sid,
-            principal=f"sidecar:{sid}",
+            principal=f"sidecar:{sid}" if sid else "cli",
         )
 
-    try:
+    def heartbeats() -> None:
         with make_sessionmaker(engine).begin() as s:
             for sid in ("sc-a", "sc-b"):
                 sidecars.heartbeat(s, sid, now=utcnow(), chain_id=None)
+
+    try:
         a, b = service("sc-a", pods[0]), service("sc-b", pods[1])
+        if not late:
+            heartbeats()
+            job = await a.create(PurgeRequest(tenant="acme", user="alice"))
+            await asyncio.gather(a.run_until_idle(), b.run_until_idle())
+            await a.run_until_idle()  # the ledger step, once every other step is done
+            return await asyncio.wait_for(a.wait(job.id), 30)
+        # no sidecar live when the job is made (a rollout, a database blip): one global GPU
+        # step, the CLI's; the sidecars that come back must not take it
         job = await a.create(PurgeRequest(tenant="acme", user="alice"))
+        heartbeats()
         await asyncio.gather(a.run_until_idle(), b.run_until_idle())
-        await a.run_until_idle()  # the ledger step, once every other step is done
-        return await asyncio.wait_for(a.wait(job.id), 30)
+        gpu = [st for st in (await a.get(job.id)).steps if st.name is StepName.GPU]
+        assert [(st.sidecar_id, st.state) for st in gpu] == [(None, PurgeState.PENDING)]
+        assert pods[0].resets == pods[1].resets == []
+        cli = service(None, pods[0])  # an operator's `kvgov purge --wait` (its own engines)
+        await cli.run_until_idle()
+        return await asyncio.wait_for(cli.wait(job.id), 30)
     finally:
         await writer.close()
         engine.dispose()
@@ -121,7 +138,11 @@ def test_a_completed_purge_reset_every_live_pods_gpu_prefix_cache(
     assert a.resets == ["/reset_prefix_cache"], "pod A's GPU prefix cache was not reset"
     assert b.resets == ["/reset_prefix_cache"], "pod B's GPU prefix cache was not reset"
     receipt = job.receipt["receipt"]  # type: ignore[attr-defined]
-    assert sorted(r["engine"] for r in receipt["gpu_reset"]) == sorted([a.url, b.url])
+    # each reset names its pod: in the manifests every pod's vLLM is the same loopback URL
+    assert sorted(r["engine"] for r in receipt["gpu_reset"]) == [
+        f"{a.url} on sidecar sc-a",
+        f"{b.url} on sidecar sc-b",
+    ]
 
 
 def test_each_live_sidecar_gets_its_own_gpu_step_and_the_cli_alone_a_global_one() -> None:
@@ -129,3 +150,17 @@ def test_each_live_sidecar_gets_its_own_gpu_step_and_the_cli_alone_a_global_one(
     assert gpu == [(StepName.GPU, "sc-a"), (StepName.GPU, "sc-b")]
     alone = plan_steps([])
     assert [p.sidecar_id for p in alone if p.name is StepName.GPU] == [None]
+
+
+def test_sidecars_that_come_back_leave_the_clis_gpu_step_to_it(
+    pg_url: str, tmp_path: Path, vllms: tuple[_Vllm, _Vllm]
+) -> None:
+    """Review 5, finding F: a job made while no sidecar was live has one global GPU step, and
+    the first sidecar back took it, reset its own pod's vLLM and the job said ``completed``.
+    Now only a sidecar-less executor (the CLI) takes it; otherwise the job ends incomplete."""
+    job = asyncio.run(_purge(pg_url, tmp_path, vllms, late=True))
+    a, b = vllms
+    assert a.resets == ["/reset_prefix_cache"]  # the CLI's own engine
+    assert b.resets == []
+    gpu = [st for st in job.steps if st.name is StepName.GPU]  # type: ignore[attr-defined]
+    assert [st.detail["executed_by"] for st in gpu] == ["cli"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, or_, select, update
+from sqlalchemy import ColumnElement, and_, or_, select, update
 from sqlalchemy.orm import Session
 
 from kvgov.db.models import PurgeJob, PurgeReceipt, PurgeStep
@@ -135,7 +135,11 @@ def claim_step(
     stale = now - timedelta(seconds=lease_s)
     mine: ColumnElement[bool] = PurgeStep.sidecar_id.is_(None)
     if sidecar_id is not None:
-        mine = or_(mine, PurgeStep.sidecar_id == sidecar_id)
+        # the fleet-wide GPU step (planned when no sidecar was live: the CLI's) resets the
+        # engines of whoever runs it; a sidecar would reset its own pod's only and call the
+        # fleet done (review 5, finding F). Left to a sidecar-less executor, or unreachable.
+        global_ = and_(mine, PurgeStep.name != str(StepName.GPU))
+        mine = or_(global_, PurgeStep.sidecar_id == sidecar_id)
     query = (
         select(PurgeStep)
         .join(PurgeJob, PurgeJob.id == PurgeStep.job_id)

@@ -197,11 +197,15 @@ async def _gpu(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
     results = await reset_prefix_caches(
         list(ctx.settings.purge.vllm_engines), timeout_s=ctx.settings.purge.http_timeout_s
     )
-    failed = [f"{r.engine} ({r.status or r.error})" for r in results if not r.ok]
+    # a sidecar's own step names the engine with the sidecar: every pod's vLLM is at the same
+    # loopback URL, and the receipt must say which pods were reset
+    where = f" on sidecar {step.sidecar_id}" if step.sidecar_id else ""
+    failed = [f"{r.engine}{where} ({r.status or r.error})" for r in results if not r.ok]
     detail = GpuDetail(
         executed_by=ctx.principal,
         results=tuple(
-            GpuReset(engine=r.engine, ok=r.ok, status=r.status, error=r.error) for r in results
+            GpuReset(engine=r.engine + where, ok=r.ok, status=r.status, error=r.error)
+            for r in results
         ),
         reason="GPU prefix cache not reset on " + ", ".join(failed) if failed else None,
     )
