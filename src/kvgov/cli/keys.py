@@ -120,7 +120,8 @@ def register(app: typer.Typer) -> None:
         if user_file == "-" and not (yes or dry_run):
             raise typer.BadParameter("--user-file - reads standard input: add --yes (or --dry-run)")
         cfg = settings(ctx)
-        subject = _pseudonym(cfg, tenant, user_id(user, user_file))
+        user = user_id(user, user_file)  # read once: the question below names the same user
+        subject = _pseudonym(cfg, tenant, user)
         key_id_for(tenant, subject)  # validates the names before anything is asked
         with _store(cfg) as store:
             live = [
