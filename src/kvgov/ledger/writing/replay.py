@@ -43,6 +43,7 @@ from kvgov.ledger.chain import (
 )
 from kvgov.ledger.events import Appended, Event
 from kvgov.ledger.journal import Journal, decode_event
+from kvgov.ledger.pgfast import EVENT_COLUMNS
 from kvgov.ledger.seals import open_session
 from kvgov.ledger.writing.acks import log_unwritten
 from kvgov.ledger.writing.schedule import Item
@@ -157,20 +158,9 @@ def chain_holds(conn: Connection, chain_id: str, event: Event) -> bool:
 
 
 #: the chained columns compared as stored, in the order :func:`chain_rows` lays them out
-_MATCHED = (
-    "occurred_at",
-    "kind",
-    "tenant",
-    "actor",
-    "request_id",
-    "key_digest",
-    "tier",
-    "nbytes",
-    "outcome",
-    "reason",
-    "decision_id",
-    "policy_revision",
-    "principal",
+#: (the event table's columns from the time to the principal)
+_MATCHED = tuple(
+    EVENT_COLUMNS[EVENT_COLUMNS.index("occurred_at") : EVENT_COLUMNS.index("principal") + 1]
 )
 
 
@@ -192,38 +182,44 @@ def check_mark(
         return
     with engine.connect() as conn:
         if held is not None and not chain_holds(conn, chain_id, decode_event(held[1])):
-            log.error(
+            raise _mark_refused(
                 "ledger.journal.mark_ahead",
-                extra={"chain_id": chain_id, "applied_upto": applied_upto, "position": held[0]},
-            )
-            raise LedgerError(
-                f"chain {chain_id!r}: the journal mark (applied_upto {applied_upto}) says the"
-                f" chain holds journal record {held[0]}, but the chain lacks it: starting would"
-                " drop acknowledged ledger events from the journal",
-                hint=(
-                    "ledger_journal_marks is not moved that way by kvgov (a database role that"
-                    " can write it changed it?). The journal is left untouched: keep a copy,"
-                    " compare it with the chain (`kvgov audit journal`) and, as the database"
-                    " owner, set applied_upto back to the last position the chain really holds"
-                    " (the records after it are then replayed)"
-                ),
+                chain_id,
+                applied_upto,
+                held[0],
+                "says the chain holds journal record {pos}, but the chain lacks it: starting"
+                " would drop acknowledged ledger events from the journal",
             )
         if pending is not None and chain_holds(conn, chain_id, decode_event(pending[1])):
-            log.error(
+            raise _mark_refused(
                 "ledger.journal.mark_behind",
-                extra={"chain_id": chain_id, "applied_upto": applied_upto, "position": pending[0]},
-            )
-            raise LedgerError(
-                f"chain {chain_id!r}: the journal mark (applied_upto {applied_upto}) says the"
-                f" chain lacks journal record {pending[0]}, but the chain holds it: starting"
+                chain_id,
+                applied_upto,
+                pending[0],
+                "says the chain lacks journal record {pos}, but the chain holds it: starting"
                 " would record acknowledged ledger events twice",
-                hint=(
-                    "ledger_journal_marks is not moved that way by kvgov (a database role that"
-                    " can write it changed it?). The journal is left untouched: keep a copy,"
-                    " compare it with the chain (`kvgov audit journal`) and, as the database"
-                    " owner, set applied_upto to the last position the chain really holds"
-                ),
             )
+
+
+def _mark_refused(
+    event: str, chain_id: str, applied_upto: int, pos: int, claim: str
+) -> LedgerError:
+    """The start refused for a journal mark the chain contradicts (logged here)."""
+    log.error(
+        event,
+        extra={"chain_id": chain_id, "applied_upto": applied_upto, "position": pos},
+    )
+    return LedgerError(
+        f"chain {chain_id!r}: the journal mark (applied_upto {applied_upto}) "
+        + claim.format(pos=pos),
+        hint=(
+            "ledger_journal_marks is not moved that way by kvgov (a database role that can"
+            " write it changed it?). The journal is left untouched: keep a copy, compare it"
+            " with the chain (`kvgov audit journal`) and, as the database owner, set"
+            " applied_upto to the last position the chain really holds (the records after it"
+            " are then replayed)"
+        ),
+    )
 
 
 def read_back(
