@@ -11,6 +11,10 @@ Both keep the directory open (:func:`open_dir`) and name everything inside it re
 descriptor (``dir_fd``), never by path again: whoever can write the directory's *parent* (a
 0777 emptyDir or hostPath above ``data_dir``) could otherwise rename the checked directory away
 and put a symlink to one of theirs in its place, after the check.
+
+Key files (the KEK, the signing and pseudonym keys) are read with :func:`read_private_file`:
+checked on the file opened (a Kubernetes Secret's symlink is followed), 0600 or stricter and
+this process's user's own.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
+
+from kvgov.errors import StartupError
 
 #: the mode bits that let another user write
 WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
@@ -97,5 +103,42 @@ def read_file(dir_fd: int, name: str) -> bytes:
         while chunk := os.read(fd, max(st.st_size, 1 << 16)):
             chunks.append(chunk)
         return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_private_file(path: Path, what: str) -> bytes:
+    """The bytes of a key file that only its owner can read, and whose owner is this process's
+    user (``what`` names it in errors). The checks are made on the file opened, not on the
+    path: a symlink is followed (a Kubernetes Secret's files are links), but what it reaches
+    must pass. A 0600 file of another user (planted in a parent others can write) is refused
+    like a loose one: it is someone else's key."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise StartupError(
+            f"{what} not found: {path}", hint="run `kvgov init` to create it"
+        ) from None
+    except OSError as exc:
+        raise StartupError(f"cannot read {what} {path}: {exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StartupError(f"{what} {path} is not a regular file")
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise StartupError(f"{what} {path} is readable by others", hint=f"chmod 600 {path}")
+        if st.st_uid != os.geteuid():
+            raise StartupError(
+                f"{what} {path} belongs to uid {st.st_uid}, not to this process's"
+                f" (uid {os.geteuid()}): it is not this sidecar's key",
+                hint=f"provision it as the sidecar's user (chown {os.geteuid()} {path})",
+            )
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise StartupError(f"cannot read {what} {path}: {exc}") from exc
     finally:
         os.close(fd)

@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvgov.config import Settings
 from kvgov.errors import KeyManagementError, StartupError
+from kvgov.privatefs import read_private_file
 from kvgov.types import Environment
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,8 @@ def generate_kek_file(path: Path, *, exist_ok: bool = False) -> Path:
 
 
 def read_kek_file(path: Path) -> KekFile:
-    """Parse a KEK file, refusing loose permissions (any group or other access)."""
+    """Parse a KEK file, refusing loose permissions (any group or other access) and a file
+    of another user."""
     path = Path(path)
     try:
         st = path.stat()
@@ -111,7 +113,11 @@ def read_kek_file(path: Path) -> KekFile:
             f"KEK file {path} has loose permissions {stat.filemode(st.st_mode)}",
             hint=f"chmod 600 {path}",
         )
-    lines = path.read_text(encoding="ascii").splitlines()
+    try:  # the same checks on the file opened, and its owner (privatefs)
+        text = read_private_file(path, "KEK file").decode("ascii")
+    except UnicodeDecodeError:
+        raise StartupError(f"{path} is not a kvgov KEK file (not ASCII)") from None
+    lines = text.splitlines()
     if not lines or not lines[0].startswith(f"# {_MAGIC} "):
         raise StartupError(f"{path} is not a kvgov KEK file (missing header line)")
     header = lines[0].split()

@@ -39,7 +39,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from kvgov.errors import LedgerError, StartupError
-from kvgov.ledger.secretfile import create_private_file, read_private_file
+from kvgov.ledger.secretfile import create_private_file
+from kvgov.privatefs import read_private_file
 
 ENCODING_VERSION = 1
 GENESIS_HASH = "0" * 64

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvgov.errors import StartupError
-from kvgov.ledger.secretfile import create_private_file, read_private_file
+from kvgov.ledger.secretfile import create_private_file
+from kvgov.privatefs import read_private_file
 from kvgov.wire.digest import KeyDigester
 
 KEY_BYTES = 32

@@ -1,17 +1,15 @@
-"""Creating and reading the ledger's private key files (signing key, pseudonym key).
+"""Creating the ledger's private key files (signing key, pseudonym key).
 
 A key file is created once, 0600, with ``O_EXCL`` (never overwritten: what was signed or
-pseudonymised with it depends on it) and fsynced; reading refuses a group- or world-readable
-file.
+pseudonymised with it depends on it) and fsynced. Reading is
+:func:`kvgov.privatefs.read_private_file` (the KEK's file too): it refuses a group- or
+world-readable file, or one of another user.
 """
 
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
-
-from kvgov.errors import StartupError
 
 
 def create_private_file(path: Path, data: bytes) -> bool:
@@ -27,20 +25,3 @@ def create_private_file(path: Path, data: bytes) -> bool:
     finally:
         os.close(fd)
     return True
-
-
-def read_private_file(path: Path, what: str) -> bytes:
-    """The bytes of a key file that only its owner can read (``what`` names it in errors)."""
-    path = Path(path)
-    try:
-        mode = path.stat().st_mode
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise StartupError(
-            f"{what} not found: {path}", hint="run `kvgov init` to create it"
-        ) from None
-    except OSError as exc:
-        raise StartupError(f"cannot read {what} {path}: {exc}") from exc
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise StartupError(f"{what} {path} is readable by others", hint=f"chmod 600 {path}")
-    return data
