@@ -17,7 +17,7 @@ import shutil
 import socket
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,30 +34,51 @@ def short_dir() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def victim_file(tmp_path: Path) -> Path:
+    """A file of the sidecar's, 0600: what the engine would have re-moded."""
+    victim = tmp_path / "journal-segment"
+    victim.write_bytes(b"acknowledged ledger events")
+    victim.chmod(0o600)
+    return victim
+
+
+def after_each_bind(monkeypatch: pytest.MonkeyPatch, engine: Callable[[Path], bool]) -> list[str]:
+    """Run ``engine(the path just bound)`` right after every Unix bind of this event loop (the
+    race, made deterministic); the paths it acted on are listed in what is returned."""
+    loop_type = type(asyncio.get_running_loop())
+    real = loop_type.create_unix_server
+    acted: list[str] = []
+
+    async def bind_then_act(self: Any, factory: Any, path: str, **kw: Any) -> Any:
+        srv = await real(self, factory, path, **kw)
+        if engine(Path(path)):
+            acted.append(path)
+        return srv
+
+    monkeypatch.setattr(loop_type, "create_unix_server", bind_then_act)
+    return acted
+
+
+def assert_unmoded(victim: Path, acted: list[str]) -> None:
+    assert acted, "the race was not run"
+    mode = stat.S_IMODE(victim.stat().st_mode)
+    assert mode == 0o600, f"the sidecar re-moded its own file to {oct(mode)}"
+
+
 async def test_a_symlink_swapped_in_after_bind_is_not_followed(
     tmp_path: Path, prod_db: ProdDatabase, short_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sock = short_dir / "d.sock"
-    victim = tmp_path / "sidecar-secret"  # a file of the sidecar's, 0600
-    victim.write_bytes(b"only the sidecar reads this")
-    victim.chmod(0o600)
-    loop_type = type(asyncio.get_running_loop())
-    real = loop_type.create_unix_server
-    swapped: list[str] = []
+    victim = victim_file(tmp_path)
 
-    async def bind_then_swap(self: Any, factory: Any, path: str, **kw: Any) -> Any:
-        srv = await real(self, factory, path, **kw)
-        # the engine, right after the bind: the socket's path now points at the victim
+    def swap(bound: Path) -> bool:  # the engine: the socket's path now points at the victim
         sock.unlink(missing_ok=True)
         sock.symlink_to(victim)
-        swapped.append(path)
-        return srv
+        return True
 
-    monkeypatch.setattr(loop_type, "create_unix_server", bind_then_swap)
+    acted = after_each_bind(monkeypatch, swap)
     async with doors.sidecar(tmp_path, prod_db, unix_path=str(sock)):
-        assert swapped, "the race was not run"
-        mode = stat.S_IMODE(victim.stat().st_mode)
-        assert mode == 0o600, f"the sidecar re-moded its own file to {oct(mode)}"
+        assert_unmoded(victim, acted)
         st = os.lstat(sock)
         assert stat.S_ISSOCK(st.st_mode), "the path is not the sidecar's socket"
         assert stat.S_IMODE(st.st_mode) == 0o660
@@ -86,28 +107,20 @@ async def test_a_staging_folder_swapped_after_bind_is_not_followed(
     in its place, holding ``s -> <a sidecar file>``. Now the mode and the rename go through
     the descriptor of the folder the sidecar made."""
     sock = short_dir / "d.sock"
-    victim = tmp_path / "journal-segment"
-    victim.write_bytes(b"acknowledged ledger events")
-    victim.chmod(0o600)
-    loop_type = type(asyncio.get_running_loop())
-    real = loop_type.create_unix_server
-    swapped: list[str] = []
+    victim = victim_file(tmp_path)
 
-    async def bind_then_swap(self: Any, factory: Any, path: str, **kw: Any) -> Any:
-        srv = await real(self, factory, path, **kw)
-        staging = Path(path).parent
-        if staging.parent == short_dir:  # the engine: the sidecar's folder aside, its own in
-            staging.rename(short_dir / "moved-aside")
-            staging.mkdir(mode=0o700)
-            (staging / "s").symlink_to(victim)
-            swapped.append(path)
-        return srv
+    def swap_folder(bound: Path) -> bool:  # the sidecar's folder aside, the engine's in
+        staging = bound.parent
+        if staging.parent != short_dir:
+            return False
+        staging.rename(short_dir / "moved-aside")
+        staging.mkdir(mode=0o700)
+        (staging / "s").symlink_to(victim)
+        return True
 
-    monkeypatch.setattr(loop_type, "create_unix_server", bind_then_swap)
+    acted = after_each_bind(monkeypatch, swap_folder)
     async with doors.sidecar(tmp_path, prod_db, unix_path=str(sock)):
-        assert swapped, "the race was not run"
-        mode = stat.S_IMODE(victim.stat().st_mode)
-        assert mode == 0o600, f"the sidecar re-moded its own file to {oct(mode)}"
+        assert_unmoded(victim, acted)
         assert stat.S_ISSOCK(os.lstat(sock).st_mode)
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(str(sock))
