@@ -20,6 +20,7 @@ import tomllib
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -240,8 +241,9 @@ class DataPlaneSettings(_Section):
     #: ``cleartext_network_ok`` says something else encrypts the pod's traffic
     host: str = "127.0.0.1"
     port: int = Field(default=7070, ge=0, le=65535)
-    #: the TCP wire may listen beyond loopback in production: only where a service mesh
-    #: encrypts and authenticates pod-to-pod traffic (mTLS) before it reaches the port
+    #: the TCP wire may listen beyond loopback in production, and OPA may be asked over plain
+    #: HTTP beyond it: only where a service mesh encrypts and authenticates pod-to-pod traffic
+    #: (mTLS)
     cleartext_network_ok: bool = False
     #: kvgov wire protocol on a Unix socket; empty disables it
     unix_path: Path | None = None
@@ -486,6 +488,16 @@ class Settings(BaseSettings):
                 "to 127.0.0.1 or use dataplane.unix_path; behind a mesh that encrypts pod "
                 "traffic (mTLS) set dataplane.cleartext_network_ok"
             )
+        if self.policy.engine == "opa" and not dp.cleartext_network_ok:
+            opa = urlsplit(self.policy.opa_url)
+            if opa.scheme == "http" and opa.hostname not in LOOPBACK_HOSTS:
+                problems.append(
+                    f"policy.opa_url={opa.scheme}://{opa.hostname} asks OPA over plain HTTP"
+                    " beyond this host: every decision (and policy.opa_token) in the clear,"
+                    " open to whoever can answer in OPA's place; use https:// or OPA in the"
+                    " pod (http://127.0.0.1:8181); behind a mesh that encrypts pod traffic"
+                    " (mTLS) set dataplane.cleartext_network_ok"
+                )
         if dp.lm_port >= 0 and dp.lm_host not in LOOPBACK_HOSTS:
             problems.append(
                 f"dataplane.lm_host={dp.lm_host} exposes the handshake-less lm:// listener "

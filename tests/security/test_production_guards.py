@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 import kvgov
 from kvgov.config import Settings, load_settings
@@ -349,3 +350,25 @@ def test_a_password_given_as_a_query_parameter_is_not_quoted(
     assert "password=***" in err
     assert secret not in redact_url(url)
     assert secret not in redact_url(url.replace("?password=", "?sslpassword="))
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://opa.policy.svc:8181", "http://10.0.3.7:8181", "http://[fd00::7]:8181"],
+)
+def test_production_refuses_asking_opa_in_the_clear_across_the_network(
+    tmp_path: Path, prod_db: ProdDatabase, url: str
+) -> None:
+    """Review 4a (observation): a production sidecar accepted ``policy.opa_url`` over plain
+    HTTP to another host: every decision, and the bearer ``policy.opa_token``, crossed the pod
+    network in the clear, and whoever could answer in OPA's place decided every put and get."""
+    base = doors.settings(tmp_path, prod_db)
+    with pytest.raises(ValidationError, match=r"policy\.opa_url=http://"):
+        _with(base, policy={"engine": "opa", "opa_url": url})
+    # in the pod, over TLS, or behind a mesh that encrypts pod traffic: accepted
+    for ok in ("http://127.0.0.1:8181", "https://opa.policy.svc:8181"):
+        assert _with(base, policy={"engine": "opa", "opa_url": ok}).policy.opa_url == ok
+    meshed = _with(
+        base, policy={"engine": "opa", "opa_url": url}, dataplane={"cleartext_network_ok": True}
+    )
+    assert meshed.policy.opa_url == url
