@@ -20,7 +20,7 @@ import tomllib
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 from pydantic import (
     BaseModel,
@@ -691,14 +691,17 @@ _SECRET_PARAM = re.compile(r"(?i)(pass|secret|token)")
 _QUERY_PARAM = re.compile(r"([?&;])([^=&;#]*)=([^&;#]*)")
 
 
+def _secret_param(name: str, value: str) -> bool:
+    """A query parameter whose value is a secret (its name, percent-decoded, says so)."""
+    return bool(value) and _SECRET_PARAM.search(unquote_plus(name)) is not None
+
+
 def _query_secrets(url: str) -> list[str]:
     """The values of ``url``'s query parameters that are secrets (raw and percent-decoded)."""
-    from urllib.parse import unquote_plus
-
     found: list[str] = []
     query = "?" + url.partition("?")[2] if "?" in url else ""
     for _, name, value in _QUERY_PARAM.findall(query):
-        if value and _SECRET_PARAM.search(unquote_plus(name)):
+        if _secret_param(name, value):
             found += [value, unquote_plus(value)]
     return found
 
@@ -720,10 +723,8 @@ def mask_url(url: str) -> str:
 
 
 def _masked_param(m: re.Match[str]) -> str:
-    from urllib.parse import unquote_plus
-
     lead, name, value = m.groups()
-    return f"{lead}{name}=***" if value and _SECRET_PARAM.search(unquote_plus(name)) else m[0]
+    return f"{lead}{name}=***" if _secret_param(name, value) else m[0]
 
 
 def url_secret_parts(url: str) -> list[str]:

@@ -99,10 +99,7 @@ def read_file(dir_fd: int, name: str) -> bytes:
         st = os.fstat(fd)
         if not is_private(st, stat.S_ISREG):
             raise NotPrivateError(st)
-        chunks = []
-        while chunk := os.read(fd, max(st.st_size, 1 << 16)):
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return _read_all(fd, st.st_size)
     finally:
         os.close(fd)
 
@@ -134,11 +131,16 @@ def read_private_file(path: Path, what: str) -> bytes:
                 f" (uid {os.geteuid()}): it is not this sidecar's key",
                 hint=f"provision it as the sidecar's user (chown {os.geteuid()} {path})",
             )
-        chunks = []
-        while chunk := os.read(fd, 1 << 16):
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return _read_all(fd, st.st_size)
     except OSError as exc:
         raise StartupError(f"cannot read {what} {path}: {exc}") from exc
     finally:
         os.close(fd)
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    """What is left to read of ``fd`` (``size``: its length by ``fstat``, a first guess)."""
+    chunks = []
+    while chunk := os.read(fd, max(size, 1 << 16)):
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -192,9 +192,7 @@ class Keyring(Sealing):
             for ident, entry in list(self._cache.items()):
                 handle = entry.handle
                 if handle.tenant == tenant and (user is None or handle.user == user):
-                    handle.destroy()
-                    del self._cache[ident]
-                    self._dirty.pop(ident, None)
+                    self._uncache_locked(ident)
             for key_id in [k for k in self._active if tenant_of(k) == tenant]:
                 if user is None or key_id == user_key_id(tenant, user):
                     del self._active[key_id]
@@ -218,11 +216,7 @@ class Keyring(Sealing):
         renewed: builtins.list[tuple[str, int]] = []
         with self._lock:
             for ident in todo.drop:
-                entry = self._cache.pop(ident, None)
-                if entry is not None:
-                    entry.handle.destroy()
-                    self._dirty.pop(ident, None)
-                    self._pending_total -= entry.pending
+                self._uncache_locked(ident)
             for key_id in todo.forget:
                 if self._active.get(key_id) == active[key_id]:  # not changed here meanwhile
                     del self._active[key_id]
@@ -303,13 +297,19 @@ class Keyring(Sealing):
         return self._create(key_id, tenant, user, latest)
 
     def _drop_locked(self, ident: tuple[str, int]) -> None:
+        """Forget a version destroyed elsewhere: uncached, and no longer the one sealed with."""
+        self._uncache_locked(ident)
+        if self._active.get(ident[0]) == ident[1]:
+            del self._active[ident[0]]
+
+    def _uncache_locked(self, ident: tuple[str, int]) -> None:
+        """Destroy a cached version's AES context and drop its unflushed usage (a destroyed
+        row takes no more): every later use of the handle raises KeyDestroyedError."""
         entry = self._cache.pop(ident, None)
         if entry is not None:
             entry.handle.destroy()
             if self._dirty.pop(ident, None) is not None:
                 self._pending_total -= entry.pending
-        if self._active.get(ident[0]) == ident[1]:
-            del self._active[ident[0]]
 
     def _load(self, row: WrappedKey) -> _Entry:
         if row.state is KeyState.DESTROYED or row.wrapped is None:
