@@ -56,8 +56,10 @@ _AAD_LABEL = b"kvgov/sealed/v2\x00"
 #: the most bytes of context a chunk can be bound to (its length is a u16 in the AAD)
 MAX_CONTEXT_BYTES = 0xFFFF
 _NONCE_MOD = 1 << (8 * NONCE_SIZE)
-#: on an authentication failure, look for the segment's true position among this many
-_DIAGNOSE_MAX_SEGMENTS = 256
+#: on an authentication failure, at most this many more decryptions of the failed segment look
+#: for its true flag and position (the nearest first): a corrupt chunk planted in a shared tier
+#: costs each get that reads it a bounded amount, not two passes per segment of the chunk
+DIAGNOSE_MAX_TRIES = 8
 
 
 @functools.lru_cache(1 << 16)
@@ -366,36 +368,45 @@ class SealReader:
         return header.plain_len
 
     def _diagnose(self, index: int, data: memoryview) -> str:
-        """Why segment ``index`` failed: look for its true position (error path only)."""
-        header = self._seg.header
-        n = header.segments
-        if n <= _DIAGNOSE_MAX_SEGMENTS:
-            aead = self._key.aead
-            scratch = bytearray(len(data) - TAG_SIZE)
-            for j in range(n):
-                for final in (False, True):
-                    if j == index and final == self._seg.is_final(index):
-                        continue
-                    try:
-                        aead.decrypt_into(
-                            self._seg.nonce(j), data, self._seg.aad(j, final), scratch
-                        )
-                    except InvalidTag:
-                        continue
-                    if j != index:
-                        return (
-                            f"sealed chunk segments are reordered: position {index} holds"
-                            f" segment {j} of {n}"
-                        )
-                    return (
-                        f"sealed chunk was cut or spliced: segment {index} of {n} carries the"
-                        " wrong final-segment flag"
-                    )
+        """Why segment ``index`` failed: its flag flipped, or a nearby segment moved there.
+
+        Error path only, and bounded: at most :data:`DIAGNOSE_MAX_TRIES` decryptions of this
+        one segment, whatever the chunk's size, so a planted corrupt chunk cannot make a get
+        pay for the whole chunk many times over.
+        """
+        n = self._seg.header.segments
+        aead = self._key.aead
+        scratch = bytearray(len(data) - TAG_SIZE)
+        for j, final in self._diagnose_candidates(index, n):
+            try:
+                aead.decrypt_into(self._seg.nonce(j), data, self._seg.aad(j, final), scratch)
+            except InvalidTag:
+                continue
+            if j != index:
+                return (
+                    f"sealed chunk segments are reordered: position {index} holds"
+                    f" segment {j} of {n}"
+                )
+            return (
+                f"sealed chunk was cut or spliced: segment {index} of {n} carries the"
+                " wrong final-segment flag"
+            )
         return (
             f"segment {index} of {n} failed authentication: a bit of the header, ciphertext,"
             " tag or context (the length and metadata stored beside it) was altered, or the"
             " chunk was sealed for another tenant, cache key or key"
         )
+
+    def _diagnose_candidates(self, index: int, n: int) -> list[tuple[int, bool]]:
+        """Where segment ``index``'s bytes may truly belong, the likeliest first, bounded."""
+        tries = [(index, not self._seg.is_final(index))]
+        for d in range(1, n):
+            for j in (index - d, index + d):
+                if 0 <= j < n:
+                    tries.append((j, self._seg.is_final(j)))
+            if len(tries) >= DIAGNOSE_MAX_TRIES:
+                break
+        return tries[:DIAGNOSE_MAX_TRIES]
 
 
 def seal(
