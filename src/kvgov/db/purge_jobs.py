@@ -28,7 +28,7 @@ from kvgov.db.purge_views import (
     StepView,
     ledger_step_ready,
 )
-from kvgov.errors import NotFoundError
+from kvgov.errors import NotFoundError, PurgeError
 from kvgov.types import PurgeKind, PurgeState
 
 _OPEN = (PurgeState.PENDING, PurgeState.RUNNING)
@@ -244,13 +244,19 @@ def finish_job(
     signature: bytes,
     now: datetime,
 ) -> None:
+    """Set the job's final state and store its signed receipt, once.
+
+    A job with a receipt (the runtime role may INSERT receipts, never UPDATE or DELETE them) or
+    a final state is finished: a second finish, e.g. of a job whose rows were reopened so that
+    its final step ran again over edited steps, raises instead of overwriting its state.
+    """
     job = s.get(PurgeJob, job_id, with_for_update=True)
     if job is None:  # pragma: no cover
         raise NotFoundError(f"no purge job {job_id}")
+    if job.state in TERMINAL_STEP_STATES or s.get(PurgeReceipt, job_id) is not None:
+        raise PurgeError(f"purge {job_id} is already finished ({job.state}); not finished again")
     job.state = state
     job.result = result
     job.updated_at = now
     job.finished_at = now
-    existing = s.get(PurgeReceipt, job_id)
-    if existing is None:
-        s.add(PurgeReceipt(job_id=job_id, receipt=receipt, signature=signature, created_at=now))
+    s.add(PurgeReceipt(job_id=job_id, receipt=receipt, signature=signature, created_at=now))

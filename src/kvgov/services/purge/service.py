@@ -5,7 +5,9 @@ job writes the job, its steps and a ``purge:requested`` event; executing claims 
 time (see :mod:`kvgov.db.purge_jobs`), stores each step's typed detail as its JSON and, when the
 final ``ledger`` step has run, builds the receipt from every step's detail read back through its
 model (:func:`~kvgov.services.purge.documents.read_detail`), signs it with the ledger's Ed25519
-key and stores it with the job's final state in the same transaction.
+key and stores it with the job's final state in the same transaction. The step rows are mutable;
+before the receipt is built each is checked against its chained ``purge:step`` event
+(:mod:`kvgov.services.purge.trail`), and a job is finished (and signed) once.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kvgov.db.purge_views import (
 )
 from kvgov.errors import KvgovError, PurgeError
 from kvgov.ledger.events import Event
+from kvgov.ledger.purge_trail import chained_steps
 from kvgov.services.purge import scope
 from kvgov.services.purge.documents import (
     CheckpointRef,
@@ -57,6 +60,7 @@ from kvgov.services.purge.documents import (
 from kvgov.services.purge.ports import Checkpointer
 from kvgov.services.purge.receipts import sign_receipt
 from kvgov.services.purge.steps import StepContext, run_step
+from kvgov.services.purge.trail import cross_check
 from kvgov.types import EventKind, Outcome, PurgeState
 
 log = logging.getLogger(__name__)
@@ -267,6 +271,9 @@ class PurgeService:
                 stored = detail.model_dump(mode="json")
                 jobs.finish_step(s, ledger_step.id, state, stored, now=now)
             job = jobs.load_job(s, job_id)
+            # the rows are mutable, the chained purge:step events are not: a step the chain does
+            # not bear out is not done, and none of its stored figures is signed
+            job, _ = cross_check(job, chained_steps(s, job.id, job.tenant))
             final = final_state(job.steps) if outcome is not None else PurgeState.FAILED
             receipt = build_receipt(job, final, finished_at=now.isoformat())
             signed = sign_receipt(receipt, self._signing_key)
@@ -285,7 +292,13 @@ class PurgeService:
                 now=now,
             )
 
-        await self.ctx.db(write)
+        try:
+            await self.ctx.db(write)
+        except PurgeError:
+            # already finished (a ledger step run again after its row was reopened): the
+            # first receipt stands, and nothing is signed or overwritten a second time
+            log.warning("purge.finish.refused", extra={"purge_id": job_id})
+            return
         log.info("purge.finished", extra={"purge_id": job_id})
 
 
