@@ -81,6 +81,12 @@ def settings(tmp_path: Path, db: ProdDatabase, **dataplane: Any) -> Settings:
     data_file.write_text(json.dumps(policy_data()))
     kek = provisioned_kek(tmp_path / "kek.key")
     provisioned_keys(tmp_path / "data")
+    # one fleet, one pseudonym key: the ledger pins the first one a sidecar of `db` used, and
+    # refuses another (kvgov.ledger.keypin), so every sidecar of `db` here mounts that one
+    mounted = tmp_path / "data" / "pseudonym.key"
+    fleet = _FLEET_PSEUDONYM_KEYS.setdefault(db.url, mounted.read_bytes())
+    if mounted.read_bytes() != fleet:
+        mounted.write_bytes(fleet)  # the file stays 0600
     return Settings(
         environment="production",
         data_dir=tmp_path / "data",
@@ -96,6 +102,10 @@ def settings(tmp_path: Path, db: ProdDatabase, **dataplane: Any) -> Settings:
         },
         tiers={"chain": ["memory", "filesystem"], "filesystem_fsync": False},
     )
+
+
+#: the pseudonym key file of each database's fleet (by runtime URL), what :func:`settings` mounts
+_FLEET_PSEUDONYM_KEYS: dict[str, bytes] = {}
 
 
 def provisioned_kek(path: Path) -> Path:

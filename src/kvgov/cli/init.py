@@ -11,6 +11,7 @@ from __future__ import annotations
 import typer
 
 from kvgov.cli._common import echo, settings
+from kvgov.config import Settings
 from kvgov.types import Environment
 
 
@@ -30,6 +31,8 @@ def register(app: typer.Typer) -> None:
         s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         created = generate_signing_key_file(s.signing_key_path)
         echo(f"signing key    {s.signing_key_path} ({'created' if created else 'kept'})")
+        if s.environment is not Environment.DEVELOPMENT and not skip_db:
+            _refuse_second_pseudonym_key(s)
         created = generate_pseudonym_key_file(s.pseudonym_key_path)
         echo(f"pseudonym key  {s.pseudonym_key_path} ({'created' if created else 'kept'})")
         existed = s.kek_path.exists()
@@ -50,3 +53,38 @@ def register(app: typer.Typer) -> None:
             echo(f"database       revision {check_schema(s)} (ready)")
         except StartupError as exc:
             echo(f"database       not ready: {exc.diagnostics()}")
+
+
+def _refuse_second_pseudonym_key(s: Settings) -> None:
+    """Production: a ledger that already pins the fleet's pseudonym key gets no new one from
+    this host (a pod using it would record pseudonyms no purge can name); a key file already
+    here must be the pinned one. A ledger that cannot be read is left to the sidecar's start,
+    which compares the key with the pin before it records anyone."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from kvgov.db.engine import make_engine
+    from kvgov.errors import ConfigError
+    from kvgov.ledger.keypin import MISMATCH_HINT, key_file_id, pinned_key_id
+
+    engine = make_engine(s.database_url, pool_size=1)
+    try:
+        pinned = pinned_key_id(engine)
+    except SQLAlchemyError:
+        return
+    finally:
+        engine.dispose()
+    if pinned is None:
+        return
+    if not s.pseudonym_key_path.exists():
+        raise ConfigError(
+            "ledger.pseudonym_key_path: no pseudonym key here, and the ledger database is"
+            " already pinned to the fleet's: kvgov init will not create another one",
+            hint="mount the fleet's pseudonym key at ledger.pseudonym_key_path (docs/ledger.md,"
+            " 'Pseudonym key pin')",
+        )
+    if key_file_id(s.pseudonym_key_path) != pinned:
+        raise ConfigError(
+            "ledger.pseudonym_key_path holds a different pseudonym key than the one this ledger"
+            " database is pinned to",
+            hint=MISMATCH_HINT,
+        )

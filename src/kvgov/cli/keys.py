@@ -176,9 +176,10 @@ def _pseudonym(cfg: Settings, tenant: str, user: str | None) -> str | None:
         raise typer.BadParameter("--tenant must not be empty")
     if user is None:
         return None
-    from kvgov.ledger.pseudonym import Pseudonymizer
+    from kvgov.ledger.keypin import pinned_pseudonymizer
 
-    return Pseudonymizer.from_file(cfg.pseudonym_key_path).user(tenant, user)
+    # the fleet's key or none: another one names nobody the ledger and the key store know
+    return pinned_pseudonymizer(cfg).user(tenant, user)
 
 
 def _info(row: Any) -> KeyInfo:

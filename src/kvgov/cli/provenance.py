@@ -93,10 +93,14 @@ def _forward(session: Session, request_id: str, tenant: str | None) -> RequestPr
 
 
 def _reverse(session: Session, s: Settings, tenant: str, user: str) -> UserReuse:
-    from kvgov.ledger.pseudonym import Pseudonymizer
+    from sqlalchemy import Engine
+
+    from kvgov.ledger.keypin import pinned_pseudonymizer
     from kvgov.services.provenance import user_reuse
 
-    pseudonym = Pseudonymizer.from_file(s.pseudonym_key_path).user(tenant, user)
+    bind = session.get_bind()
+    engine = bind if isinstance(bind, Engine) else None
+    pseudonym = pinned_pseudonymizer(s, engine).user(tenant, user)
     return user_reuse(session, tenant, pseudonym)
 
 

@@ -19,6 +19,8 @@ RUNTIME_PRIVILEGES: dict[str, tuple[str, ...]] = {
     "checkpoints": ("SELECT", "INSERT"),
     "chains": ("SELECT", "INSERT"),
     "chain_seals": ("SELECT", "INSERT"),
+    # the fleet's pseudonym key id: the first start records it, nothing changes it (0008)
+    "key_pins": ("SELECT", "INSERT"),
     # erasure sets payload and salt to NULL (the chained digest stays)
     "event_payloads": ("SELECT", "INSERT", "UPDATE"),
     # the writer's index upserts; purges mark users erased

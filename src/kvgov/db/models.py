@@ -4,8 +4,8 @@ Two kinds of table live here:
 
 * the **append-only** ones, guarded by database triggers (migrations 0002 and 0006):
   ``ledger_events`` (the hash-chained log, one chain per writer), ``checkpoints`` (signed chain
-  heads), ``chains`` (each chain's public key) and ``chain_seals`` (each chain's signed genesis
-  and its writer sessions' opens and closes);
+  heads), ``chains`` (each chain's public key), ``chain_seals`` (each chain's signed genesis
+  and its writer sessions' opens and closes) and ``key_pins`` (the fleet's pseudonym key id);
 * **mutable indexes and state** that the chained log explains: tenants, user references,
   requests, the cache-entry index, policy decisions, data keys, purge jobs and their steps and
   receipts, sidecars and API tokens.
@@ -267,6 +267,18 @@ class ChainSeal(Base):
     signature: Mapped[bytes] = mapped_column(LargeBinary)
     #: raw 32-byte Ed25519 public key that made the signature
     public_key: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class KeyPin(Base):
+    """The id of a key the whole fleet must share, recorded once (append-only, migration 0008):
+    ``name`` ``pseudonym`` holds :attr:`kvgov.ledger.pseudonym.Pseudonymizer.key_id`
+    (:mod:`kvgov.ledger.keypin`)."""
+
+    __tablename__ = "key_pins"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(DIGEST))
+    pinned_at: Mapped[datetime]
 
 
 class PolicyDecision(Base):

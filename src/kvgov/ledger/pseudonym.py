@@ -10,6 +10,11 @@ authenticated engines so they can match EVICT digests against their local tiers
 
 The key lives in a 0600 file at ``settings.pseudonym_key_path``, created by ``kvgov init``.
 Destroying it unlinks every pseudonym from the person behind it.
+
+Every process of a fleet must hold the same key, or one pod records users under pseudonyms no
+purge can name. ``Pseudonymizer.key_id`` is the key's public name, what the ledger database pins
+(:mod:`kvgov.ledger.keypin`): ``HMAC(pseudonym_key, "kvgov/pseudonym-key-id/v1")``, a keyed
+one-way value that neither reveals the key nor lets anyone test a candidate user id.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ KEY_BYTES = 32
 USER_PSEUDONYM_CHARS = 32
 _USER_DOMAIN = b"kvgov/user/v1\x00"
 _DIGEST_KEY_LABEL = b"kvgov/key-digest/v1"
+_KEY_ID_LABEL = b"kvgov/pseudonym-key-id/v1"
+#: hex characters of the key's id (128 bits)
+KEY_ID_CHARS = 32
 _FILE_HEADER = "kvgov-pseudonym-key-v1"
 #: pseudonyms and key digests remembered per process (the data path asks for the same few
 #: thousand keys and users again and again; an HMAC costs more than the lookup)
@@ -77,6 +85,12 @@ class Pseudonymizer:
     def key_digester(self) -> KeyDigester:
         """What computes :meth:`key_digest`: handed to authenticated engines (HELLO reply)."""
         return self._digester
+
+    @property
+    def key_id(self) -> str:
+        """The key's fingerprint (32 hex characters): a label the key alone can compute, so the
+        ledger can pin which key the fleet uses without holding anything that names a user."""
+        return hmac.new(self._key, _KEY_ID_LABEL, hashlib.sha256).hexdigest()[:KEY_ID_CHARS]
 
     @classmethod
     def from_file(cls, path: Path) -> Pseudonymizer:

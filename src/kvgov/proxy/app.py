@@ -513,6 +513,12 @@ async def _build_sidecar(
                 "keys and policy data (docs/deploy.md), or set environment=development",
             )
     pseudonymizer = Pseudonymizer.from_file(settings.pseudonym_key_path)
+    if engine is not None:
+        from kvgov.ledger.keypin import check_pseudonym_key
+
+        # before anything is recorded: a pod with another key than the fleet's pinned one
+        # would record users no purge can name (blocking, like the schema check above)
+        check_pseudonym_key(engine, pseudonymizer)
     if sink is None and not recorded:
         sink = NullEventSink()
     if sink is None and engine is not None:

@@ -126,12 +126,13 @@ async def cli_service(settings: Settings, *, writer: bool = True) -> AsyncIterat
     from kvgov.db.engine import make_engine, make_sessionmaker
     from kvgov.db.keystore import SqlKeyStore
     from kvgov.ledger.chain import load_signing_key
-    from kvgov.ledger.pseudonym import Pseudonymizer
+    from kvgov.ledger.keypin import pinned_pseudonymizer
     from kvgov.ledger.writer import LedgerWriter
 
-    engine = make_engine(settings.database_url, pool_size=2)
+    # another key than the fleet's would purge nobody and sign that it did: check it first
+    pseudonymizer = pinned_pseudonymizer(settings)
     key = load_signing_key(settings.signing_key_path)
-    pseudonymizer = Pseudonymizer.from_file(settings.pseudonym_key_path)
+    engine = make_engine(settings.database_url, pool_size=2)
     chain_id = f"{settings.chain_id}/purge-cli/{uuid.uuid4().hex[:12]}"
     ledger = LedgerWriter(
         engine,
