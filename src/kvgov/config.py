@@ -241,9 +241,9 @@ class DataPlaneSettings(_Section):
     #: ``cleartext_network_ok`` says something else encrypts the pod's traffic
     host: str = "127.0.0.1"
     port: int = Field(default=7070, ge=0, le=65535)
-    #: the TCP wire may listen beyond loopback in production, and OPA may be asked over plain
-    #: HTTP beyond it: only where a service mesh encrypts and authenticates pod-to-pod traffic
-    #: (mTLS)
+    #: the TCP wire and the REST API without TLS may listen beyond loopback in production,
+    #: and OPA may be asked over plain HTTP beyond it: only where a service mesh encrypts and
+    #: authenticates pod-to-pod traffic (mTLS)
     cleartext_network_ok: bool = False
     #: kvgov wire protocol on a Unix socket; empty disables it
     unix_path: Path | None = None
@@ -381,6 +381,27 @@ class ApiSettings(_Section):
     #: production (a request a TLS proxy forwarded may reach kvgov as plain HTTP), elsewhere
     #: when the request came over HTTPS. ``false`` is refused in production
     secure_cookies: bool | None = None
+    #: serve the API over TLS (1.2 or later) with this certificate (PEM, its chain after it)
+    #: and its private key (PEM, unencrypted; 0600 and this process's user's own, like the
+    #: other keys): both or neither. Read at start-up (a renewed certificate needs a restart).
+    #: Unset, production refuses a host beyond loopback unless
+    #: ``dataplane.cleartext_network_ok`` (``docs/api.md``, "TLS")
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ApiSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError(
+                "set both api.tls_cert_file and api.tls_key_file (the certificate and its"
+                " private key), or neither"
+            )
+        return self
+
+    @property
+    def tls(self) -> bool:
+        """Whether the API is served over TLS."""
+        return self.tls_cert_file is not None
 
 
 class PurgeSettings(_Section):
@@ -487,6 +508,16 @@ class Settings(BaseSettings):
                 "own, beyond this host (engine tokens and opened values in the clear): bind it "
                 "to 127.0.0.1 or use dataplane.unix_path; behind a mesh that encrypts pod "
                 "traffic (mTLS) set dataplane.cleartext_network_ok"
+            )
+        api = self.api
+        if api.host not in LOOPBACK_HOSTS and not api.tls and not dp.cleartext_network_ok:
+            problems.append(
+                f"api.host={api.host} serves the REST API in plain HTTP beyond this host:"
+                " bearer tokens, the dashboard's session cookie and every compliance answer"
+                " (provenance, purge receipts) in the clear; set api.tls_cert_file and"
+                " api.tls_key_file, or bind it to 127.0.0.1 behind a TLS-terminating proxy;"
+                " behind a mesh that encrypts pod traffic (mTLS) set"
+                " dataplane.cleartext_network_ok"
             )
         if self.policy.engine == "opa" and not dp.cleartext_network_ok:
             opa = urlsplit(self.policy.opa_url)

@@ -8,9 +8,11 @@ run the image fails them.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -84,22 +86,29 @@ def secret_file(path: Path, data: str | bytes, mode: int = 0o400) -> Path:
     return path
 
 
-def http_status(url: str) -> int | None:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+def http_status(url: str, context: ssl.SSLContext | None = None) -> int | None:
+    """``url``'s status (``context``: how an https server is verified), None when nothing
+    answers."""
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+    if context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=context))
+    opener = urllib.request.build_opener(*handlers)
     try:
         with opener.open(url, timeout=1) as reply:
             return int(reply.status)
     except urllib.error.HTTPError as exc:
         return int(exc.code)
-    except (urllib.error.URLError, OSError):
-        return None
+    except (urllib.error.URLError, OSError, http.client.HTTPException):
+        return None  # nothing listens, or no HTTP answer (plain HTTP to a TLS port)
 
 
-def wait_ready(url: str, container: str, timeout_s: float = 90) -> None:
+def wait_ready(
+    url: str, container: str, timeout_s: float = 90, context: ssl.SSLContext | None = None
+) -> None:
     """Until ``url`` answers 200; the container's log when it stops or never does."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if http_status(url) == 200:
+        if http_status(url, context) == 200:
             return
         state = podman("inspect", "--format", "{{.State.Status}}", container, check=False)
         if state.stdout.strip() in {"exited", "stopped"}:

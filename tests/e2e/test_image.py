@@ -81,6 +81,9 @@ def _env(db: RoleDatabase, api_port: int) -> list[str]:
         "KVGOV_DATAPLANE__ENGINE_TOKENS_FILE": f"{SECRETS}/engine-tokens.json",
         "KVGOV_DATAPLANE__HOST": "",  # the Unix socket only
         "KVGOV_POLICY__DATA_FILE": f"{SECRETS}/policy-data.json",
+        # loopback (the host network): plain HTTP is refused beyond it in production without
+        # TLS (test_kube_play runs the manifests' TLS)
+        "KVGOV_API__HOST": "127.0.0.1",
         "KVGOV_API__PORT": str(api_port),
         "KVGOV_TIERS__FILESYSTEM_FSYNC": "false",
         "KVGOV_PURGE__POLL_INTERVAL_S": "0.1",

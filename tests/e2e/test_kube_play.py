@@ -10,7 +10,9 @@ Changed, because podman is not a cluster and nothing can be pulled here: no vLLM
 container (kvgov uses its embedded Rego engine; no GPU prefix cache to reset); the sidecar
 runs as a regular container (podman 4.3 knows no native sidecars); the pods use the host
 network (the ledger is this host's Postgres; each API gets its own port, no probes or port
-mappings); the socket's emptyDir is a host folder (the test stands in for vLLM); Secrets are
+mappings; the test waits for /readyz over TLS, trusting the CA that signed the API's
+certificate in Secret kvgov-api-tls); the socket's emptyDir is a host folder (the test stands
+in for vLLM); Secrets are
 projected into host folders as the kubelet projects them (podman 4.3 writes kube Secrets
 still base64-encoded); each emptyDir gets a per-pod name (podman 4.3 would share it).
 
@@ -24,6 +26,7 @@ import copy
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import tempfile
 import time
@@ -40,7 +43,7 @@ from kvgov.wire.client import WireClient
 from kvgov.wire.messages import RequestContext
 from tests.e2e import containers as c
 from tests.pgroles import RoleDatabase, role_database
-from tests.security.doors import key, provisioned_kek
+from tests.security.doors import TlsIdentity, key, provisioned_kek, tls_identity
 
 pytestmark = [pytest.mark.container, pytest.mark.postgres, pytest.mark.slow]
 
@@ -64,8 +67,9 @@ def _render() -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-def _secrets(work: Path, db: RoleDatabase) -> dict[str, dict[str, bytes]]:
-    """What the Secrets hold (docs/deploy.md, "Secrets")."""
+def _secrets(work: Path, db: RoleDatabase, tls: TlsIdentity) -> dict[str, dict[str, bytes]]:
+    """What the Secrets hold (docs/deploy.md, "Secrets"; the API's certificate and key as
+    ``kubectl create secret tls`` stores them)."""
     provisioned_kek(work / "kek.key")
     generate_signing_key_file(work / "signing.key")
     generate_pseudonym_key_file(work / "pseudonym.key")
@@ -78,6 +82,7 @@ def _secrets(work: Path, db: RoleDatabase) -> dict[str, dict[str, bytes]]:
         },
         "kvgov-database": {"url": db.runtime_url.encode()},
         "kvgov-database-owner": {"url": db.owner_url.encode()},
+        "kvgov-api-tls": {"tls.crt": tls.cert.read_bytes(), "tls.key": tls.key.read_bytes()},
     }
 
 
@@ -192,7 +197,8 @@ def test_two_rendered_pods_share_the_ledger_and_a_purge_reaches_both(
         policy_cm["data"]["data.json"] = json.dumps(data)
         work = base / "work"
         work.mkdir()
-        secrets = _secrets(work, db)
+        tls = tls_identity(work / "tls")  # its certificate names 127.0.0.1
+        secrets = _secrets(work, db, tls)
         objects = [settings_cm, policy_cm]
         ports = {name: c.free_port() for name in PODS}
         pods = [_pod(template, n, kvgov_image, ports[n], base, secrets) for n in PODS]
@@ -203,8 +209,15 @@ def test_two_rendered_pods_share_the_ledger_and_a_purge_reaches_both(
             _migrate(job, settings_cm, db, kvgov_image)
             play = c.podman("kube", "play", str(manifest), check=False, timeout=300)
             assert play.returncode == 0, play.stdout + play.stderr
+            verify = ssl.create_default_context(cafile=str(tls.ca))
             for name in PODS:
-                c.wait_ready(f"http://127.0.0.1:{ports[name]}/readyz", f"{name}-kvgov")
+                c.wait_ready(
+                    f"https://127.0.0.1:{ports[name]}/readyz", f"{name}-kvgov", context=verify
+                )
+                # the API answers nothing in the clear; the image's probe speaks its TLS
+                assert c.http_status(f"http://127.0.0.1:{ports[name]}/readyz") is None
+                health = c.podman("exec", f"{name}-kvgov", "kvgov", "health", check=False)
+                assert health.returncode == 0, health.stdout + health.stderr
             _check(base / "sock")
         finally:
             for pod in PODS:  # with their anonymous volumes (the image's VOLUME)

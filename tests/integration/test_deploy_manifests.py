@@ -179,6 +179,7 @@ def test_probes_resources_and_draining(overlay: tuple[str, list[dict[str, Any]]]
     assert kvgov["startupProbe"]["httpGet"]["path"] == "/readyz"
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
         assert kvgov[probe]["httpGet"]["port"] == "control"
+        assert kvgov[probe]["httpGet"]["scheme"] == "HTTPS"  # the API serves TLS only
     for c in containers(pod).values():
         assert c["resources"]["requests"], c["name"]
         assert c["resources"]["limits"]["memory"], c["name"]
@@ -253,6 +254,19 @@ def test_settings_load_and_secrets_come_from_secret_files(
         assert volume["emptyDir"]["medium"] == "Memory"
         assert copy_src[path.parent.as_posix()] == volume["name"]
         assert path.name in items
+    # the API's TLS certificate and key: Secret kvgov-api-tls, copied 0400 beside the keys
+    # (kvgov reads the key as it reads the others: its own, readable by no one else)
+    tls = volumes[copy_src["/etc/kvgov/secret-api-tls"]]["secret"]
+    assert tls["secretName"] == "kvgov-api-tls" and tls["optional"] is False
+    assert {i["key"] for i in tls["items"]} == {"tls.crt", "tls.key"}
+    copy = " ".join(keys_copy["command"])
+    for path, item in (
+        (settings.api.tls_cert_file, "tls.crt"),
+        (settings.api.tls_key_file, "tls.key"),
+    ):
+        assert path is not None
+        assert source(path)["emptyDir"]["medium"] == "Memory"
+        assert f"-m 0400 /etc/kvgov/secret-api-tls/{item} {path.as_posix()}" in copy
     # per pod: the chain id (the pod's name), the journal on the pod's state volume
     (chain,) = [e for e in kvgov["env"] if e["name"] == "KVGOV_LEDGER__CHAIN_ID"]
     assert chain["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"

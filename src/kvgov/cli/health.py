@@ -3,32 +3,57 @@
 Standard library only, and no ledger or policy is touched: it reads the control plane's
 address from the settings and GETs ``/readyz`` (``--live``: ``/healthz``). Exit 0 when the
 answer is 200, 1 otherwise (not ready, draining, nothing listening).
+
+With ``api.tls_cert_file`` set it asks over https, trusting that certificate alone (pinned:
+the probe goes to loopback, which the certificate does not name); ``--cacert`` verifies an
+https ``--url`` against a CA instead, host name included.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import http.client
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    import ssl
 
 #: addresses a server binds to that mean "every address": the probe asks loopback instead
 _ANY = frozenset({"", "0.0.0.0", "::", "[::]"})  # noqa: S104 - compared, never bound
 
 
-def probe_url(host: str, port: int, *, live: bool = False) -> str:
+def probe_url(host: str, port: int, *, live: bool = False, tls: bool = False) -> str:
     """The URL of this host's control plane probe for a server bound to ``host:port``."""
     host = "127.0.0.1" if host in _ANY else host
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    return f"http://{host}:{port}/{'healthz' if live else 'readyz'}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://{host}:{port}/{'healthz' if live else 'readyz'}"
 
 
-def check(url: str, timeout_s: float) -> tuple[bool, str]:
-    """GET ``url`` with no proxy; (ready, what was seen)."""
+def pinned_context(cert: Path) -> ssl.SSLContext:
+    """A client context that trusts ``cert`` (the server's own certificate) and nothing else;
+    no host name check: the certificate itself is what is pinned."""
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=str(cert))
+    ctx.check_hostname = False
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # a leaf as its own trust anchor
+    return ctx
+
+
+def check(url: str, timeout_s: float, context: ssl.SSLContext | None = None) -> tuple[bool, str]:
+    """GET ``url`` with no proxy (``context``: how an https server is verified; default: the
+    system's CAs); (ready, what was seen)."""
     import urllib.error
     import urllib.request
 
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+    if context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=context))
+    opener = urllib.request.build_opener(*handlers)
     try:
         with opener.open(url, timeout=timeout_s) as reply:
             return reply.status == 200, f"{reply.status}"
@@ -37,6 +62,8 @@ def check(url: str, timeout_s: float) -> tuple[bool, str]:
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         return False, f"unreachable ({reason})"
+    except http.client.HTTPException as exc:  # no HTTP answer (plain HTTP to a TLS port)
+        return False, f"no HTTP answer ({type(exc).__name__})"
 
 
 def register(app: typer.Typer) -> None:
@@ -50,13 +77,34 @@ def register(app: typer.Typer) -> None:
             str | None, typer.Option("--url", help="Probe this URL instead of the settings'.")
         ] = None,
         timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait.")] = 2.0,
+        cacert: Annotated[
+            Path | None,
+            typer.Option(
+                "--cacert",
+                help="Verify an https server against this CA file (PEM), host name included.",
+            ),
+        ] = None,
     ) -> None:
         """Exit 0 if this host's sidecar answers /readyz (or /healthz) with 200."""
-        if url is None:
-            from kvgov.cli._common import settings
+        import ssl
 
-            api = settings(ctx).api
-            url = probe_url(api.host, api.port, live=live)
-        ok, seen = check(url, timeout)
+        context: ssl.SSLContext | None = None
+        trust = cacert
+        try:
+            if cacert is not None:
+                context = ssl.create_default_context(cafile=str(cacert))
+            if url is None:
+                from kvgov.cli._common import settings
+
+                api = settings(ctx).api
+                url = probe_url(api.host, api.port, live=live, tls=api.tls)
+                if context is None and api.tls_cert_file is not None:
+                    trust = api.tls_cert_file
+                    context = pinned_context(api.tls_cert_file)
+        except (OSError, ssl.SSLError) as exc:  # the file, never what it holds
+            reason = getattr(exc, "strerror", None) or type(exc).__name__
+            typer.echo(f"cannot use {trust} to verify the API: {reason}", err=True)
+            raise typer.Exit(1) from None
+        ok, seen = check(url, timeout, context)
         typer.echo(f"{url}: {seen}", err=not ok)
         raise typer.Exit(0 if ok else 1)

@@ -722,7 +722,11 @@ async def run_sidecar(settings: Settings) -> None:
 
     from kvgov.proxy.api.app import create_control_app
     from kvgov.proxy.api.server import api_config
+    from kvgov.proxy.api.tls import api_tls_context
 
+    # the API's TLS files first: a missing or mismatched one stops start-up before anything
+    # is built or listens
+    tls = api_tls_context(settings.api)
     # handlers first: a SIGTERM while the sidecar starts (it serves before the control plane
     # is up) stops it gracefully once started, instead of killing it mid-way
     stop = asyncio.Event()
@@ -739,7 +743,7 @@ async def run_sidecar(settings: Settings) -> None:
             None, register_sidecar, sidecar.engine, sidecar.sidecar_id, settings.chain_id, endpoint
         )
     api = settings.api
-    config = api_config(create_control_app(sidecar.control_plane()), api)
+    config = api_config(create_control_app(sidecar.control_plane()), api, tls)
     web = _control_server_class()(config)
     web_task = asyncio.create_task(web.serve())
     await stop.wait()

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 from kvgov.proxy.dataplane.limits import SummaryLog
 
 if TYPE_CHECKING:
+    import ssl
+
     import uvicorn
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -91,8 +93,12 @@ def api_protocol(
             super().connection_made(transport)
             # pause_writing() as soon as the transport holds a byte the socket did not take
             # (and resume_writing() once it holds none): so a stall is seen at any size, also
-            # after close(), which waits for the buffer to empty before the connection goes
-            transport.set_write_buffer_limits(high=0)
+            # after close(), which waits for the buffer to empty before the connection goes.
+            # A TLS transport (api.tls_*) pauses at its high-water mark, a plain one above it:
+            # 0 would pause a TLS connection before its first byte, for ever. (TLS pauses once
+            # the socket's own transport under it holds its high-water mark, 64 KiB)
+            tls = transport.get_extra_info("sslcontext") is not None
+            transport.set_write_buffer_limits(high=1 if tls else 0, low=0)
             if max_connections_per_peer and (peer := _peer_host(transport)) is not None:
                 if peers[peer] >= max_connections_per_peer:
                     note.note("api.connection.refused", cap="peer")
@@ -249,10 +255,18 @@ async def _refuse(send: Send, status: int = 413, title: str = "request body too 
     await send({"type": "http.response.body", "body": body})
 
 
-def api_config(app: ASGIApp, api: ApiSettings) -> uvicorn.Config:
-    """The uvicorn configuration of the REST API, its limits set from ``api``."""
+def api_config(app: ASGIApp, api: ApiSettings, tls: ssl.SSLContext | None = None) -> uvicorn.Config:
+    """The uvicorn configuration of the REST API, its limits set from ``api``; over TLS when
+    ``api.tls_cert_file``/``tls_key_file`` are set (``tls``: their context, built already by
+    :func:`kvgov.proxy.api.tls.api_tls_context`; else built here). Raises
+    :class:`~kvgov.errors.ConfigError` when those files do not make a TLS identity."""
     import uvicorn
 
+    from kvgov.proxy.api.tls import api_tls_context
+
+    if tls is None:
+        tls = api_tls_context(api)
+    context = tls
     return uvicorn.Config(
         BodyLimit(app, api.max_body_bytes, api.max_header_bytes),
         host=api.host,
@@ -277,4 +291,7 @@ def api_config(app: ASGIApp, api: ApiSettings) -> uvicorn.Config:
         # X-Forwarded-Proto/-For only from the proxies named (the dashboard's scheme)
         proxy_headers=True,
         forwarded_allow_ips=list(api.forwarded_allow_ips),
+        # the context checked at start-up, not one uvicorn would build from the paths (that
+        # would read the key again, unchecked); the scheme the app sees is then https
+        ssl_context_factory=None if context is None else lambda _config, _default: context,
     )
