@@ -414,3 +414,61 @@ async def test_connections_per_peer_are_capped(tmp_path: Path, prod_db: doors.Pr
         finally:
             for s in socks:
                 s.close()
+
+
+def _tls_status(port: int, ca: Path, source: str = "127.0.0.1") -> int | str:
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=str(ca))
+    try:
+        with _connect(port, source) as raw, ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+            s.settimeout(5)
+            s.sendall(HEALTHZ)
+            line = s.makefile("rb").readline()
+        return int(line.split()[1])
+    except (OSError, IndexError) as exc:
+        return type(exc).__name__
+
+
+async def test_tls_handshakes_are_capped_per_peer_and_timed_out(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    """Over TLS (``api.tls_*``) a connection counts against its peer's cap from its first
+    byte, not from the end of its handshake, and a handshake must end within
+    ``api.request_timeout_s``.
+
+    Attack: asyncio hands a TLS connection to the API's protocol only once its handshake is
+    done, so a peer that opened connections and never sent a ClientHello was counted by no
+    cap and held each connection (and its descriptor, shared with the data plane) for
+    asyncio's 60 s handshake timeout, however many it opened."""
+    tls = doors.tls_identity(tmp_path / "tls")
+    async with (
+        doors.sidecar(tmp_path, prod_db) as sc,
+        serving(
+            sc,
+            max_connections_per_peer=3,
+            request_timeout_s=1.0,
+            tls_cert_file=tls.cert,
+            tls_key_file=tls.key,
+        ) as server,
+    ):
+        port = _port(server)
+        assert await run(_tls_status, port, tls.ca) == 200  # TLS is on, and answers
+        silent = [await run(_connect, port, "127.0.0.2") for _ in range(3)]
+        try:
+            extra = await run(_connect, port, "127.0.0.2")
+            silent.append(extra)
+            assert await run(doors.closed_within, extra, 2.0), (
+                "a 4th connection of one peer, still in its handshake, was not refused"
+            )
+            # another peer is not affected
+            assert await run(_tls_status, port, tls.ca, "127.0.0.1") == 200
+            # a handshake that never comes is given up within the request deadline
+            assert await run(_closed_count, silent[:3], 4.0) == 3, (
+                "connections that never sent a ClientHello were held open"
+            )
+            # and the peer has its share back
+            assert await run(_tls_status, port, tls.ca, "127.0.0.2") == 200
+        finally:
+            for s in silent:
+                s.close()

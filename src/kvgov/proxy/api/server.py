@@ -54,10 +54,17 @@ def api_protocol(
     *,
     response_timeout_s: float = 30.0,
     max_connections_per_peer: int = 0,
+    tls: ssl.SSLContext | None = None,
 ) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol with a deadline on receiving each request and on the peer's
     reading of each response, a cap on connections per peer address (0: none), and the probes
-    outside ``limit_concurrency``. One class per server: the per-peer counts are its own."""
+    outside ``limit_concurrency``. One class per server: the per-peer counts are its own.
+
+    With ``tls`` the protocol serves TLS itself (uvicorn is given no context): it is handed
+    the plain connection at once, counts it against its peer's cap there, and then upgrades
+    it (``loop.start_tls``), the handshake bounded by ``request_timeout_s``. Given a context,
+    asyncio would call the protocol only once the handshake is done, so a connection still
+    in its handshake was counted by no cap and held for asyncio's 60 s."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -75,6 +82,8 @@ def api_protocol(
         _last_taken = 0.0
         _peer: str | None = None
         _limit: int | None = None
+        #: the TLS handshake in progress (kept: the loop holds tasks weakly)
+        _handshake: asyncio.Task[None] | None = None
 
         @property
         def limit_concurrency(self) -> int | None:
@@ -90,15 +99,6 @@ def api_protocol(
             self._limit = value
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            # pause_writing() as soon as the transport holds a byte the socket did not take
-            # (and resume_writing() once it holds none): so a stall is seen at any size, also
-            # after close(), which waits for the buffer to empty before the connection goes.
-            # A TLS transport (api.tls_*) pauses at its high-water mark, a plain one above it:
-            # 0 would pause a TLS connection before its first byte, for ever. (TLS pauses once
-            # the socket's own transport under it holds its high-water mark, 64 KiB)
-            tls = transport.get_extra_info("sslcontext") is not None
-            transport.set_write_buffer_limits(high=1 if tls else 0, low=0)
             if max_connections_per_peer and (peer := _peer_host(transport)) is not None:
                 if peers[peer] >= max_connections_per_peer:
                     note.note("api.connection.refused", cap="peer")
@@ -106,7 +106,59 @@ def api_protocol(
                     return
                 peers[peer] += 1
                 self._peer = peer
+            if tls is None:
+                self._serve(transport)
+                return
+            # nothing is read until the handshake starts: start_tls resumes reading
+            transport.pause_reading()
+            self._handshake = self.loop.create_task(self._start_tls(transport, tls))
+
+        async def _start_tls(self, raw: asyncio.Transport, context: ssl.SSLContext) -> None:
+            # what arrives between the handshake's end and this task's turn (a TLS 1.3 client
+            # sends its request at once) waits in ``early``, then goes to this protocol
+            early = _Handshaking()
+            try:
+                secure = await self.loop.start_tls(
+                    raw,
+                    early,
+                    context,
+                    server_side=True,
+                    ssl_handshake_timeout=request_timeout_s,
+                )
+            except Exception:  # noqa: BLE001 - a failed or stalled handshake: drop it
+                note.note("api.tls.handshake_failed")
+                raw.abort()
+                self._forget_peer()  # asyncio tells a protocol of no loss before its handshake
+                return
+            if secure is None or early.lost:  # the connection went meanwhile
+                self._forget_peer()
+                return
+            secure.set_protocol(self)
+            self._serve(secure)
+            for data in early.data:
+                self.data_received(data)
+            if early.eof:
+                self.eof_received()  # uvicorn's: returns nothing, so the transport closes
+                secure.close()
+
+        def _serve(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            # pause_writing() as soon as the transport holds a byte the socket did not take
+            # (and resume_writing() once it holds none): so a stall is seen at any size, also
+            # after close(), which waits for the buffer to empty before the connection goes.
+            # A TLS transport pauses at its high-water mark, a plain one above it: 0 would
+            # pause a TLS connection before its first byte, for ever. (TLS pauses once the
+            # socket's own transport under it holds its high-water mark, 64 KiB)
+            secure = transport.get_extra_info("sslcontext") is not None
+            transport.set_write_buffer_limits(high=1 if secure else 0, low=0)
             self._arm()
+
+        def _forget_peer(self) -> None:
+            if self._peer is not None:
+                peers[self._peer] -= 1
+                if peers[self._peer] <= 0:
+                    del peers[self._peer]
+                self._peer = None
 
         def data_received(self, data: bytes) -> None:
             if self._request_timer is None and self.conn.their_state is not h11.DONE:
@@ -118,11 +170,7 @@ def api_protocol(
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             self._stop_send_timer()
-            if self._peer is not None:
-                peers[self._peer] -= 1
-                if peers[self._peer] <= 0:
-                    del peers[self._peer]
-                self._peer = None
+            self._forget_peer()
             super().connection_lost(exc)  # resumes writing: a task waiting in drain() ends
 
         def pause_writing(self) -> None:
@@ -173,6 +221,26 @@ def api_protocol(
             self.transport.close()
 
     return DeadlineH11Protocol
+
+
+class _Handshaking(asyncio.Protocol):
+    """A TLS connection's protocol from its handshake's end until the API's takes it over:
+    holds what arrives meanwhile."""
+
+    def __init__(self) -> None:
+        self.data: list[bytes] = []
+        self.eof = False
+        self.lost = False
+
+    def data_received(self, data: bytes) -> None:
+        self.data.append(data)
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        return True  # keep the transport open: the API's protocol decides
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
 
 
 def _peer_host(transport: asyncio.BaseTransport) -> str | None:
@@ -258,15 +326,15 @@ async def _refuse(send: Send, status: int = 413, title: str = "request body too 
 def api_config(app: ASGIApp, api: ApiSettings, tls: ssl.SSLContext | None = None) -> uvicorn.Config:
     """The uvicorn configuration of the REST API, its limits set from ``api``; over TLS when
     ``api.tls_cert_file``/``tls_key_file`` are set (``tls``: their context, built already by
-    :func:`kvgov.proxy.api.tls.api_tls_context`; else built here). Raises
-    :class:`~kvgov.errors.ConfigError` when those files do not make a TLS identity."""
+    :func:`kvgov.proxy.api.tls.api_tls_context`; else built here), served by the protocol
+    itself (:func:`api_protocol`). Raises :class:`~kvgov.errors.ConfigError` when those
+    files do not make a TLS identity."""
     import uvicorn
 
     from kvgov.proxy.api.tls import api_tls_context
 
     if tls is None:
         tls = api_tls_context(api)
-    context = tls
     return uvicorn.Config(
         BodyLimit(app, api.max_body_bytes, api.max_header_bytes),
         host=api.host,
@@ -283,6 +351,7 @@ def api_config(app: ASGIApp, api: ApiSettings, tls: ssl.SSLContext | None = None
             api.request_timeout_s,
             response_timeout_s=api.response_timeout_s,
             max_connections_per_peer=api.max_connections_per_peer,
+            tls=tls,
         ),
         limit_concurrency=api.limit_concurrency,
         timeout_keep_alive=int(max(1, api.timeout_keep_alive_s)),
@@ -291,7 +360,4 @@ def api_config(app: ASGIApp, api: ApiSettings, tls: ssl.SSLContext | None = None
         # X-Forwarded-Proto/-For only from the proxies named (the dashboard's scheme)
         proxy_headers=True,
         forwarded_allow_ips=list(api.forwarded_allow_ips),
-        # the context checked at start-up, not one uvicorn would build from the paths (that
-        # would read the key again, unchecked); the scheme the app sees is then https
-        ssl_context_factory=None if context is None else lambda _config, _default: context,
     )
