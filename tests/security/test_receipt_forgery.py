@@ -326,3 +326,49 @@ async def test_sqlite_inflated_count_is_not_signed_as_completed_and_control(
     assert r["state"] != "completed"
     assert r["entries_purged"] != 120
     assert any(line.startswith("tiers") for line in r["incomplete"]), r["incomplete"]
+
+
+@pytest.mark.postgres
+async def test_a_gpu_reset_added_to_a_completed_step_is_not_signed(
+    env: Env, runtime_role: str
+) -> None:
+    """The GPU step completed (no vLLM engine configured: nothing to reset); the row is given
+    an engine "reset" that never was. Its chained summary was empty, so only the state was
+    compared, and the forged reset was signed."""
+    await env.seed("acme", "alice")
+    service = env.service()
+    job = await service.create(PurgeRequest(tenant="acme", user="alice"))
+    await _run_until_ledger(service, job.id)
+    gpu = _step(await service.get(job.id), "gpu")
+    assert gpu.state is PurgeState.COMPLETED
+    forged = {
+        **gpu.detail,
+        "results": [{"engine": "http://10.0.0.9:8000", "ok": True, "status": 200, "error": None}],
+    }
+    _tamper(env, runtime_role, job.id, "gpu", detail=forged)
+    job = await asyncio.wait_for(service.wait(job.id), 30)
+    r = _receipt(env, job)
+    assert r["state"] != "completed"
+    assert all(g["engine"] != "http://10.0.0.9:8000" for g in r["gpu_reset"]), r["gpu_reset"]
+    assert any(line.startswith("gpu") for line in r["incomplete"]), r["incomplete"]
+
+
+@pytest.mark.postgres
+async def test_a_destroyed_key_swapped_for_another_is_not_signed(
+    env: Env, runtime_role: str
+) -> None:
+    """The keys step shredded alice's key; the row is made to name another key (the same
+    count). Its chained summary held the count only, and the swap was signed."""
+    await env.seed("acme", "alice")
+    service = env.service()
+    job = await service.create(PurgeRequest(tenant="acme", user="alice"))
+    await _run_until_ledger(service, job.id)
+    keys = _step(await service.get(job.id), "keys").detail
+    assert len(keys["destroyed"]) == 1
+    swapped = {**keys, "destroyed": [{"key_id": "u:acme:someone-else", "version": 7}]}
+    _tamper(env, runtime_role, job.id, "keys", detail=swapped)
+    job = await asyncio.wait_for(service.wait(job.id), 30)
+    r = _receipt(env, job)
+    assert r["state"] != "completed"
+    assert "u:acme:someone-else" not in json.dumps(r["keys_destroyed"])
+    assert any(line.startswith("keys") for line in r["incomplete"]), r["incomplete"]

@@ -4,7 +4,8 @@ Every sample below is a detail as the dict-building executors (before the models
 ``purge_steps.detail``, or as ``fail_step`` / the job timeout left it. Read back through
 :func:`read_detail` each one is its step's model (or a bare :class:`StepDetail` when no executor
 finished the step) and dumps to exactly the stored JSON; the ``purge:step`` event's summary is
-what the dict ``_summary`` (kept below as the reference) made of it.
+what the dict ``_summary`` (kept below as the reference) made of it, and since the receipt is
+cross-checked with the chain, also the destroyed key versions and the GPU engines by name.
 """
 
 from __future__ import annotations
@@ -116,6 +117,10 @@ def dict_summary(detail: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {k: detail[k] for k in keep if k in detail}
     if "destroyed" in detail:
         out["keys_destroyed"] = len(detail["destroyed"])
+        out["destroyed"] = [[k["key_id"], k["version"]] for k in detail["destroyed"]]
+    if "results" in detail:
+        out["reset"] = [r["engine"] for r in detail["results"] if r["ok"]]
+        out["not_reset"] = [r["engine"] for r in detail["results"] if not r["ok"]]
     if "unreachable" in detail and isinstance(detail["unreachable"], list):
         out["unreachable"] = [u.get("engine") for u in detail["unreachable"]]
     return out

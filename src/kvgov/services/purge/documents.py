@@ -217,7 +217,12 @@ class KeysDetail(StepDetail):
     destroyed: tuple[KeyDestroyed, ...]
 
     def summary(self) -> dict[str, JSONValue]:
-        return {"keys_destroyed": len(self.destroyed)}
+        # the versions by name (each is also chained as its own ``key:shredded`` event): a
+        # receipt naming other keys than were shredded disagrees with the chain
+        return {
+            "keys_destroyed": len(self.destroyed),
+            "destroyed": [[k.key_id, k.version] for k in self.destroyed],
+        }
 
 
 class EngineAnswer(_Document):
@@ -258,6 +263,13 @@ class GpuDetail(StepDetail):
 
     executed_by: ExecutedBy
     results: tuple[GpuReset, ...]
+
+    def summary(self) -> dict[str, JSONValue]:
+        # which engines were reset and which not, by name: the receipt lists them
+        return {
+            "reset": [r.engine for r in self.results if r.ok],
+            "not_reset": [r.engine for r in self.results if not r.ok],
+        }
 
 
 class LedgerDetail(StepDetail):
