@@ -10,6 +10,7 @@ is bounded now: a few decryptions of the one segment, the nearest positions firs
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -17,7 +18,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvgov.errors import SealError
 from kvgov.keys.handle import KeyHandle
-from kvgov.keys.sealed import DIAGNOSE_MAX_TRIES, open_sealed, parse_header, seal
+from kvgov.keys.sealed import DIAGNOSE_MAX_TRIES, SealReader, open_sealed, parse_header, seal
+from kvgov.proxy.dataplane.plans import open_all
+from kvgov.proxy.dataplane.sealers import _SealedOpener
 
 CK = b"model|planted"
 SEGMENT = 4096
@@ -79,3 +82,29 @@ def test_the_bounded_diagnosis_still_names_a_nearby_swap_and_a_flipped_flag() ->
     far[c : c + n], far[b : b + n] = sealed[b : b + n], sealed[c : c + n]
     with pytest.raises(SealError, match="segment 10 of 64 failed authentication"):
         open_sealed(far, key, tenant="acme", cache_key=CK)
+
+
+PSEG = 4 << 20
+PN = 8
+
+
+async def test_a_planted_chunk_costs_one_diagnosis_per_get() -> None:
+    """Every segment of a chunk whose nonce base is flipped fails; the data plane opens a value
+    beyond ``inline_bytes`` in the crypto pool, a job per segment or few: the diagnosis runs
+    once per reader (review 6, F5: once per failing job, up to 9x the value's size)."""
+    key, counter = counted_handle()
+    sealed = seal(key, CK, os.urandom(PN * PSEG), segment_size=PSEG)
+    # flip a bit of the nonce base (header offset 4+1+1+2+4+4+8 = 24): every segment fails
+    sealed[24] ^= 1
+    reader = SealReader(sealed, key, tenant="acme", cache_key=CK)
+    opener = _SealedOpener(reader)
+    out = bytearray(PN * PSEG)
+    windows = [memoryview(out)[i * PSEG : (i + 1) * PSEG] for i in range(PN)]
+    counter.decryptions = 0
+    with ThreadPoolExecutor(4) as pool, pytest.raises(SealError):
+        await open_all(opener, windows, PN * PSEG, pool, inline_bytes=0)
+    extra = counter.decryptions - PN
+    assert extra <= DIAGNOSE_MAX_TRIES, (
+        f"{counter.decryptions} decryptions of {PSEG >> 20} MiB segments for one get of a"
+        f" {PN}-segment value ({counter.decryptions / PN:.1f}x its size)"
+    )

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import secrets
 import struct
 from dataclasses import dataclass, field
@@ -328,6 +329,8 @@ class SealReader:
         self._key = key
         self._view = view
         self._seg = _Segments(header, bytes(view[:HEADER_SIZE]), tenant, bytes(context))
+        #: failures seen (``next`` is atomic): only the first is diagnosed, whichever thread
+        self._failures = itertools.count()
 
     @property
     def header(self) -> SealedHeader:
@@ -349,7 +352,10 @@ class SealReader:
             )
         except InvalidTag:
             out[:] = bytes(length)  # never hand back unauthenticated plaintext
-            raise SealError(self._diagnose(index, data)) from None
+            # one diagnosis per reader: a chunk failing in every segment, opened by several
+            # pool jobs, costs one bounded diagnosis per get, not one per job
+            why = self._diagnose(index, data) if next(self._failures) == 0 else None
+            raise SealError(why or _failed(index, self._seg.header.segments)) from None
         return length
 
     def open_into(self, dst: bytearray | memoryview) -> int:
@@ -371,8 +377,8 @@ class SealReader:
         """Why segment ``index`` failed: its flag flipped, or a nearby segment moved there.
 
         Error path only, and bounded: at most :data:`DIAGNOSE_MAX_TRIES` decryptions of this
-        one segment, whatever the chunk's size, so a planted corrupt chunk cannot make a get
-        pay for the whole chunk many times over.
+        one segment, whatever the chunk's size, once per reader (the first failure), so a
+        planted corrupt chunk cannot make a get pay for the whole chunk many times over.
         """
         n = self._seg.header.segments
         aead = self._key.aead
@@ -391,11 +397,7 @@ class SealReader:
                 f"sealed chunk was cut or spliced: segment {index} of {n} carries the"
                 " wrong final-segment flag"
             )
-        return (
-            f"segment {index} of {n} failed authentication: a bit of the header, ciphertext,"
-            " tag or context (the length and metadata stored beside it) was altered, or the"
-            " chunk was sealed for another tenant, cache key or key"
-        )
+        return _failed(index, n)
 
     def _diagnose_candidates(self, index: int, n: int) -> list[tuple[int, bool]]:
         """Where segment ``index``'s bytes may truly belong, the likeliest first, bounded."""
@@ -407,6 +409,14 @@ class SealReader:
             if len(tries) >= DIAGNOSE_MAX_TRIES:
                 break
         return tries[:DIAGNOSE_MAX_TRIES]
+
+
+def _failed(index: int, n: int) -> str:
+    return (
+        f"segment {index} of {n} failed authentication: a bit of the header, ciphertext,"
+        " tag or context (the length and metadata stored beside it) was altered, or the"
+        " chunk was sealed for another tenant, cache key or key"
+    )
 
 
 def seal(
