@@ -221,7 +221,7 @@ async def test_a_job_and_its_step_details_are_one_document_in_the_api_and_the_cl
     # an attempt of one of its steps raised: the step is back to pending with the error
     step = pending.steps[0]
     with Session(world.engine) as s, s.begin():
-        jobs.fail_step(s, step.id, "TierError: redis down", now=utcnow())
+        jobs.fail_step(s, step.id, "TierError: redis down", now=utcnow(), attempt=step.attempts)
 
     body = (await client.get(f"/v1/purges/{done.id}", headers=auditor)).json()
     details = {d["name"]: d["detail"] for d in body["steps"]}

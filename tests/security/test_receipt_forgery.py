@@ -273,7 +273,9 @@ async def test_a_finished_job_is_not_finished_twice(env: Env, runtime_role: str)
     again = await service.get(job.id)
     assert again.receipt == first_receipt
     assert again.result == first_result  # the forged figure was not written as its result
-    assert again.finished_at is None  # what the attacker left: not a finished purge
+    # closed, not left running for its final step to be claimed (and run) again for ever
+    assert again.state is PurgeState.FAILED and again.finished_at is not None
+    assert await service.run_one(job.id) is None
     # and directly: a job with a receipt is not finished a second time
     with make_sessionmaker(env.engine).begin() as s, pytest.raises(PurgeError):
         jobs.finish_job(

@@ -199,22 +199,37 @@ def _mark_unreachable(s: Session, job_id: str, *, now: datetime) -> None:
 
 
 def finish_step(
-    s: Session, step_id: int, state: PurgeState, detail: dict[str, Any], *, now: datetime
-) -> None:
-    """Record a step's final state and its detail (the JSON of its typed detail)."""
+    s: Session,
+    step_id: int,
+    state: PurgeState,
+    detail: dict[str, Any],
+    *,
+    now: datetime,
+    attempt: int,
+) -> bool:
+    """Record a step's final state and its detail (the JSON of its typed detail), made by
+    claim ``attempt``; False, writing nothing, when the step was claimed again since (its
+    lease ran out: the later attempt's outcome, whose ``purge:step`` event the receipt is
+    checked against, is the one the row keeps)."""
     row = s.get(PurgeStep, step_id, with_for_update=True)
     if row is None:  # pragma: no cover - foreign key
         raise NotFoundError(f"no purge step {step_id}")
+    if row.attempts != attempt:
+        return False
     row.state = state
     row.detail = detail
     row.finished_at = now
+    return True
 
 
-def fail_step(s: Session, step_id: int, error: str, *, now: datetime) -> PurgeState:
-    """Record an error: back to pending for a retry, or ``failed`` after ``MAX_ATTEMPTS``."""
+def fail_step(s: Session, step_id: int, error: str, *, now: datetime, attempt: int) -> PurgeState:
+    """Record an error of claim ``attempt``: back to pending for a retry, or ``failed`` after
+    ``MAX_ATTEMPTS``; nothing when the step was claimed again since (its state returned)."""
     row = s.get(PurgeStep, step_id, with_for_update=True)
     if row is None:  # pragma: no cover - foreign key
         raise NotFoundError(f"no purge step {step_id}")
+    if row.attempts != attempt:
+        return PurgeState(row.state)
     row.detail = {**(row.detail or {}), "error": error}
     if row.attempts >= MAX_ATTEMPTS:
         row.state = PurgeState.FAILED
@@ -232,6 +247,23 @@ def release_own_steps(s: Session, sidecar_id: str) -> int:
         .values(state=PurgeState.PENDING)
     )
     return int(getattr(result, "rowcount", 0) or 0)
+
+
+def close_refused(s: Session, job_id: str, step_id: int, *, now: datetime) -> None:
+    """Close a job its final step could not finish (it has a receipt already, or a final
+    state): the step ``failed`` and, unless final already, the job ``failed``, so that no
+    executor claims its final step again and nobody waits on it for ever. The receipt found is
+    left as it is (whoever reads it verifies its signature)."""
+    row = s.get(PurgeStep, step_id, with_for_update=True)
+    if row is not None and row.state not in TERMINAL_STEP_STATES:
+        row.state = PurgeState.FAILED
+        row.detail = {**(row.detail or {}), "error": "the job was finished already"}
+        row.finished_at = now
+    job = s.get(PurgeJob, job_id, with_for_update=True)
+    if job is not None and job.state not in TERMINAL_STEP_STATES:
+        job.state = PurgeState.FAILED
+        job.updated_at = now
+        job.finished_at = now
 
 
 def finish_job(

@@ -215,7 +215,9 @@ class PurgeService:
             cause = exc.orig if isinstance(exc, DBAPIError) else exc
             error = f"{type(exc).__name__}: {cause}"
             log.warning("purge.step.error", extra={"purge_id": job.id, "step": str(step.name)})
-            new_state = await self.ctx.db(lambda s: jobs.fail_step(s, step.id, error, now=utcnow()))
+            new_state = await self.ctx.db(
+                lambda s: jobs.fail_step(s, step.id, error, now=utcnow(), attempt=step.attempts)
+            )
             if new_state is PurgeState.FAILED and step.name is StepName.LEDGER:
                 await self._finish(job.id, step, None)
             return step
@@ -223,7 +225,11 @@ class PurgeService:
             await self._finish(job.id, step, (state, detail))
         else:
             stored = detail.model_dump(mode="json")
-            await self.ctx.db(lambda s: jobs.finish_step(s, step.id, state, stored, now=utcnow()))
+            await self.ctx.db(
+                lambda s: jobs.finish_step(
+                    s, step.id, state, stored, now=utcnow(), attempt=step.attempts
+                )
+            )
         log.info("purge.step.done", extra={"purge_id": job.id, "step": str(step.name)})
         return step
 
@@ -269,7 +275,10 @@ class PurgeService:
                 if isinstance(detail, LedgerDetail):
                     detail = detail.model_copy(update={"checkpoint": checkpoint})
                 stored = detail.model_dump(mode="json")
-                jobs.finish_step(s, ledger_step.id, state, stored, now=now)
+                if not jobs.finish_step(
+                    s, ledger_step.id, state, stored, now=now, attempt=ledger_step.attempts
+                ):
+                    return  # claimed again since: the later attempt finishes the job
             job = jobs.load_job(s, job_id)
             # the rows are mutable, the chained purge:step events are not: a step the chain does
             # not bear out is not done, and none of its stored figures is signed
@@ -295,9 +304,11 @@ class PurgeService:
         try:
             await self.ctx.db(write)
         except PurgeError:
-            # already finished (a ledger step run again after its row was reopened): the
-            # first receipt stands, and nothing is signed or overwritten a second time
-            log.warning("purge.finish.refused", extra={"purge_id": job_id})
+            # already finished, or a receipt row was put there first (the runtime role may
+            # INSERT receipts): nothing is signed or overwritten a second time, and the job is
+            # closed ``failed`` so that its final step is not claimed (and run) again for ever
+            log.error("purge.finish.refused", extra={"purge_id": job_id})
+            await self.ctx.db(lambda s: jobs.close_refused(s, job_id, ledger_step.id, now=utcnow()))
             return
         log.info("purge.finished", extra={"purge_id": job_id})
 
