@@ -82,11 +82,14 @@ def settings(tmp_path: Path, db: ProdDatabase, **dataplane: Any) -> Settings:
     kek = provisioned_kek(tmp_path / "kek.key")
     provisioned_keys(tmp_path / "data")
     # one fleet, one pseudonym key: the ledger pins the first one a sidecar of `db` used, and
-    # refuses another (kvgov.ledger.keypin), so every sidecar of `db` here mounts that one
-    mounted = tmp_path / "data" / "pseudonym.key"
-    fleet = _FLEET_PSEUDONYM_KEYS.setdefault(db.url, mounted.read_bytes())
-    if mounted.read_bytes() != fleet:
-        mounted.write_bytes(fleet)  # the file stays 0600
+    # refuses another (kvgov.ledger.keypin), so every sidecar of `db` here mounts that one;
+    # and one signing key, as the shipped manifests mount it (a receipt rests on the purge
+    # events of chains its signer trusts: kvgov.ledger.purge_trail)
+    for name in ("pseudonym.key", "ledger-signing.key"):
+        mounted = tmp_path / "data" / name
+        fleet = _FLEET_KEYS.setdefault((db.url, name), mounted.read_bytes())
+        if mounted.read_bytes() != fleet:
+            mounted.write_bytes(fleet)  # the file stays 0600
     return Settings(
         environment="production",
         data_dir=tmp_path / "data",
@@ -104,8 +107,9 @@ def settings(tmp_path: Path, db: ProdDatabase, **dataplane: Any) -> Settings:
     )
 
 
-#: the pseudonym key file of each database's fleet (by runtime URL), what :func:`settings` mounts
-_FLEET_PSEUDONYM_KEYS: dict[str, bytes] = {}
+#: the pseudonym and signing key files of each database's fleet (by runtime URL and file name),
+#: what :func:`settings` mounts
+_FLEET_KEYS: dict[tuple[str, str], bytes] = {}
 
 
 def provisioned_kek(path: Path) -> Path:

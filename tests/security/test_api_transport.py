@@ -16,12 +16,14 @@ Every server here is ``kvgov serve`` itself, started as a container starts it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -238,6 +240,36 @@ def test_the_server_context_refuses_tls_below_1_2(tmp_path: Path) -> None:
     assert ctx is not None
     assert ctx.minimum_version >= ssl.TLSVersion.TLSv1_2
     assert api_tls_context(ApiSettings()) is None
+    # TLS 1.2: forward-secret AEAD suites only (no CBC, no static RSA key exchange), no
+    # session tickets, no renegotiation (review 6, F8)
+    for cipher in ctx.get_ciphers():
+        if cipher["protocol"] == "TLSv1.2":
+            assert cipher["aead"] and cipher["kea"] == "kx-ecdhe", cipher["name"]
+    assert ctx.options & ssl.OP_NO_TICKET
+    assert ctx.options & ssl.OP_NO_RENEGOTIATION
+    # a TLS 1.2 client offering only CBC suites gets no session
+    server = socket.create_server(("127.0.0.1", 0))
+    client_ctx = ssl.create_default_context(cafile=str(tls.ca))
+    client_ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    client_ctx.set_ciphers("ECDHE-ECDSA-AES128-SHA256:ECDHE-ECDSA-AES128-SHA")
+
+    def accept() -> None:
+        conn, _ = server.accept()
+        with contextlib.suppress(ssl.SSLError, OSError):
+            ctx.wrap_socket(conn, server_side=True).close()
+        conn.close()
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    try:
+        with (
+            socket.create_connection(server.getsockname(), timeout=5) as raw,
+            pytest.raises(ssl.SSLError),
+        ):
+            client_ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+    finally:
+        thread.join(5)
+        server.close()
 
 
 # -- (c) a misconfigured certificate or key stops start-up, quoting nothing ---------------------

@@ -5,21 +5,27 @@ its sidecar and carries the step detail's ``summary()``; ``reason`` is the state
 in. Those are the facts ``kvgov audit verify`` proves untampered, unlike the mutable
 ``purge_steps`` rows the runtime database role may UPDATE, so the receipt is checked against
 them (:mod:`kvgov.services.purge.trail`). The rows are read the way verification reads them, and
-a row whose own hash does not cover its columns is ignored: it proves nothing. Linking to the
-rest of the chain (and the chain's seals and checkpoints) stays ``audit verify``'s job.
+a row whose own hash does not cover its columns is ignored: it proves nothing. Nor does a row on
+a chain no trusted key vouches for: the runtime role may INSERT into ``chains`` and
+``ledger_events``, and the chain hash is unkeyed, so it could register a chain of its own and
+chain a matching event on it (review 6, F1). An event counts only on a chain whose key is
+trusted (the receipt signer's own, ``ledger.trusted_keys``), whose genesis that key signed, and
+at a position a writer session of that key covered (:mod:`kvgov.ledger.seals`). Linking to the
+rest of the chain, and events appended to a live writer's chain, stay ``audit verify``'s job.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import String, cast, select
+from sqlalchemy import Connection, String, cast, select
 from sqlalchemy.orm import Session
 
-from kvgov.db.models import LedgerEvent
+from kvgov.db.models import Chain, LedgerEvent
 from kvgov.ledger.chain import ChainedFields, link
+from kvgov.ledger.seals import Standing, read_standing
 from kvgov.types import EventKind
 
 #: a step of one job: its name and its sidecar (None: a global step)
@@ -68,12 +74,26 @@ def _like(value: str) -> str:
     return "%" + value.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
-def chained_steps(session: Session, purge_id: str, tenant: str) -> dict[StepKey, ChainedStep]:
-    """The latest chained ``purge:step`` event of each step of purge ``purge_id``.
+def _vouched(conn: Connection, chain_id: str, trusted: Collection[bytes]) -> Standing | None:
+    """The standing of ``chain_id`` when a trusted key holds it and signed its genesis."""
+    key = conn.execute(select(Chain.public_key).where(Chain.chain_id == chain_id)).scalar()
+    if key is None or bytes(key) not in trusted:
+        return None
+    standing = read_standing(conn, chain_id, bytes(key))
+    return standing if standing.vouched else None
+
+
+def chained_steps(
+    session: Session, purge_id: str, tenant: str, trusted: Collection[bytes]
+) -> dict[StepKey, ChainedStep]:
+    """The latest chained ``purge:step`` event of each step of purge ``purge_id``, on chains
+    ``trusted`` keys vouch for (see the module docstring).
 
     A step retried after its event was chained (its row could not be written) has several;
     the row holds the last attempt's detail, so the last attempt's event is the one to match.
     """
+    conn = session.connection()
+    chains: dict[str, Standing | None] = {}
     query = (
         select(LedgerEvent)
         .where(
@@ -89,6 +109,11 @@ def chained_steps(session: Session, purge_id: str, tenant: str) -> dict[StepKey,
         attrs = row.attrs if isinstance(row.attrs, Mapping) else {}
         if attrs.get("purge_id") != purge_id or link(_fields(row)) != row.hash:
             continue
+        if row.chain_id not in chains:
+            chains[row.chain_id] = _vouched(conn, row.chain_id, trusted)
+        standing = chains[row.chain_id]
+        if standing is None or not standing.covers(row.seq):
+            continue  # a chain no trusted key vouches for, or written while none held it
         sidecar = attrs.get("sidecar_id")
         attempt = attrs.get("attempt")
         summary = attrs.get("summary")

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 _CERT = "api.tls_cert_file"
 _KEY = "api.tls_key_file"
+#: OpenSSL's names of the TLS 1.2 suites served: ECDHE key exchange, AES-GCM or ChaCha20
+_TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20:!aNULL"
 _PROVISION = 'provision the API\'s certificate and key (docs/api.md, "TLS")'
 
 
@@ -54,7 +56,10 @@ def api_tls_context(api: ApiSettings) -> ssl.SSLContext | None:
         raise ConfigError(exc.message, hint=exc.hint) from None
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.options |= ssl.OP_NO_COMPRESSION
+    # TLS 1.2: forward-secret AEAD suites only (TLS 1.3's are all such); no tickets (a
+    # ticket key outlives sessions), no renegotiation
+    ctx.set_ciphers(_TLS12_CIPHERS)
+    ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_TICKET | ssl.OP_NO_RENEGOTIATION
     try:
         with _in_memory(key) as key_path:
             ctx.load_cert_chain(cert, key_path, password=_no_password)

@@ -99,12 +99,16 @@ def make_service(
         sidecar_id=sidecar_id,
         principal=principal,
     )
+    from kvgov.ledger.trust import trusted_keys
+
     return PurgeService(
         ctx,
         signing_key=signing_key,
         pseudonymize=pseudonymize,
         checkpoint=checkpoint,
         lease_s=settings.purge.step_lease_s,
+        # the chains a receipt's steps may rest on: as audit verify trusts them
+        trusted_keys=trusted_keys(settings),
     )
 
 

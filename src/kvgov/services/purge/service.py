@@ -16,7 +16,7 @@ import asyncio
 import base64
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -36,6 +36,7 @@ from kvgov.db.purge_views import (
     plan_steps,
 )
 from kvgov.errors import KvgovError, PurgeError
+from kvgov.ledger.chain import public_key_bytes
 from kvgov.ledger.events import Event
 from kvgov.ledger.purge_trail import chained_steps
 from kvgov.services.purge import scope
@@ -75,9 +76,13 @@ class PurgeService:
         pseudonymize: Callable[[str, str], str],
         checkpoint: Checkpointer | None = None,
         lease_s: float = 120.0,
+        trusted_keys: Collection[bytes] = (),
     ) -> None:
         self.ctx = ctx
         self._signing_key = signing_key
+        #: the keys whose chains' ``purge:step`` events a receipt may rest on: this signer's
+        #: own and ``ledger.trusted_keys`` (the fleet's other nodes)
+        self._trusted = frozenset(trusted_keys) | {public_key_bytes(signing_key)}
         self._pseudonymize = pseudonymize
         self._checkpoint = checkpoint
         self.lease_s = lease_s
@@ -282,7 +287,7 @@ class PurgeService:
             job = jobs.load_job(s, job_id)
             # the rows are mutable, the chained purge:step events are not: a step the chain does
             # not bear out is not done, and none of its stored figures is signed
-            job, _ = cross_check(job, chained_steps(s, job.id, job.tenant))
+            job, _ = cross_check(job, chained_steps(s, job.id, job.tenant, self._trusted))
             final = final_state(job.steps) if outcome is not None else PurgeState.FAILED
             receipt = build_receipt(job, final, finished_at=now.isoformat())
             signed = sign_receipt(receipt, self._signing_key)
