@@ -1,15 +1,17 @@
-"""r6 demonstrations against the purge receipt's cross-check (commit ea85f3e).
+"""Attacks on the purge receipt's cross-check with the chain (review 6, F1-F3).
 
 1. The runtime role that may UPDATE ``purge_steps`` may also INSERT into ``chains`` and
-   ``ledger_events``. ``chained_steps`` accepts any row whose own hash covers its columns (a
-   public SHA-256 anyone can compute) on any chain, and takes the highest ``attempt``. So the
-   same role that inflates a step's row inserts one matching ``purge:step`` event on a chain of
-   its own, with attempt 99: the receipt is signed ``completed`` with the forged figures.
-2. The runtime role may INSERT into ``purge_receipts``. A receipt row inserted for an open job
-   makes ``finish_job`` refuse the job's real finish; ``_finish`` swallows the refusal, the
-   ledger step's row stays ``running``, and the job is never finished: its ledger step is run
-   again each time its lease expires (erasing, chaining and checkpointing again), and
-   ``kvgov purge`` waits for ever.
+   ``ledger_events``, and the chain hash is unkeyed: it inflates a step's row and chains one
+   matching ``purge:step`` event (attempt 99) on a chain of its own. ``chained_steps`` took
+   any row whose own hash covered its columns, and the receipt was signed ``completed`` with the
+   forged figures. Now an event counts only on a chain a trusted key vouches for.
+2. The runtime role may INSERT into ``purge_receipts``: a receipt row inserted for an open job
+   made ``finish_job`` refuse the real finish, which was swallowed; the job stayed ``running``
+   and its ledger step ran again at each lease's end (erasing, chaining, checkpointing), while
+   ``kvgov purge`` waited for ever. Now the job is closed ``failed``.
+3. No attacker: a step that outlived its lease ran twice, the slower attempt wrote its row last,
+   and the receipt (checked against the later attempt's event) was signed ``incomplete``. Now
+   only the attempt holding the step writes its outcome.
 """
 
 from __future__ import annotations
