@@ -8,6 +8,7 @@ keyring, store in the tiers, append a ``kv:put`` event whose EntryChange creates
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import os
 import threading
@@ -133,13 +134,15 @@ class Env:
         return out
 
 
-@pytest.fixture
-async def env(pg_url: str, tmp_path: Path) -> AsyncIterator[Env]:
-    upgrade(pg_url)
-    engine = make_engine(pg_url)
+@contextlib.asynccontextmanager
+async def world(url: str, tmp_path: Path) -> AsyncIterator[Env]:
+    """The purge service's world on the database ``url``: a real ledger writer, memory and
+    filesystem tiers, a real keyring (the attacks of ``tests/security`` use it too)."""
+    upgrade(url)
+    engine = make_engine(url)
     settings = Settings(
         data_dir=tmp_path,
-        database={"url": pg_url},
+        database={"url": url},
         tiers={"filesystem_fsync": False},
         purge={"poll_interval_s": 0.05, "job_timeout_s": 30.0, "http_timeout_s": 2.0},
     )
@@ -149,24 +152,29 @@ async def env(pg_url: str, tmp_path: Path) -> AsyncIterator[Env]:
     kek = FileKekProvider(generate_kek_file(tmp_path / "kek.key"))
     store = SqlKeyStore(engine)
     fs = await FilesystemTier.open(tmp_path / "fs", fsync=False)
-    e = Env(
-        settings=settings,
-        engine=engine,
-        writer=writer,
-        key=key,
-        keyring=Keyring(store, kek),
-        store=store,
-        kek=kek,
-        memory=MemoryTier(64 << 20),
-        fs=fs,
-        pseudo=Pseudonymizer(os.urandom(32)),
-    )
     try:
-        yield e
+        yield Env(
+            settings=settings,
+            engine=engine,
+            writer=writer,
+            key=key,
+            keyring=Keyring(store, kek),
+            store=store,
+            kek=kek,
+            memory=MemoryTier(64 << 20),
+            fs=fs,
+            pseudo=Pseudonymizer(os.urandom(32)),
+        )
     finally:
         await writer.close()
         await fs.close()
         engine.dispose()
+
+
+@pytest.fixture
+async def env(pg_url: str, tmp_path: Path) -> AsyncIterator[Env]:
+    async with world(pg_url, tmp_path) as e:
+        yield e
 
 
 async def _held(env: Env, digests: list[str]) -> dict[str, int]:

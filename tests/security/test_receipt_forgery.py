@@ -20,86 +20,38 @@ still yields a ``completed`` receipt that verifies.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import text
 
-from kvgov.config import Settings
-from kvgov.connectors.tiers.filesystem import FilesystemTier
-from kvgov.connectors.tiers.memory import MemoryTier
 from kvgov.db import purge_jobs as jobs
-from kvgov.db.engine import make_engine, make_sessionmaker, upgrade, utcnow
+from kvgov.db.engine import make_sessionmaker, utcnow
 from kvgov.db.grants import apply_grants
-from kvgov.db.keystore import SqlKeyStore
 from kvgov.db.purge_views import PurgeRequest, StepName
 from kvgov.errors import PurgeError
-from kvgov.keys.kek import FileKekProvider, generate_kek_file
-from kvgov.keys.keyring import Keyring
 from kvgov.ledger.chain import public_key_bytes
-from kvgov.ledger.pseudonym import Pseudonymizer
-from kvgov.ledger.writer import LedgerWriter
 from kvgov.services.purge.receipts import canonical, verify_receipt
 from kvgov.services.purge.service import PurgeService, build_receipt
 from kvgov.types import PurgeState
-from tests.integration.test_purge_service import CHAIN, Env, N
-
-
-@contextlib.asynccontextmanager
-async def _world(url: str, tmp_path: Path) -> AsyncIterator[Env]:
-    """The purge service's integration world (``tests/integration/test_purge_service.py``):
-    a real ledger writer, memory and filesystem tiers, a real keyring, on the database ``url``."""
-    upgrade(url)
-    engine = make_engine(url)
-    key = Ed25519PrivateKey.generate()
-    writer = LedgerWriter(engine, chain_id=CHAIN, signing_key=key)
-    await writer.start()
-    kek = FileKekProvider(generate_kek_file(tmp_path / "kek.key"))
-    store = SqlKeyStore(engine)
-    fs = await FilesystemTier.open(tmp_path / "fs", fsync=False)
-    settings = Settings(
-        data_dir=tmp_path,
-        database={"url": url},
-        tiers={"filesystem_fsync": False},
-        purge={"poll_interval_s": 0.05, "job_timeout_s": 30.0, "http_timeout_s": 2.0},
-    )
-    try:
-        yield Env(
-            settings=settings,
-            engine=engine,
-            writer=writer,
-            key=key,
-            keyring=Keyring(store, kek),
-            store=store,
-            kek=kek,
-            memory=MemoryTier(64 << 20),
-            fs=fs,
-            pseudo=Pseudonymizer(os.urandom(32)),
-        )
-    finally:
-        await writer.close()
-        await fs.close()
-        engine.dispose()
+from tests.integration.test_purge_service import Env, N, world
 
 
 @pytest.fixture
 async def env(pg_url: str, tmp_path: Path) -> AsyncIterator[Env]:
-    async with _world(pg_url, tmp_path) as e:
+    async with world(pg_url, tmp_path) as e:
         yield e
 
 
 @pytest.fixture
 async def sqlite_env(sqlite_url: str, tmp_path: Path) -> AsyncIterator[Env]:
     """On SQLite, the embedded default: ``kvgov demo`` purges there."""
-    async with _world(sqlite_url, tmp_path) as e:
+    async with world(sqlite_url, tmp_path) as e:
         yield e
 
 

@@ -23,9 +23,10 @@ from typing import Any
 from sqlalchemy import Connection, String, cast, select
 from sqlalchemy.orm import Session
 
-from kvgov.db.models import Chain, LedgerEvent
-from kvgov.ledger.chain import ChainedFields, link
+from kvgov.db.models import Chain, LedgerEvent, table
+from kvgov.ledger.chain import link
 from kvgov.ledger.seals import Standing, read_standing
+from kvgov.ledger.verify import row_fields
 from kvgov.types import EventKind
 
 #: a step of one job: its name and its sidecar (None: a global step)
@@ -44,30 +45,6 @@ class ChainedStep:
     attempt: int
     chain_id: str
     seq: int
-
-
-def _fields(row: LedgerEvent) -> ChainedFields:
-    return ChainedFields(
-        chain_id=row.chain_id,
-        seq=row.seq,
-        prev_hash=row.prev_hash,
-        occurred_at=row.occurred_at,
-        kind=row.kind,
-        tenant=row.tenant,
-        actor=row.actor,
-        request_id=row.request_id,
-        key_digest=row.key_digest,
-        tier=row.tier,
-        nbytes=row.nbytes,
-        outcome=row.outcome,
-        reason=row.reason,
-        decision_id=row.decision_id,
-        policy_revision=row.policy_revision,
-        principal=row.principal,
-        attrs=row.attrs if row.attrs is not None else {},
-        payload_digest=row.payload_digest,
-        encoding_version=row.encoding_version,
-    )
 
 
 def _like(value: str) -> str:
@@ -94,20 +71,21 @@ def chained_steps(
     """
     conn = session.connection()
     chains: dict[str, Standing | None] = {}
+    t = table(LedgerEvent)
     query = (
-        select(LedgerEvent)
+        select(t)
         .where(
-            LedgerEvent.tenant == tenant,
-            LedgerEvent.kind == EventKind.PURGE_STEP.value,
+            t.c.tenant == tenant,
+            t.c.kind == EventKind.PURGE_STEP.value,
             # a coarse text filter (the index is on tenant and kind); the exact test is below
-            cast(LedgerEvent.attrs, String).like(_like(purge_id), escape="\\"),
+            cast(t.c.attrs, String).like(_like(purge_id), escape="\\"),
         )
-        .order_by(LedgerEvent.occurred_at, LedgerEvent.chain_id, LedgerEvent.seq)
+        .order_by(t.c.occurred_at, t.c.chain_id, t.c.seq)
     )
     found: dict[StepKey, ChainedStep] = {}
-    for row in session.scalars(query):
+    for row in session.execute(query):
         attrs = row.attrs if isinstance(row.attrs, Mapping) else {}
-        if attrs.get("purge_id") != purge_id or link(_fields(row)) != row.hash:
+        if attrs.get("purge_id") != purge_id or link(row_fields(row)) != row.hash:
             continue
         if row.chain_id not in chains:
             chains[row.chain_id] = _vouched(conn, row.chain_id, trusted)

@@ -199,7 +199,8 @@ def _events(engine: Engine, chain_id: str) -> Iterator[Iterator[Row[Any]]]:
             result.close()
 
 
-def _fields(row: Row[Any], seq: int | None = None) -> ChainedFields:
+def row_fields(row: Row[Any], seq: int | None = None) -> ChainedFields:
+    """What a ``ledger_events`` row (a Core row) chains: the fields its hash covers."""
     m = row._mapping
     return ChainedFields(
         chain_id=m["chain_id"],
@@ -261,7 +262,7 @@ def _verify_chain(
                     Finding(Problem.BAD_ENCODING, seq, f"encoding v{m['encoding_version']}")
                 )
                 break
-            fields = _fields(row)
+            fields = row_fields(row)
             computed = link(fields)
             if m["prev_hash"] != prev or computed != stored:
                 chain.findings.append(
@@ -472,14 +473,14 @@ def _diagnose(
         return Finding(Problem.MODIFIED, seq, "row content does not match its hash")
     if m["prev_hash"] == before_prev and fields.seq > 1:
         original = fields.seq - 1
-        if link(_fields(row, original)) == m["hash"]:
+        if link(row_fields(row, original)) == m["hash"]:
             return Finding(
                 Problem.INSERTED,
                 seq - 1,
                 f"a row was inserted before {seq} (the row at {seq} links past it)",
             )
     pred = _seq_of_hash(engine, fields.chain_id, m["prev_hash"])
-    if pred is not None and pred + 1 != seq and link(_fields(row, pred + 1)) == m["hash"]:
+    if pred is not None and pred + 1 != seq and link(row_fields(row, pred + 1)) == m["hash"]:
         return Finding(Problem.REORDERED, seq, f"the row written at {pred + 1} sits at {seq}")
     if computed == m["hash"]:
         return Finding(
