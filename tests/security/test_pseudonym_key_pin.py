@@ -283,3 +283,36 @@ def test_cli_commands_that_compute_pseudonyms_refuse_another_key(
     other = on(_development(tmp_path / "host", url))
     assert isinstance(other.exception, ConfigError), f"ran with another key: {other.output}"
     assert REFUSED in str(other.exception)
+
+
+@pytest.mark.postgres
+async def test_the_api_answers_with_the_key_checked_at_start_not_the_file_as_it_is_later(
+    tmp_path: Path, prod_db: ProdDatabase
+) -> None:
+    """The pin is checked on the key the sidecar read at start; the compliance API read the
+    key file again when it was built (after the check). A file replaced in between (a
+    re-mounted Secret, a wrong rollout of it) had the API pseudonymise users under a key no
+    check had seen: a footprint under another pseudonym, empty (review 6, F11)."""
+    import httpx
+
+    from kvgov.db.tokens import TokenRepository
+    from kvgov.proxy.api.app import create_control_app
+    from kvgov.types import Role
+
+    settings = doors.settings(tmp_path / "a", prod_db)
+    async with _started(settings) as sc:
+        pinned = sc.pipeline.pseudonymizer.user("globex", "gus")
+        settings.pseudonym_key_path.unlink()
+        generate_pseudonym_key_file(settings.pseudonym_key_path)  # another key, after the check
+        assert sc.engine is not None
+        with Session(sc.engine) as s:
+            _, raw = TokenRepository(s).create(Role.AUDITOR, tenant="globex")
+            s.commit()
+        transport = httpx.ASGITransport(app=create_control_app(sc.control_plane()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvgov.test") as c:
+            r = await c.get(
+                "/v1/users/gus/footprint?tenant=globex",
+                headers={"Authorization": f"Bearer {raw}"},
+            )
+    assert r.status_code == 200, r.text
+    assert r.json()["user"] == pinned, "the API pseudonymised gus under a key no check saw"

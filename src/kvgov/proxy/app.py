@@ -165,7 +165,7 @@ class Sidecar:
 
         ledger = purges = None
         if self.engine is not None and self.writer is not None:
-            ledger = Ledger(self.engine, self.writer)
+            ledger = Ledger(self.engine, self.writer, self.pipeline.pseudonymizer)
             if self.purge is not None:
                 purges = Purges(self.purge.service, self.purge.wake)
         return ControlPlane(

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from kvgov.keys.keyring import Keyring
     from kvgov.ledger.events import EventSink
+    from kvgov.ledger.pseudonym import Pseudonymizer
     from kvgov.services.purge.service import PurgeService
 
 
@@ -39,6 +40,9 @@ class Ledger:
 
     engine: Engine
     sink: EventSink
+    #: the pseudonym key the sidecar checked against the ledger's pin at start (None: read
+    #: ``ledger.pseudonym_key_path``, for an API without a sidecar)
+    pseudonymizer: Pseudonymizer | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +102,13 @@ def create_control_app(plane: ControlPlane) -> FastAPI:
     if plane.ledger is not None:  # the compliance API
         from kvgov.proxy.api.compliance import include_sidecar_api
 
-        include_sidecar_api(app, settings, plane.ledger.engine, plane.ledger.sink)
+        include_sidecar_api(
+            app,
+            settings,
+            plane.ledger.engine,
+            plane.ledger.sink,
+            pseudonymizer=plane.ledger.pseudonymizer,
+        )
         app.state.kvgov_keyring = plane.keyring  # /v1/keys rotates this one
         if plane.purges is not None:
             from kvgov.proxy.api.v1.purges import include_purges

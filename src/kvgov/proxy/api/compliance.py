@@ -15,6 +15,7 @@ from sqlalchemy import Engine
 
 from kvgov.config import Settings
 from kvgov.ledger.events import EventSink
+from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.proxy.api import dashboard
 from kvgov.proxy.api.auth import ApiContext
 from kvgov.proxy.api.problems import install_problem_handlers
@@ -32,10 +33,18 @@ def include_v1(app: FastAPI, ctx: ApiContext) -> None:
     app.openapi_schema = None
 
 
-def include_sidecar_api(app: FastAPI, settings: Settings, engine: Engine, sink: EventSink) -> None:
+def include_sidecar_api(
+    app: FastAPI,
+    settings: Settings,
+    engine: Engine,
+    sink: EventSink,
+    *,
+    pseudonymizer: Pseudonymizer | None = None,
+) -> None:
     """What the control-plane factory calls: the compliance API over the sidecar's ledger
-    engine and writer, pseudonymising with the ledger's key (``kvgov init`` creates it)."""
-    from kvgov.ledger.pseudonym import Pseudonymizer
+    engine and writer, pseudonymising with ``pseudonymizer``: the sidecar's, whose key was
+    checked against the ledger's pin at start (None: ``ledger.pseudonym_key_path`` read now).
+    Read again here, a file replaced since the check would go unchecked."""
     from kvgov.ledger.trust import trusted_keys
 
     trusted_keys(settings)  # a malformed or unreadable trusted key stops start-up
@@ -44,7 +53,7 @@ def include_sidecar_api(app: FastAPI, settings: Settings, engine: Engine, sink: 
         settings=settings,
         engine=engine,
         sink=sink,
-        pseudonymizer=Pseudonymizer.from_file(settings.pseudonym_key_path),
+        pseudonymizer=pseudonymizer or Pseudonymizer.from_file(settings.pseudonym_key_path),
         # dashboard sessions end when the process restarts (sign in again)
         session_secret=secrets.token_bytes(32),
         # read again at each verification (a rotated ConfigMap is picked up)
