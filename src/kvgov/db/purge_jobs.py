@@ -198,6 +198,20 @@ def _mark_unreachable(s: Session, job_id: str, *, now: datetime) -> None:
         row.finished_at = now
 
 
+def _step_row(s: Session, step_id: int) -> PurgeStep:
+    row = s.get(PurgeStep, step_id, with_for_update=True)
+    if row is None:  # pragma: no cover - foreign key
+        raise NotFoundError(f"no purge step {step_id}")
+    return row
+
+
+def _held(s: Session, step_id: int, attempt: int) -> PurgeStep | None:
+    """The step's row (locked) while claim ``attempt`` holds it; None once it was claimed
+    again (its lease ran out): that attempt writes nothing."""
+    row = _step_row(s, step_id)
+    return row if row.attempts == attempt else None
+
+
 def finish_step(
     s: Session,
     step_id: int,
@@ -211,10 +225,8 @@ def finish_step(
     claim ``attempt``; False, writing nothing, when the step was claimed again since (its
     lease ran out: the later attempt's outcome, whose ``purge:step`` event the receipt is
     checked against, is the one the row keeps)."""
-    row = s.get(PurgeStep, step_id, with_for_update=True)
-    if row is None:  # pragma: no cover - foreign key
-        raise NotFoundError(f"no purge step {step_id}")
-    if row.attempts != attempt:
+    row = _held(s, step_id, attempt)
+    if row is None:
         return False
     row.state = state
     row.detail = detail
@@ -225,11 +237,9 @@ def finish_step(
 def fail_step(s: Session, step_id: int, error: str, *, now: datetime, attempt: int) -> PurgeState:
     """Record an error of claim ``attempt``: back to pending for a retry, or ``failed`` after
     ``MAX_ATTEMPTS``; nothing when the step was claimed again since (its state returned)."""
-    row = s.get(PurgeStep, step_id, with_for_update=True)
-    if row is None:  # pragma: no cover - foreign key
-        raise NotFoundError(f"no purge step {step_id}")
-    if row.attempts != attempt:
-        return PurgeState(row.state)
+    row = _held(s, step_id, attempt)
+    if row is None:
+        return PurgeState(_step_row(s, step_id).state)
     row.detail = {**(row.detail or {}), "error": error}
     if row.attempts >= MAX_ATTEMPTS:
         row.state = PurgeState.FAILED
@@ -254,8 +264,8 @@ def close_refused(s: Session, job_id: str, step_id: int, *, now: datetime) -> No
     state): the step ``failed`` and, unless final already, the job ``failed``, so that no
     executor claims its final step again and nobody waits on it for ever. The receipt found is
     left as it is (whoever reads it verifies its signature)."""
-    row = s.get(PurgeStep, step_id, with_for_update=True)
-    if row is not None and row.state not in TERMINAL_STEP_STATES:
+    row = _step_row(s, step_id)
+    if row.state not in TERMINAL_STEP_STATES:
         row.state = PurgeState.FAILED
         row.detail = {**(row.detail or {}), "error": "the job was finished already"}
         row.finished_at = now

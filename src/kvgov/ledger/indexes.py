@@ -103,17 +103,19 @@ def apply_indexes(
         return set(rows.users)
     users, requests, decisions, entries = rows.users, rows.requests, rows.decisions, rows.entries
     if users:
-        stmt = _insert(conn, table(UserRef)).on_conflict_do_nothing(index_elements=["pseudonym"])
+        stmt = dialect_insert(conn, table(UserRef)).on_conflict_do_nothing(
+            index_elements=["pseudonym"]
+        )
         conn.execute(stmt, list(users.values()))
     if requests:
-        ins = _insert(conn, table(Request))
+        ins = dialect_insert(conn, table(Request))
         stmt = ins.on_conflict_do_update(
             index_elements=["request_id", "tenant"],
             set_={"last_seen_at": ins.excluded.last_seen_at},
         )
         conn.execute(stmt, list(requests.values()))
     if decisions:
-        stmt = _insert(conn, table(PolicyDecision)).on_conflict_do_nothing(
+        stmt = dialect_insert(conn, table(PolicyDecision)).on_conflict_do_nothing(
             index_elements=["decision_id"]
         )
         conn.execute(stmt, list(decisions.values()))
@@ -224,7 +226,7 @@ def _write_entries(conn: Connection, entries: dict[str, _Plan]) -> None:
     if fresh:
         # another chain may create the same key between the SELECT and here: its row wins, and
         # this event still records what happened
-        stmt = _insert(conn, entries_t).on_conflict_do_nothing(index_elements=["key_digest"])
+        stmt = dialect_insert(conn, entries_t).on_conflict_do_nothing(index_elements=["key_digest"])
         conn.execute(stmt, fresh)
     groups: dict[tuple[tuple[str, _Mode], ...], list[dict[str, Any]]] = {}
     for key in existing:
@@ -288,7 +290,9 @@ def _decision_row(item: _Item, chain_id: str, seq: int) -> dict[str, Any] | None
     }
 
 
-def _insert(conn: Connection, target: Any) -> Any:
+def dialect_insert(conn: Connection, target: Any) -> Any:
+    """An INSERT of ``target`` in ``conn``'s dialect (Postgres or SQLite): one that takes
+    ``on_conflict_do_nothing`` / ``on_conflict_do_update``."""
     dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
     return dialect.insert(target)
 

@@ -24,6 +24,7 @@ from kvgov.config import Settings
 from kvgov.db.engine import error_reason, make_engine, redact_url, utcnow
 from kvgov.db.models import KeyPin
 from kvgov.errors import ConfigError, LedgerError
+from kvgov.ledger.indexes import dialect_insert
 from kvgov.ledger.pseudonym import Pseudonymizer
 
 #: ``key_pins.name`` of the pseudonym key's row
@@ -39,24 +40,11 @@ MISMATCH_HINT = (
 def pin_key(conn: Connection, name: str, key_id: str) -> str:
     """Record ``key_id`` under ``name`` unless a pin is there; return the pinned id (the one
     recorded now or the one found), in the caller's transaction."""
-    if conn.dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-        conn.execute(
-            pg_insert(KeyPin)
-            .values(name=name, fingerprint=key_id, pinned_at=utcnow())
-            .on_conflict_do_nothing(index_elements=["name"])
-        )
-    elif conn.dialect.name == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-
-        conn.execute(
-            sqlite_insert(KeyPin)
-            .values(name=name, fingerprint=key_id, pinned_at=utcnow())
-            .on_conflict_do_nothing(index_elements=["name"])
-        )
-    else:
-        raise NotImplementedError(f"no key pin for {conn.dialect.name}")
+    conn.execute(
+        dialect_insert(conn, KeyPin)
+        .values(name=name, fingerprint=key_id, pinned_at=utcnow())
+        .on_conflict_do_nothing(index_elements=["name"])
+    )
     return str(conn.execute(select(KeyPin.fingerprint).where(KeyPin.name == name)).scalar_one())
 
 
@@ -87,14 +75,13 @@ def pinned_pseudonymizer(settings: Settings, engine: Engine | None = None) -> Ps
     (``engine``, or one made for the check) agrees it is the fleet's: what a CLI command that
     computes pseudonyms uses."""
     pseudonymizer = Pseudonymizer.from_file(settings.pseudonym_key_path)
-    if engine is not None:
-        check_pseudonym_key(engine, pseudonymizer)
-        return pseudonymizer
-    own = make_engine(settings.database_url, pool_size=1)
+    own = engine is None
+    bind = make_engine(settings.database_url, pool_size=1) if engine is None else engine
     try:
-        check_pseudonym_key(own, pseudonymizer)
+        check_pseudonym_key(bind, pseudonymizer)
     finally:
-        own.dispose()
+        if own:
+            bind.dispose()
     return pseudonymizer
 
 
