@@ -8,16 +8,20 @@ waits until Postgres itself shows every other upgrade queued on the migration lo
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
 import pytest
 
 from kvgov.config import Settings
+from kvgov.db import engine as engine_module
 from kvgov.db.engine import (
     MIGRATION_LOCK_KEY,
     MigrationLimits,
@@ -154,6 +158,54 @@ def test_upgrade_waits_for_the_lock_only_so_long(pg_url: str) -> None:
             upgrade(pg_url, limits=MigrationLimits(wait_s=0.2))
     assert current_revision(pg_url) is None
     assert upgrade(pg_url) == sorted(known_revisions())
+
+
+def _hold_sqlite_write_lock(url: str) -> sqlite3.Connection:
+    holder = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    return holder
+
+
+def test_a_sqlite_upgrade_waits_for_another_past_the_runtime_busy_timeout(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite: an upgrade queued behind another's write lock waits up to
+    ``database.migration_wait_s``, not the runtime busy timeout (10 s, shortened here): four
+    ``kvgov db upgrade`` on a slow machine failed "database is locked" while one applied."""
+    upgrade(sqlite_url, "0001")
+    monkeypatch.setattr(engine_module, "SQLITE_BUSY_TIMEOUT_MS", 100)
+    holder = _hold_sqlite_write_lock(sqlite_url)
+    result: list[object] = []
+    waiter = threading.Thread(target=lambda: result.append(_outcome(upgrade, sqlite_url)))
+    waiter.start()
+    try:
+        waiter.join(1.0)  # ten of the shortened busy timeouts
+        assert waiter.is_alive(), f"the upgrade did not wait for the write lock: {result}"
+    finally:
+        holder.rollback()
+        holder.close()
+    waiter.join(60)
+    assert result == [sorted(set(known_revisions()) - {"0001"})]
+
+
+def test_a_sqlite_upgrade_waits_for_the_write_lock_only_so_long(sqlite_url: str) -> None:
+    upgrade(sqlite_url, "0001")
+    holder = _hold_sqlite_write_lock(sqlite_url)
+    try:
+        with pytest.raises(LedgerError, match="held the database's write lock") as err:
+            upgrade(sqlite_url, limits=MigrationLimits(wait_s=0.2))
+        assert "migration_wait_s" in str(err.value.hint)
+    finally:
+        holder.rollback()
+        holder.close()
+    assert current_revision(sqlite_url) == "0001"
+
+
+def _outcome(fn: Callable[..., object], *args: object) -> object:
+    try:
+        return fn(*args)
+    except Exception as exc:  # the test reports it
+        return exc
 
 
 def _production(url: str, tmp_path: Path) -> Settings:

@@ -298,15 +298,52 @@ def migration_connection(url: str, limits: MigrationLimits | None = None) -> Ite
             if postgres:
                 _take_migration_lock(conn, limits)
             else:
-                conn.execution_options(**{SQLITE_BEGIN_IMMEDIATE: True})
+                _wait_for_sqlite_write_lock(conn, limits)
             try:
-                with conn.begin():
+                with _begin(conn, limits):
                     yield conn
             finally:
                 if postgres:
                     _release_migration_lock(conn)
     finally:
         engine.dispose()
+
+
+#: SQLite's largest busy timeout (a C int of milliseconds, ~24 days): "no limit"
+_SQLITE_FOREVER_MS = 2**31 - 1
+
+
+def _wait_for_sqlite_write_lock(conn: Connection, limits: MigrationLimits) -> None:
+    """SQLite: the migration's BEGIN IMMEDIATE waits for another upgrade's write lock up to
+    ``limits.wait_s`` (0: no limit), as Postgres waits for the advisory lock; the runtime busy
+    timeout (:data:`SQLITE_BUSY_TIMEOUT_MS`) is a writer's, far shorter than one upgrade."""
+    wait_ms = round(limits.wait_s * 1000) if limits.wait_s > 0 else _SQLITE_FOREVER_MS
+    raw = conn.connection.dbapi_connection  # outside any transaction: no autobegin
+    assert raw is not None
+    cur = raw.cursor()
+    try:
+        cur.execute(f"PRAGMA busy_timeout={min(wait_ms, _SQLITE_FOREVER_MS)}")
+    finally:
+        cur.close()
+    conn.execution_options(**{SQLITE_BEGIN_IMMEDIATE: True})
+
+
+@contextlib.contextmanager
+def _begin(conn: Connection, limits: MigrationLimits) -> Iterator[None]:
+    """The migration's transaction; on SQLite, a write lock still held by another after
+    ``limits.wait_s`` fails as Postgres's advisory wait does."""
+    try:
+        transaction = conn.begin()
+    except OperationalError as exc:
+        if conn.dialect.name != "sqlite" or "locked" not in str(exc.orig):
+            raise
+        raise LedgerError(
+            f"another kvgov db upgrade (or a writer) held the database's write lock for over"
+            f" {limits.wait_s:g} s",
+            hint="it may still be running; retry, or raise database.migration_wait_s",
+        ) from exc
+    with transaction:
+        yield
 
 
 _SET_TIMEOUTS = (
