@@ -34,7 +34,8 @@ typecheck: install
 	$(VENV)/bin/lint-imports
 
 test: install lint typecheck
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+	# the slowest tests are named at the end of every run: a suite creeping past its budget shows where
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=15
 
 # The sidecar's container image (Containerfile). No registry here: the base is built from
 # Debian's packages (debootstrap, cached under build/image/); BASE=<image> uses another base.
