@@ -168,7 +168,14 @@ class PolicySettings(_Section):
     data_file: Path | None = None
     opa_url: str = "http://127.0.0.1:8181"
     opa_timeout_s: float = Field(default=0.25, gt=0.0, le=30.0)
+    #: the bearer token kvgov's requests to OPA carry (OPA started with
+    #: ``--authentication=token --authorization=basic`` and a ``system.authz`` policy that
+    #: admits it: ``docs/policy.md``, "OPA's own API"); or ``opa_token_file``, a file holding
+    #: it (a mounted Secret, read at start-up), not both. ``engine = "opa"`` in production
+    #: refuses neither set: an OPA that needs no token serves its policy and data to every
+    #: process that reaches it, the inference engine's container in the pod included
     opa_token: SecretStr | None = None
+    opa_token_file: Path | None = None
     #: the longest a decision cached from OPA is served, in seconds (``engine = "opa"`` only;
     #: the embedded engine's cache is emptied by the reload that follows its sources). OPA's
     #: authority is its bundle, which can change without kvgov's ``policy_dir``/``data_file``
@@ -183,6 +190,12 @@ class PolicySettings(_Section):
     #: it reloads them and drops its cached decisions (a revoked engine loses access within
     #: this); 0: never (a change then needs a restart)
     reload_interval_s: float = Field(default=10.0, ge=0.0, le=3600.0)
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> PolicySettings:
+        if self.opa_token is not None and self.opa_token_file is not None:
+            raise ValueError("set policy.opa_token or policy.opa_token_file, not both")
+        return self
 
     @field_validator("opa_decision_ttl_s")
     @classmethod
@@ -519,6 +532,21 @@ class Settings(BaseSettings):
                 " behind a mesh that encrypts pod traffic (mTLS) set"
                 " dataplane.cleartext_network_ok"
             )
+        policy = self.policy
+        if (
+            policy.engine == "opa"
+            and policy.opa_token_file is None
+            and not (policy.opa_token and policy.opa_token.get_secret_value())
+        ):
+            problems.append(
+                "policy.engine=opa without policy.opa_token or policy.opa_token_file: an OPA"
+                " that kvgov can ask without a token serves every process that reaches it,"
+                " and in a pod that is every container (vLLM's too): it reads the policy and"
+                " its data (GET /v1/data), asks any decision and rewrites policies; start OPA"
+                " with --authentication=token --authorization=basic and the system.authz"
+                " policy of deploy/kubernetes/overlays/production/opa-authz.rego, and give"
+                " kvgov the token (Secret kvgov-opa-token, docs/deploy.md)"
+            )
         if self.policy.engine == "opa" and not dp.cleartext_network_ok:
             opa = urlsplit(self.policy.opa_url)
             if opa.scheme == "http" and opa.hostname not in LOOPBACK_HOSTS:
@@ -629,6 +657,31 @@ class Settings(BaseSettings):
                 )
             tokens[token] = SecretStr(engine)
         return tokens
+
+    @property
+    def opa_token(self) -> str | None:
+        """The bearer token for OPA: ``policy.opa_token``, or the content of
+        ``policy.opa_token_file`` (read now, surrounding whitespace dropped); None when neither
+        is set. Errors name the file, never what it holds."""
+        policy = self.policy
+        path = policy.opa_token_file
+        if path is None:
+            token = policy.opa_token.get_secret_value() if policy.opa_token else ""
+            return token or None
+        name = "policy.opa_token_file"
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ConfigError(f"cannot read {name} {path}: {reason}") from None
+        if not token:
+            raise ConfigError(f"{name} {path} is empty", hint="it must hold OPA's bearer token")
+        if any(ch.isspace() or not ch.isprintable() for ch in token):
+            raise ConfigError(
+                f"{name} {path}: the token holds whitespace or control characters",
+                hint="one line, the token alone (an HTTP header cannot carry the rest)",
+            )
+        return token
 
     @property
     def is_postgres(self) -> bool:

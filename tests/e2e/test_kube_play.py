@@ -83,6 +83,8 @@ def _secrets(work: Path, db: RoleDatabase, tls: TlsIdentity) -> dict[str, dict[s
         "kvgov-database": {"url": db.runtime_url.encode()},
         "kvgov-database-owner": {"url": db.owner_url.encode()},
         "kvgov-api-tls": {"tls.crt": tls.cert.read_bytes(), "tls.key": tls.key.read_bytes()},
+        # the token kvgov shows OPA (read only with policy.engine=opa; the test runs embedded)
+        "kvgov-opa-token": {"token": b"kube-play-opa-token-0123456789abcdef"},
     }
 
 

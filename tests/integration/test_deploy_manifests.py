@@ -330,6 +330,108 @@ def test_production_runs_opa_as_its_own_sidecar_before_kvgov() -> None:
     assert one(docs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
 
 
+def secrets_of(pod: dict[str, Any], container: dict[str, Any]) -> set[str]:
+    """The Secrets a container gets: in its environment (``secretKeyRef``, ``envFrom``) or
+    through a volume it mounts (``secret``, or a ``projected`` volume's secret sources)."""
+    names = {
+        e["valueFrom"]["secretKeyRef"]["name"]
+        for e in container.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    names |= {e["secretRef"]["name"] for e in container.get("envFrom", []) if "secretRef" in e}
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        volume = volumes[mount["name"]]
+        if "secret" in volume:
+            names.add(volume["secret"]["secretName"])
+        for source in volume.get("projected", {}).get("sources", []):
+            if "secret" in source:
+                names.add(source["secret"]["name"])
+    return names
+
+
+def test_production_opa_serves_its_api_to_kvgovs_token_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every container of the pod shares OPA's loopback address (vLLM's too): OPA asks its
+    ``system.authz`` policy (``overlays/production/opa-authz.rego``, its rules:
+    ``tests/security/test_opa_api_authz.py``) about every request, with the bearer token as the
+    identity, and the token's Secret reaches the opa and kvgov containers and no other."""
+    import os
+
+    docs = render("production")
+    pod = one(docs, "Deployment", "kvgov-inference")["spec"]["template"]["spec"]
+    by_name = containers(pod)
+    opa = by_name["opa"]
+    assert "--authentication=token" in opa["args"]
+    assert "--authorization=basic" in opa["args"]
+    # the authz policy: a file argument (not the bundle's), from a ConfigMap opa mounts,
+    # holding the overlay's file as it is
+    policy_file = ROOT / "deploy/kubernetes/overlays/production/opa-authz.rego"
+    (arg,) = [a for a in opa["args"] if a.endswith(".rego")]
+    (mount,) = [m for m in opa["volumeMounts"] if Path(arg).parent.as_posix() == m["mountPath"]]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    cm = one(docs, "ConfigMap", volumes[mount["name"]]["configMap"]["name"])
+    assert cm["data"][Path(arg).name] == policy_file.read_text(encoding="utf-8")
+    assert "package system.authz" in cm["data"][Path(arg).name]
+    # OPA's side of the token: the variable the policy reads, from Secret kvgov-opa-token
+    (env,) = [e for e in opa["env"] if e["name"] == "KVGOV_OPA_TOKEN"]
+    assert "opa.runtime().env.KVGOV_OPA_TOKEN" in policy_file.read_text(encoding="utf-8")
+    ref = env["valueFrom"]["secretKeyRef"]
+    assert ref["name"] == "kvgov-opa-token" and ref.get("optional") is not True
+    # kvgov's side: policy.opa_token_file, in its read-only mount of that Secret's key
+    for key in list(os.environ):
+        if key.startswith("KVGOV_"):
+            monkeypatch.delenv(key)
+    for key, value in settings_env(docs, pod).items():
+        monkeypatch.setenv(key, value)
+    settings = load_settings()
+    assert settings.policy.opa_token is None  # never a value in the ConfigMap
+    token_file = settings.policy.opa_token_file
+    assert token_file is not None
+    kvgov = by_name["kvgov"]
+    (mount,) = [m for m in kvgov["volumeMounts"] if m["mountPath"] == token_file.parent.as_posix()]
+    assert mount.get("readOnly") is True
+    secret = volumes[mount["name"]]["secret"]
+    assert secret["secretName"] == ref["name"] and secret["optional"] is False
+    assert [(i["key"], i["path"]) for i in secret["items"]] == [(ref["key"], token_file.name)]
+    # and no other container gets it (vLLM runs user prompts and model code)
+    holders = {name for name, c in by_name.items() if ref["name"] in secrets_of(pod, c)}
+    assert holders == {"opa", "kvgov"}
+    assert "kvgov-opa-token" in (ROOT / "docs" / "deploy.md").read_text()
+
+
+def test_the_bundle_roots_leave_the_authz_policy_alone() -> None:
+    """A bundle owns the paths of its manifest's roots (every path without one) and, when it
+    activates, deletes every policy under them: the system.authz policy loaded from the file
+    too, and OPA then refuses every request. The manifest docs/deploy.md builds the bundle with
+    claims ``kvgov`` only, which holds every package of the shipped policies and the data
+    document's path (``data.kvgov.config``), and nothing under ``system``."""
+    from kvgov.policy.interfaces import DATA_PATH, POLICY_PACKAGE
+
+    manifest = json.loads(
+        (ROOT / "deploy/kubernetes/overlays/production/bundle.manifest").read_text()
+    )
+    roots = manifest["roots"]
+    assert roots and all(isinstance(r, str) and r.strip("/") for r in roots), roots
+
+    def owned(path: str) -> bool:
+        parts = path.strip("/").split("/")
+        return any(parts[: len(r.strip("/").split("/"))] == r.strip("/").split("/") for r in roots)
+
+    assert not owned("system/authz")
+    assert owned(POLICY_PACKAGE.replace(".", "/")) and owned(DATA_PATH.replace(".", "/"))
+    rego = ROOT / "src/kvgov/policy/rego"
+    for module in rego.glob("*.rego"):
+        (package,) = [
+            line.split()[1]
+            for line in module.read_text().splitlines()
+            if line.startswith("package ")
+        ]
+        assert owned(package.replace(".", "/")), module.name
+    assert "bundle.manifest" in (ROOT / "docs" / "deploy.md").read_text()
+
+
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     """Whether a label selector matches these labels (an empty selector matches every pod)."""
     if not selector.get("matchLabels", {}).items() <= labels.items():

@@ -77,13 +77,16 @@ class OpaStandIn:
         self.requests: list[tuple[str, str]] = []
         self.release = asyncio.Event()
         self.url = ""
+        #: aiohttp middlewares run before every route (set before start(): e.g. OPA's
+        #: authentication and authorization, tests/security/test_opa_api_authz.py)
+        self.middlewares: list[Any] = []
         self._runner: Any = None
 
     def load(self, bundle: PolicyBundle, *, with_tests: bool = False) -> None:
         self.engine = golib_engine(bundle, with_tests=with_tests)
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=self.middlewares)
         app.router.add_get("/health", self._health)
         app.router.add_put("/v1/policies/{id:.+}", self._put_policy)
         app.router.add_put("/v1/data/{path:.*}", self._put_data)

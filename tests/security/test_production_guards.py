@@ -363,12 +363,61 @@ def test_production_refuses_asking_opa_in_the_clear_across_the_network(
     HTTP to another host: every decision, and the bearer ``policy.opa_token``, crossed the pod
     network in the clear, and whoever could answer in OPA's place decided every put and get."""
     base = doors.settings(tmp_path, prod_db)
+    opa = {"engine": "opa", "opa_token": OPA_TOKEN}
     with pytest.raises(ValidationError, match=r"policy\.opa_url=http://"):
-        _with(base, policy={"engine": "opa", "opa_url": url})
+        _with(base, policy={**opa, "opa_url": url})
     # in the pod, over TLS, or behind a mesh that encrypts pod traffic: accepted
     for ok in ("http://127.0.0.1:8181", "https://opa.policy.svc:8181"):
-        assert _with(base, policy={"engine": "opa", "opa_url": ok}).policy.opa_url == ok
-    meshed = _with(
-        base, policy={"engine": "opa", "opa_url": url}, dataplane={"cleartext_network_ok": True}
-    )
+        assert _with(base, policy={**opa, "opa_url": ok}).policy.opa_url == ok
+    meshed = _with(base, policy={**opa, "opa_url": url}, dataplane={"cleartext_network_ok": True})
     assert meshed.policy.opa_url == url
+
+
+# -- OPA's API without authentication (review: OPA sidecar unauthenticated) ------------------
+
+#: a test value, no secret
+OPA_TOKEN = "opa-" + "5b" * 30
+
+
+def test_production_refuses_opa_without_a_token(tmp_path: Path, prod_db: ProdDatabase) -> None:
+    """Attack: ``policy.engine = "opa"`` in production with no ``policy.opa_token``: kvgov
+    asked OPA without a token, so OPA had to serve its API to anyone, and in a pod that is every
+    container: the vLLM container (user prompts, model code) read the policy and its data
+    (``GET /v1/data``: tenants, engines, labels) and could rewrite them. Start-up now stops and
+    says why (the OPA side: ``tests/security/test_opa_api_authz.py``)."""
+    base = doors.settings(tmp_path, prod_db)
+    for policy in ({"engine": "opa"}, {"engine": "opa", "opa_token": ""}):
+        with pytest.raises(ValidationError) as caught:
+            _with(base, policy=policy)
+        text = str(caught.value)
+        assert "policy.engine=opa without policy.opa_token or policy.opa_token_file" in text
+        assert "--authentication=token --authorization=basic" in text
+    # a token inline, or (what the overlay mounts) in a file: accepted
+    assert _with(base, policy={"engine": "opa", "opa_token": OPA_TOKEN}).opa_token == OPA_TOKEN
+    token_file = tmp_path / "opa-token"
+    token_file.write_text(OPA_TOKEN + "\n")
+    from_file = _with(base, policy={"engine": "opa", "opa_token_file": token_file})
+    assert from_file.opa_token == OPA_TOKEN
+    # the embedded engine asks no OPA; development keeps working without a token
+    assert _with(base, policy={"engine": "embedded"}).opa_token is None
+    assert Settings(data_dir=tmp_path / "dev", policy={"engine": "opa"}).opa_token is None
+
+
+def test_the_opa_token_file_is_read_at_start_and_never_quoted(tmp_path: Path) -> None:
+    token_file = tmp_path / "opa-token"
+    settings = Settings(
+        data_dir=tmp_path / "d", policy={"engine": "opa", "opa_token_file": token_file}
+    )
+    for content, problem in (
+        (None, "cannot read policy.opa_token_file"),
+        ("\n", "is empty"),
+        (f"{OPA_TOKEN} {OPA_TOKEN}", "whitespace or control characters"),
+        (f"{OPA_TOKEN}\x00", "whitespace or control characters"),
+    ):
+        if content is not None:
+            token_file.write_text(content)
+        with pytest.raises(ConfigError, match=problem) as caught:
+            _ = settings.opa_token
+        assert OPA_TOKEN not in caught.value.diagnostics()
+    with pytest.raises(ValidationError, match="not both"):
+        Settings(policy={"opa_token": OPA_TOKEN, "opa_token_file": token_file})

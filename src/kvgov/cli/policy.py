@@ -49,8 +49,9 @@ def register(app: typer.Typer) -> None:
         chosen = _engine_name(engine or cfg.policy.engine, allow_unsafe=False)
         bundle = load_configured_bundle(cfg)
         if chosen == "opa":
-            token = cfg.policy.opa_token.get_secret_value() if cfg.policy.opa_token else None
-            report = asyncio.run(testing.run_opa(bundle, url=cfg.policy.opa_url, token=token))
+            report = asyncio.run(
+                testing.run_opa(bundle, url=cfg.policy.opa_url, token=cfg.opa_token)
+            )
         else:
             report = testing.run_embedded(bundle)
         for result in report.results:
@@ -120,8 +121,9 @@ def register(app: typer.Typer) -> None:
         cfg = settings(ctx)
         bundle = load_configured_bundle(cfg)
         target = url or cfg.policy.opa_url
-        token = cfg.policy.opa_token.get_secret_value() if cfg.policy.opa_token else None
-        written = asyncio.run(push_bundle(bundle, url=target, token=token, include_tests=tests))
+        written = asyncio.run(
+            push_bundle(bundle, url=target, token=cfg.opa_token, include_tests=tests)
+        )
         for item in written:
             echo(f"pushed {item}")
         echo(

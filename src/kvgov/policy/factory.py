@@ -49,9 +49,12 @@ def build_inner_engine(settings: Settings) -> PolicyEngine:
     if policy.engine == "opa":
         from kvgov.policy.opa import OpaRestPolicyEngine
 
-        token = policy.opa_token.get_secret_value() if policy.opa_token else None
         return OpaRestPolicyEngine(
-            bundle, url=policy.opa_url, timeout_s=policy.opa_timeout_s, token=token, loader=loader
+            bundle,
+            url=policy.opa_url,
+            timeout_s=policy.opa_timeout_s,
+            token=settings.opa_token,  # policy.opa_token or its file, read now
+            loader=loader,
         )
     from kvgov.policy.embedded import EmbeddedPolicyEngine
 
