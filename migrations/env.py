@@ -3,11 +3,14 @@
 The database URL comes from, in order: a connection handed in by ``kvgov.db.engine.upgrade``
 (``config.attributes["connection"]``), ``sqlalchemy.url`` set on the Config, then kvgov's
 Settings (``KVGOV_DATABASE_URL``, the embedded SQLite default). SQLite runs in batch mode so
-later migrations can alter tables there.
+later migrations can alter tables there (batch mode recreates a table from its reflection, which
+leaves out expression indexes: such a migration of ``ledger_events`` must create
+``ix_ledger_events_purge_id`` again).
 """
 
 from __future__ import annotations
 
+import warnings
 from logging.config import fileConfig
 
 from alembic import context
@@ -15,6 +18,7 @@ from sqlalchemy import Connection
 
 from kvgov.db.engine import make_engine
 from kvgov.db.models import Base
+from kvgov.db.purge_index import PURGE_ID_INDEX
 
 config = context.config
 target_metadata = Base.metadata
@@ -37,8 +41,21 @@ def _run(connection: Connection) -> None:
         compare_type=True,
         compare_server_default=True,
     )
-    with context.begin_transaction():
+    with context.begin_transaction(), warnings.catch_warnings():
+        if connection.dialect.name == "sqlite":
+            _unreflectable_on_sqlite()
         context.run_migrations()
+
+
+def _unreflectable_on_sqlite() -> None:
+    """SQLite cannot reflect an expression index (SQLAlchemy skips it, and `alembic check`
+    then skips the model's, each with a warning): the purge id index (migration 0009) is not
+    compared there. Its tests read it back through the query plan instead."""
+    for message in (
+        rf"Skipped unsupported reflection of expression-based index {PURGE_ID_INDEX}$",
+        rf"autogenerate skipping metadata-specified expression-based index '{PURGE_ID_INDEX}'",
+    ):
+        warnings.filterwarnings("ignore", message=message)
 
 
 def run_offline() -> None:

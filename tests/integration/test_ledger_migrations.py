@@ -18,7 +18,7 @@ pytestmark = pytest.mark.postgres
 def test_upgrade_head_on_empty_database_then_no_drift(db_url: str) -> None:
     assert current_revision(db_url) is None
     upgrade(db_url)
-    assert current_revision(db_url) == "0008"
+    assert current_revision(db_url) == "0009"
     upgrade(db_url)  # a second run changes nothing
     engine = make_engine(db_url)
     try:

@@ -92,7 +92,7 @@ def test_upgrade_from_an_installed_wheel(tmp_path: Path) -> None:
     probe = json.loads(_run(python, "-c", PROBE, url, cwd=elsewhere, env=env))
     assert Path(probe["kvgov"]).is_relative_to(env_dir)  # the wheel, not the checkout
     assert Path(probe["migrations"]).is_relative_to(env_dir)
-    assert probe["revision"] == "0008"
+    assert probe["revision"] == "0009"
     assert (Path(probe["migrations"]).parent / "alembic.ini").is_file()
 
     cli_url = f"sqlite:///{(elsewhere / 'cli.db').as_posix()}"
@@ -103,4 +103,4 @@ def test_upgrade_from_an_installed_wheel(tmp_path: Path) -> None:
         cwd=elsewhere,
         env={**env, "KVGOV_DATABASE_URL": cli_url, "KVGOV_DATA_DIR": str(elsewhere)},
     )
-    assert "0008" in out
+    assert "0009" in out

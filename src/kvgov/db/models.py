@@ -38,6 +38,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from kvgov.db.engine import ExactJSON, JSONType, StrEnumType, UTCDateTime
+from kvgov.db.purge_index import PURGE_ID_INDEX, is_purge_step, purge_id_of
 from kvgov.types import (
     EntryState,
     KeyState,
@@ -202,6 +203,15 @@ class LedgerEvent(Base):
     attrs: Mapped[dict[str, Any]] = mapped_column(ExactJSON)
     #: hex SHA-256(salt || canonical(payload)) of the erasable payload, if any
     payload_digest: Mapped[str | None] = mapped_column(String(DIGEST))
+
+
+# one purge's step events, for its receipt's cross-check (kvgov.db.purge_index, migration 0009)
+Index(
+    PURGE_ID_INDEX,
+    purge_id_of(LedgerEvent.__table__.c.attrs),
+    postgresql_where=is_purge_step(LedgerEvent.__table__.c.kind),
+    sqlite_where=is_purge_step(LedgerEvent.__table__.c.kind),
+)
 
 
 class EventPayload(Base):

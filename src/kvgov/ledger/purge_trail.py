@@ -20,14 +20,14 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, String, cast, select
+from sqlalchemy import Connection, Select, select
 from sqlalchemy.orm import Session
 
 from kvgov.db.models import Chain, LedgerEvent, table
+from kvgov.db.purge_index import is_purge_step, purge_id_of
 from kvgov.ledger.chain import link
 from kvgov.ledger.seals import Standing, read_standing
 from kvgov.ledger.verify import row_fields
-from kvgov.types import EventKind
 
 #: a step of one job: its name and its sidecar (None: a global step)
 StepKey = tuple[str, str | None]
@@ -47,10 +47,6 @@ class ChainedStep:
     seq: int
 
 
-def _like(value: str) -> str:
-    return "%" + value.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-
-
 def _vouched(conn: Connection, chain_id: str, trusted: Collection[bytes]) -> Standing | None:
     """The standing of ``chain_id`` when a trusted key holds it and signed its genesis."""
     key = conn.execute(select(Chain.public_key).where(Chain.chain_id == chain_id)).scalar()
@@ -58,6 +54,23 @@ def _vouched(conn: Connection, chain_id: str, trusted: Collection[bytes]) -> Sta
         return None
     standing = read_standing(conn, chain_id, bytes(key))
     return standing if standing.vouched else None
+
+
+def steps_query(purge_id: str, tenant: str) -> Select[Any]:
+    """The ``purge:step`` events of purge ``purge_id`` in ``tenant``, oldest first: found
+    through ``ix_ledger_events_purge_id`` (:mod:`kvgov.db.purge_index`), whose expression and
+    predicate it names exactly. What the database compares is only a selection; the exact
+    checks are :func:`chained_steps`'s, on the parsed row."""
+    t = table(LedgerEvent)
+    return (
+        select(t)
+        .where(
+            purge_id_of(t.c.attrs) == purge_id,
+            is_purge_step(t.c.kind),
+            t.c.tenant == tenant,
+        )
+        .order_by(t.c.occurred_at, t.c.chain_id, t.c.seq)
+    )
 
 
 def chained_steps(
@@ -71,19 +84,8 @@ def chained_steps(
     """
     conn = session.connection()
     chains: dict[str, Standing | None] = {}
-    t = table(LedgerEvent)
-    query = (
-        select(t)
-        .where(
-            t.c.tenant == tenant,
-            t.c.kind == EventKind.PURGE_STEP.value,
-            # a coarse text filter (the index is on tenant and kind); the exact test is below
-            cast(t.c.attrs, String).like(_like(purge_id), escape="\\"),
-        )
-        .order_by(t.c.occurred_at, t.c.chain_id, t.c.seq)
-    )
     found: dict[StepKey, ChainedStep] = {}
-    for row in session.execute(query):
+    for row in session.execute(steps_query(purge_id, tenant)):
         attrs = row.attrs if isinstance(row.attrs, Mapping) else {}
         if attrs.get("purge_id") != purge_id or link(row_fields(row)) != row.hash:
             continue

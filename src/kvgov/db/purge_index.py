@@ -1,0 +1,55 @@
+"""The index that finds one purge's chained ``purge:step`` events (migration 0009).
+
+A tenant's ``purge:step`` events grow with its purges (one per user erasure), and the receipt's
+cross-check (:mod:`kvgov.ledger.purge_trail`) reads one purge's. ``ix_ledger_events_purge_id``
+indexes the purge id in ``attrs``, on the ``purge:step`` rows alone (a partial index). A planner
+uses an expression index only for a query that names the same expression and whose conditions
+imply the index's predicate, so the model's index and the query build both from here:
+:func:`purge_id_of` and :func:`is_purge_step`, whose constants are SQL literals (a bound kind
+would not prove the predicate to a generic Postgres plan). Migration 0009 writes the same SQL.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import String, literal_column
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.functions import FunctionElement
+
+from kvgov.types import EventKind
+
+#: the index's name (the model's, the migration's, and what a query plan names)
+PURGE_ID_INDEX = "ix_ledger_events_purge_id"
+#: the attrs key a purge:step event names its purge by
+PURGE_ID_KEY = "purge_id"
+
+
+class purge_id_of(FunctionElement[str]):  # noqa: N801 (a SQL function, named like func.x)
+    """``attrs``' ``purge_id`` as text: ``(attrs ->> 'purge_id')`` on Postgres,
+    ``json_extract(attrs, '$.purge_id')`` on SQLite (kvgov's two dialects; elsewhere it renders
+    as a ``purge_id_of()`` call the database will not know). NULL where there is none."""
+
+    name = "purge_id_of"
+    type = String()
+    inherit_cache = True
+
+
+def _attrs(element: purge_id_of, compiler: SQLCompiler, **kw: object) -> str:
+    (attrs,) = element.clauses
+    return compiler.process(attrs, **kw)
+
+
+@compiles(purge_id_of, "postgresql")
+def _postgresql(element: purge_id_of, compiler: SQLCompiler, **kw: object) -> str:
+    return f"({_attrs(element, compiler, **kw)} ->> '{PURGE_ID_KEY}')"
+
+
+@compiles(purge_id_of, "sqlite")
+def _sqlite(element: purge_id_of, compiler: SQLCompiler, **kw: object) -> str:
+    return f"json_extract({_attrs(element, compiler, **kw)}, '$.{PURGE_ID_KEY}')"
+
+
+def is_purge_step(kind: ColumnElement[str]) -> ColumnElement[bool]:
+    """``kind = 'purge:step'`` with the kind as a literal: the index's predicate."""
+    return kind == literal_column(f"'{EventKind.PURGE_STEP.value}'", String())
