@@ -150,7 +150,7 @@ def test_migration_0009_indexes_existing_events_and_downgrades(db_url: str) -> N
     engine = make_engine(db_url)
     try:
         seq = _seed(engine, range(PURGES))  # a ledger with purges before the upgrade
-        upgrade(db_url)
+        upgrade(db_url, "0009")
         assert current_revision(db_url) == "0009"
         with engine.connect() as conn:
             assert _uses_the_index(

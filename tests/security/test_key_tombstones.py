@@ -9,6 +9,12 @@ key stays unreadable in a running and a restarted sidecar. The controls: what kv
 to ``data_keys`` as the runtime role (creation, rotation, usage counts, a shred, a KEK
 provider's re-wrap in place) still works.
 
+The same writes through SQLAlchemy, as the runtime issues statements, are refused on either
+dialect (``db_url``): SQLite got its triggers later (a migration on top of 0008), which also
+refuse SQLite's own ways around them (``INSERT OR REPLACE``, ``REPLACE``, ``UPDATE OR
+REPLACE``, a ``DELETE`` without ``WHERE``). SQLite has no roles: whoever can write its file can
+drop them; they hold against the application's own statements.
+
 Roles are cluster-wide and other runs share the server: ``tests/pgroles.py``.
 """
 
@@ -20,9 +26,11 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import sqlalchemy as sa
+from alembic import command
 from psycopg import errors as pg_errors
 
-from kvgov.db.engine import make_engine, upgrade
+from kvgov.db.engine import alembic_config, make_engine, upgrade
 from kvgov.db.keystore import SqlKeyStore
 from kvgov.errors import KeyDestroyedError
 from kvgov.keys.ids import wrap_aad
@@ -223,3 +231,246 @@ def test_upgrade_marks_keys_left_without_bytes_destroyed(kek: FileKekProvider) -
             assert (state, wrapped) == ("destroyed", None) and destroyed_at is not None
         finally:
             engine.dispose()
+
+
+# -- both dialects, through SQLAlchemy --------------------------------------------------------
+
+#: the attacker's writes as SQLAlchemy text, the wrapped DEK copied before the purge as :w
+UNSHRED_SQL = [
+    (
+        "UPDATE data_keys SET wrapped = :w, state = 'retired', destroyed_at = NULL"
+        " WHERE key_id = :k AND version = 1"
+    ),
+    "UPDATE data_keys SET wrapped = :w, state = 'active' WHERE key_id = :k AND version = 1",
+    "UPDATE data_keys SET wrapped = :w WHERE key_id = :k AND version = 1",
+    "UPDATE data_keys SET state = 'retired' WHERE key_id = :k AND version = 1",
+    "UPDATE data_keys SET destroyed_at = NULL WHERE key_id = :k AND version = 1",
+    "UPDATE data_keys SET kek_id = 'another-kek' WHERE key_id = :k AND version = 1",
+    "UPDATE data_keys SET version = 99 WHERE key_id = :k AND version = 1",
+    "UPDATE data_keys SET key_id = 'u:acme:gone' WHERE key_id = :k AND version = 1",
+    "UPDATE data_keys SET tenant = 'globex' WHERE key_id = :k AND version = 1",
+    "UPDATE data_keys SET \"user\" = 'p-bob' WHERE key_id = :k AND version = 1",
+    (
+        "INSERT INTO data_keys SELECT key_id, 7, tenant, \"user\", 'retired', NULL, kek_id,"
+        " created_at, 0, NULL FROM data_keys WHERE key_id = :k AND version = 1"
+    ),
+    (
+        "INSERT INTO data_keys SELECT key_id, 8, tenant, \"user\", 'destroyed', :w, kek_id,"
+        " created_at, 0, CURRENT_TIMESTAMP FROM data_keys WHERE key_id = :k AND version = 1"
+    ),
+    # an upsert over the tombstone (an UPDATE on both dialects)
+    (
+        "INSERT INTO data_keys SELECT key_id, version, tenant, \"user\", 'active', :w, kek_id,"
+        " created_at, 0, NULL FROM data_keys WHERE key_id = :k AND version = 1"
+        " ON CONFLICT (key_id, version) DO UPDATE SET wrapped = excluded.wrapped,"
+        " state = excluded.state, destroyed_at = NULL"
+    ),
+]
+
+#: SQLite's REPLACE deletes the conflicting row without firing DELETE triggers, then inserts
+SQLITE_UNSHRED_SQL = [
+    (
+        "INSERT OR REPLACE INTO data_keys SELECT key_id, version, tenant, \"user\", 'active',"
+        " :w, kek_id, created_at, 0, NULL FROM data_keys WHERE key_id = :k AND version = 1"
+    ),
+    (
+        "REPLACE INTO data_keys SELECT key_id, version, tenant, \"user\", 'retired', :w,"
+        " kek_id, created_at, 0, NULL FROM data_keys WHERE key_id = :k AND version = 1"
+    ),
+    # a live row moved onto the tombstone's identity, replacing it
+    (
+        "UPDATE OR REPLACE data_keys SET key_id = :k, \"user\" = 'p-alice'"
+        " WHERE key_id = 'u:acme:p-bob' AND version = 1"
+    ),
+]
+
+#: deleting the tombstone (then an INSERT could bring the key id and version back)
+DELETE_SQL = [
+    "DELETE FROM data_keys WHERE key_id = :k AND version = 1",
+    "DELETE FROM data_keys WHERE key_id = :k",
+    "DELETE FROM data_keys",  # SQLite's truncate optimisation: off while a DELETE trigger exists
+]
+
+
+def _shredded(db_url: str, kek: FileKekProvider) -> tuple[sa.Engine, Keyring, bytearray, bytes]:
+    """A migrated ledger where alice's key sealed a chunk, was copied, then shredded (bob's key
+    stays live): the engine, the sidecar's keyring, the sealed chunk, the copied wrapped DEK."""
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    sidecar = _ring(engine, kek)
+    sealed = sidecar.seal("acme", CK, os.urandom(10_000), user="p-alice")
+    sidecar.seal("acme", CK, b"x" * 100, user="p-bob")
+    with engine.connect() as conn:
+        wrapped = conn.execute(
+            sa.text("SELECT wrapped FROM data_keys WHERE key_id = :k"), {"k": KID}
+        ).scalar_one()
+    assert wrapped is not None
+    assert [k.key_id for k in _ring(engine, kek).shred("acme", "p-alice")] == [KID]
+    sidecar.shred("acme", "p-alice")
+    return engine, sidecar, sealed, bytes(wrapped)
+
+
+def _rows(engine: sa.Engine) -> list[tuple[object, ...]]:
+    with engine.connect() as conn:
+        return [
+            tuple(r)
+            for r in conn.execute(
+                sa.text(
+                    'SELECT key_id, version, tenant, "user", state, wrapped, kek_id,'
+                    " destroyed_at, usage_count FROM data_keys ORDER BY key_id, version"
+                )
+            )
+        ]
+
+
+def _unshred(db_url: str, kek: FileKekProvider, statement: str) -> None:
+    engine, sidecar, sealed, wrapped = _shredded(db_url, kek)
+    try:
+        before = _rows(engine)
+        assert before[0][4:6] == ("destroyed", None)
+        with pytest.raises(sa.exc.DBAPIError, match="kvgov: data key"):
+            with engine.begin() as conn:  # the runtime's own connection and statements
+                conn.execute(sa.text(statement), {"w": wrapped, "k": KID})
+        assert _rows(engine) == before
+        for ring in (sidecar, _ring(engine, kek)):  # running, and restarted
+            with pytest.raises(KeyDestroyedError):
+                ring.open(sealed, tenant="acme", cache_key=CK)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("statement", UNSHRED_SQL, ids=range(len(UNSHRED_SQL)))
+def test_a_destroyed_key_cannot_be_unshredded_on_either_dialect(
+    db_url: str, kek: FileKekProvider, statement: str
+) -> None:
+    _unshred(db_url, kek, statement)
+
+
+@pytest.mark.parametrize("statement", SQLITE_UNSHRED_SQL, ids=range(len(SQLITE_UNSHRED_SQL)))
+def test_sqlite_replace_cannot_bring_a_destroyed_key_back(
+    sqlite_url: str, kek: FileKekProvider, statement: str
+) -> None:
+    _unshred(sqlite_url, kek, statement)
+
+
+@pytest.mark.parametrize("statement", DELETE_SQL, ids=range(len(DELETE_SQL)))
+def test_a_destroyed_key_cannot_be_deleted_on_either_dialect(
+    db_url: str, kek: FileKekProvider, statement: str
+) -> None:
+    engine = _shredded(db_url, kek)[0]
+    try:
+        before = _rows(engine)
+        with pytest.raises(sa.exc.DBAPIError, match="DELETE of destroyed data key"):
+            with engine.begin() as conn:
+                conn.execute(sa.text(statement), {"k": KID})
+        assert _rows(engine) == before
+        with engine.begin() as conn:  # a live key is no tombstone (nothing in kvgov deletes one)
+            gone = conn.execute(sa.text("DELETE FROM data_keys WHERE key_id = 'u:acme:p-bob'"))
+            assert gone.rowcount == 1
+    finally:
+        engine.dispose()
+
+
+def test_what_kvgov_does_to_data_keys_still_works_on_either_dialect(
+    db_url: str, kek: FileKekProvider
+) -> None:
+    """Controls: create, count usage, rotate, re-wrap in place, shred, count usage a sidecar
+    flushes after a shred elsewhere, then a new version after the shred."""
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    try:
+        ring = Keyring(SqlKeyStore(engine), kek, segment_size=SEG, usage_batch=1)
+        sealed1 = ring.seal("acme", CK, b"one" * 1000, user="p-alice")
+        assert ring.rotate("acme", "p-alice").version == 2
+        store = SqlKeyStore(engine)
+        row = store.get(KID, 1)
+        assert row is not None and row.wrapped is not None and row.state is KeyState.RETIRED
+        dek = kek.unwrap(row.wrapped, wrap_aad(KID, 1, "acme"))
+        rewrapped = kek.wrap(dek, wrap_aad(KID, 1, "acme"))
+        with engine.begin() as conn:
+            done = conn.execute(
+                sa.text("UPDATE data_keys SET wrapped = :w WHERE key_id = :k AND version = 1"),
+                {"w": rewrapped, "k": KID},
+            )
+            assert done.rowcount == 1
+        assert bytes(_ring(engine, kek).open(sealed1, tenant="acme", cache_key=CK)) == b"one" * 1000
+
+        other = Keyring(SqlKeyStore(engine), kek, segment_size=SEG, usage_batch=1000)
+        other.seal("acme", CK, b"late", user="p-alice")  # counted in memory, not flushed
+        assert [k.version for k in ring.shred("acme", "p-alice")] == [1, 2]
+        used = store.get(KID, 2).usage_count  # type: ignore[union-attr]
+        other.flush_usage()
+        after = store.get(KID, 2)
+        assert after is not None and after.state is KeyState.DESTROYED and after.wrapped is None
+        assert after.usage_count == used + 1
+        assert ring.shred("acme", "p-alice") == []  # a second shred finds nothing to do
+
+        sealed3 = ring.seal("acme", CK, b"three", user="p-alice")
+        assert ring.current("acme", "p-alice").version == 3
+        assert bytes(_ring(engine, kek).open(sealed3, tenant="acme", cache_key=CK)) == b"three"
+    finally:
+        engine.dispose()
+
+
+def _data_key_triggers(engine: sa.Engine) -> set[str]:
+    with engine.connect() as conn:
+        return set(
+            conn.execute(
+                sa.text(
+                    "SELECT name FROM sqlite_master WHERE type = 'trigger'"
+                    " AND tbl_name = 'data_keys'"
+                )
+            ).scalars()
+        )
+
+
+def test_the_sqlite_guard_installs_on_an_existing_ledger_and_comes_off(
+    sqlite_url: str, kek: FileKekProvider
+) -> None:
+    """From 0009 (no SQLite guard) to head and back: a row left without bytes is destroyed on
+    the way up; the downgrade removes the triggers and nothing else."""
+    upgrade(sqlite_url, "0009")
+    engine = make_engine(sqlite_url)
+    try:
+        ring = _ring(engine, kek)
+        ring.seal("acme", CK, b"x" * 100, user="p-alice")
+        ring.seal("acme", CK, b"x" * 100, user="p-bob")
+        ring.seal("acme", CK, b"x" * 100, user="p-carol")
+        with engine.connect() as conn:
+            wrapped = conn.execute(
+                sa.text("SELECT wrapped FROM data_keys WHERE key_id = :k"), {"k": KID}
+            ).scalar_one()
+        ring.shred("acme", "p-alice")
+        revive = "UPDATE data_keys SET wrapped = :w, state = 'retired' WHERE key_id = :k"
+        with engine.begin() as conn:  # what a shred racing a rotation left before 0007's fix
+            conn.execute(
+                sa.text(
+                    "UPDATE data_keys SET wrapped = NULL, state = 'retired'"
+                    " WHERE key_id = 'u:acme:p-bob'"
+                )
+            )
+            conn.execute(  # and one marked destroyed whose bytes survived
+                sa.text("UPDATE data_keys SET state = 'destroyed' WHERE key_id = 'u:acme:p-carol'")
+            )
+        assert _data_key_triggers(engine) == set()
+
+        upgrade(sqlite_url)
+        assert len(_data_key_triggers(engine)) == 6
+        bob = SqlKeyStore(engine).get("u:acme:p-bob", 1)
+        assert bob is not None and bob.state is KeyState.DESTROYED and bob.destroyed_at
+        carol = SqlKeyStore(engine).get("u:acme:p-carol", 1)
+        assert carol is not None and carol.state is KeyState.DESTROYED
+        scrubbed = carol.wrapped is None  # (no wrapped bytes in a failure's message)
+        assert scrubbed, "a row marked destroyed kept its wrapped bytes"
+        with pytest.raises(sa.exc.DBAPIError, match="kvgov: data key was destroyed"):
+            with engine.begin() as conn:
+                conn.execute(sa.text(revive), {"w": wrapped, "k": KID})
+
+        command.downgrade(alembic_config(sqlite_url), "0009")
+        assert _data_key_triggers(engine) == set()
+        with engine.begin() as conn:  # the hole the guard closes is open again
+            assert conn.execute(sa.text(revive), {"w": wrapped, "k": KID}).rowcount == 1
+        upgrade(sqlite_url)
+        assert len(_data_key_triggers(engine)) == 6
+    finally:
+        engine.dispose()
