@@ -95,11 +95,11 @@ class DatabaseSettings(_Section):
     echo: bool = False
     #: migrations: longest wait for a table lock (a sidecar's open transaction) before the
     #: upgrade fails, rather than holding every sidecar's writes queued behind it; 0: no limit
-    migration_lock_timeout_s: float = Field(default=10.0, ge=0.0)
+    migration_lock_timeout_s: float = Field(default=10.0, ge=0.0, allow_inf_nan=False)
     #: migrations: longest run of one statement; 0: no limit
-    migration_statement_timeout_s: float = Field(default=600.0, ge=0.0)
+    migration_statement_timeout_s: float = Field(default=600.0, ge=0.0, allow_inf_nan=False)
     #: how long ``kvgov db upgrade`` waits for another process's upgrade to finish; 0: no limit
-    migration_wait_s: float = Field(default=900.0, ge=0.0)
+    migration_wait_s: float = Field(default=900.0, ge=0.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _one_source_each(self) -> DatabaseSettings:
@@ -431,6 +431,22 @@ class PurgeSettings(_Section):
     sidecar_live_s: float = Field(default=60.0, gt=0.0)
 
 
+#: the shortest OPA token the production overlay's authz policy admits (opa-authz.rego)
+OPA_TOKEN_MIN_CHARS = 32
+
+
+def opa_token_problem(token: str) -> str | None:
+    """Why the production OPA (``opa-authz.rego``) would refuse ``token`` for ever, or None: a
+    sidecar started with it would deny every operation."""
+    if len(token) < OPA_TOKEN_MIN_CHARS or any(ch.isspace() for ch in token):
+        return (
+            f"is not one the production OPA admits (at least {OPA_TOKEN_MIN_CHARS} characters,"
+            " no whitespace): every decision would be refused; make one with"
+            " `openssl rand -hex 32` (Secret kvgov-opa-token, docs/deploy.md)"
+        )
+    return None
+
+
 class Settings(BaseSettings):
     """Every setting kvgov has. Built once at the edge and passed down explicitly."""
 
@@ -547,6 +563,9 @@ class Settings(BaseSettings):
                 " policy of deploy/kubernetes/overlays/production/opa-authz.rego, and give"
                 " kvgov the token (Secret kvgov-opa-token, docs/deploy.md)"
             )
+        inline = policy.opa_token.get_secret_value() if policy.opa_token else ""
+        if policy.engine == "opa" and inline and (problem := opa_token_problem(inline)):
+            problems.append(f"policy.opa_token {problem}")
         if self.policy.engine == "opa" and not dp.cleartext_network_ok:
             opa = urlsplit(self.policy.opa_url)
             if opa.scheme == "http" and opa.hostname not in LOOPBACK_HOSTS:
@@ -681,6 +700,8 @@ class Settings(BaseSettings):
                 f"{name} {path}: the token holds whitespace or control characters",
                 hint="one line, the token alone (an HTTP header cannot carry the rest)",
             )
+        if self.environment == "production" and (problem := opa_token_problem(token)):
+            raise ConfigError(f"{name} {path}: the token {problem}")
         return token
 
     @property

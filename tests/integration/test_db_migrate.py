@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from pydantic import ValidationError
 
 from kvgov.config import Settings
 from kvgov.db import engine as engine_module
@@ -199,6 +200,16 @@ def test_a_sqlite_upgrade_waits_for_the_write_lock_only_so_long(sqlite_url: str)
         holder.rollback()
         holder.close()
     assert current_revision(sqlite_url) == "0001"
+
+
+@pytest.mark.parametrize(
+    "field", ["migration_wait_s", "migration_lock_timeout_s", "migration_statement_timeout_s"]
+)
+def test_migration_limits_are_finite(field: str, tmp_path: Path) -> None:
+    """An infinite limit failed only inside the upgrade, as an opaque error (round(inf) on
+    SQLite, lock_timeout='inf' on Postgres); 0 is how to say "no limit"."""
+    with pytest.raises(ValidationError, match=field):
+        Settings(data_dir=tmp_path, database={field: float("inf")})
 
 
 def _outcome(fn: Callable[..., object], *args: object) -> object:

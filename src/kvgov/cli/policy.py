@@ -121,9 +121,10 @@ def register(app: typer.Typer) -> None:
         cfg = settings(ctx)
         bundle = load_configured_bundle(cfg)
         target = url or cfg.policy.opa_url
-        written = asyncio.run(
-            push_bundle(bundle, url=target, token=cfg.opa_token, include_tests=tests)
-        )
+        # the configured token is the pod's OPA's: it goes to policy.opa_url only, never to
+        # another server named on the command line (which would then hold every pod's key)
+        token = cfg.opa_token if _same_url(target, cfg.policy.opa_url) else None
+        written = asyncio.run(push_bundle(bundle, url=target, token=token, include_tests=tests))
         for item in written:
             echo(f"pushed {item}")
         echo(
@@ -132,6 +133,10 @@ def register(app: typer.Typer) -> None:
         )
 
     app.add_typer(group, name="policy")
+
+
+def _same_url(a: str, b: str) -> bool:
+    return a.rstrip("/") == b.rstrip("/")
 
 
 EngineName = Literal["embedded", "opa", "unsafe-allow-all"]

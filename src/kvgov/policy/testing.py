@@ -103,6 +103,19 @@ def run_embedded(bundle: PolicyBundle) -> RegoTestReport:
     return run_tests(rules, regorus_evaluator(bundle), engine="embedded (regorus)")
 
 
+def opa_error_text(exc: Exception) -> str:
+    """What to print of a failed OPA request: its HTTP status, or the error's class. Never the
+    exception's repr: aiohttp's holds the request's headers, the bearer token among them."""
+    import aiohttp
+
+    if isinstance(exc, aiohttp.ClientResponseError):
+        text = f"OPA: HTTP {exc.status}"
+        if exc.status in (401, 403):
+            text += " (this OPA refuses test rules to this token: run them on an OPA of your own)"
+        return text
+    return f"OPA: {type(exc).__name__}"
+
+
 async def run_opa(
     bundle: PolicyBundle, *, url: str, token: str | None = None, timeout_s: float = 5.0
 ) -> RegoTestReport:
@@ -122,7 +135,7 @@ async def run_opa(
             try:
                 body = await client.query_rule({}, package, name)
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                results.append(RegoTestResult(rule, passed=False, error=f"OPA: {exc!r}"))
+                results.append(RegoTestResult(rule, passed=False, error=opa_error_text(exc)))
                 continue
             value = body.get("result", UNDEFINED) if isinstance(body, dict) else UNDEFINED
             results.extend(run_tests([rule], _constant(value), engine="opa").results)

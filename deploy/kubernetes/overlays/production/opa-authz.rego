@@ -37,8 +37,11 @@ allow if {
 # Both are compared as SHA-256 digests in constant time: how long the comparison takes tells
 # nothing of the token's characters or its length.
 kvgov_token if {
-	expected := opa.runtime().env.KVGOV_OPA_TOKEN
-	is_string(expected)
+	# kvgov strips its file's surrounding whitespace; so does this side (a Secret made with
+	# --from-file often ends in a newline, which would otherwise refuse kvgov for ever)
+	raw := opa.runtime().env.KVGOV_OPA_TOKEN
+	is_string(raw)
+	expected := trim_space(raw)
 	count(expected) >= 32
 	is_string(input.identity)
 	crypto.hmac.equal(crypto.sha256(input.identity), crypto.sha256(expected))
