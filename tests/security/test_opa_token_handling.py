@@ -203,3 +203,62 @@ def test_production_refuses_a_token_file_the_shipped_policy_never_admits(
         _ = prod.opa_token
     assert weak.strip() not in str(err.value)
     assert Settings(data_dir=tmp_path / "d", policy=policy).opa_token == weak.strip()  # dev
+
+
+# -- an OPA that serves everyone stops a production start --------------------------------
+# The guard above proves kvgov holds a token, not that the OPA it asks checks one: an OPA
+# started without --authentication=token (an overlay of one's own) ignores it and serves the
+# pod's every container. A production sidecar asks it, tokenless, for its policies first.
+
+
+async def _standin(authz: bool) -> Any:
+    from tests.integration.test_policy_opa_standin import OpaStandIn
+    from tests.security.test_opa_api_authz import authorizer
+
+    opa = OpaStandIn()
+    if authz:  # OPA's authorizer with the shipped opa-authz.rego
+        opa.middlewares.append(authorizer(authz_engine()))
+    await opa.start()
+    return opa
+
+
+async def test_the_open_probe_tells_an_open_opa_from_a_locked_one() -> None:
+    from kvgov.policy.opa import answers_without_token
+    from tests.integration.test_policy_opa_standin import closed_port_url
+
+    for authz, expected in ((False, True), (True, False)):
+        opa = await _standin(authz)
+        try:
+            assert await answers_without_token(opa.url, 5.0) is expected
+        finally:
+            await opa.stop()
+    assert await answers_without_token(closed_port_url(), 1.0) is None
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("authz", [False, True], ids=["open-opa", "locked-opa"])
+async def test_a_production_sidecar_refuses_an_opa_that_serves_everyone(
+    tmp_path: Path, prod_db: Any, authz: bool
+) -> None:
+    from kvgov.errors import ConfigError
+    from kvgov.proxy.app import build_sidecar
+    from tests.security import doors
+    from tests.security.test_production_guards import _with
+
+    opa = await _standin(authz)
+    try:
+        token_file = tmp_path / "opa-token"
+        token_file.write_text(TOKEN)
+        settings = _with(
+            doors.settings(tmp_path, prod_db),
+            policy={"engine": "opa", "opa_url": opa.url, "opa_token_file": token_file},
+        )
+        if not authz:
+            with pytest.raises(ConfigError, match="decision request without a token"):
+                await build_sidecar(settings)
+            return
+        sidecar = await build_sidecar(settings)
+        await sidecar.start()
+        await sidecar.stop()
+    finally:
+        await opa.stop()

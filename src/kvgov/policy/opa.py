@@ -72,6 +72,31 @@ class OpaEndpoint:
         return cls(parts.hostname, port, parts.scheme == "https")
 
 
+#: kvgov's own decision request, which an OPA with ``--authentication=token
+#: --authorization=basic`` and kvgov's authz policy answers only with the token
+#: (``deploy/kubernetes/overlays/production/opa-authz.rego``)
+OPEN_PROBE_PATH = f"/v1/data/{POLICY_PACKAGE.replace('.', '/')}/{DECISION_RULE}"
+
+
+async def answers_without_token(url: str, timeout_s: float) -> bool | None:
+    """Whether the OPA at ``url`` answers kvgov's decision request (an empty input) carrying
+    no token: True (it serves whoever reaches it), False (it refused), None (it could not be
+    asked)."""
+    import aiohttp
+
+    endpoint = OpaEndpoint.parse(url)
+    scheme = "https" if endpoint.ssl else "http"
+    target = f"{scheme}://{endpoint.host}:{endpoint.port}{OPEN_PROBE_PATH}"
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
+            session.post(target, json={"input": {}}, allow_redirects=False) as response,
+        ):
+            return response.status == 200
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return None
+
+
 class OpaRestPolicyEngine:
     """:class:`kvgov.policy.interfaces.PolicyEngine` asking an OPA server."""
 

@@ -441,6 +441,30 @@ def provisioning_problems(settings: Settings, *, signs: bool, own_policy: bool) 
     return problems
 
 
+async def _refuse_an_open_opa(settings: Settings) -> None:
+    """Outside development, a token proves nothing if the OPA it goes to serves everyone: one
+    started without ``--authentication=token --authorization=basic`` (an overlay of one's own)
+    answers the pod's every container. Such an OPA stops start-up; one that cannot be asked
+    now is left to the decisions, which deny while it cannot answer."""
+    if settings.environment is Environment.DEVELOPMENT:
+        return
+    from kvgov.policy.opa import OPEN_PROBE_PATH, answers_without_token
+
+    url = settings.policy.opa_url
+    open_ = await answers_without_token(url, settings.policy.opa_timeout_s)
+    if open_ is None:
+        log.warning("policy.opa.unchecked", extra={"opa_url": url, "probe": OPEN_PROBE_PATH})
+    elif open_:
+        raise ConfigError(
+            f"the OPA at {url} answers kvgov's decision request without a token"
+            f" (POST {OPEN_PROBE_PATH} answered 200): every container that reaches it reads"
+            " the policy and its data and asks any decision",
+            hint="start OPA with --authentication=token --authorization=basic and the"
+            " system.authz policy of deploy/kubernetes/overlays/production/opa-authz.rego"
+            ' (docs/deploy.md, "OPA\'s own API")',
+        )
+
+
 async def build_sidecar(
     settings: Settings,
     *,
@@ -565,6 +589,8 @@ async def _build_sidecar(
                 on_change=key_events,
             )
         )
+    if policy is None and settings.policy.engine == "opa":
+        await _refuse_an_open_opa(settings)
     if policy is None:
         from kvgov.policy.factory import build_policy_engine
         from kvgov.policy.recording import EventDecisionRecorder
