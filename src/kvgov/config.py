@@ -51,6 +51,9 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 TierName = Literal["memory", "filesystem", "redis"]
 _DEFAULT_CHAIN: tuple[TierName, ...] = ("memory", "filesystem")
 _DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+#: bounds of ``tiers.shared_reconcile_interval_s`` (seconds; 0 is allowed too: start only)
+_MIN_RECONCILE_S = 0.1
+_MAX_RECONCILE_S = 30 * 86_400.0
 
 #: the ``--config`` file for the settings being built (set only inside :func:`load_settings`)
 _CONFIG_FILE: ContextVar[Path | None] = ContextVar("kvgov_config_file", default=None)
@@ -239,6 +242,22 @@ class TierSettings(_Section):
     redis_prefix: str = "kvgov:"
     #: seconds between TTL sweeps
     sweep_interval_s: float = Field(default=30.0, ge=0.1)
+    #: seconds between a running sidecar's reconciles of its shared tiers (Redis) with the
+    #: ledger, each interval jittered by +-10% so a fleet does not scan Redis all at once: the
+    #: values a purge or deletion left there (made while no sidecar sharing it was alive, or
+    #: whose Redis deletion failed) are deleted and recorded then, not only at the next start
+    #: (docs/tiers.md). 0: only at start. Local tiers are reconciled at start only.
+    shared_reconcile_interval_s: float = 3600.0
+
+    @field_validator("shared_reconcile_interval_s")
+    @classmethod
+    def _reconcile_interval(cls, value: float) -> float:
+        if value != 0 and not _MIN_RECONCILE_S <= value <= _MAX_RECONCILE_S:  # NaN fails too
+            raise ValueError(
+                f"must be 0 (reconcile shared tiers at start only) or seconds between "
+                f"{_MIN_RECONCILE_S} and {_MAX_RECONCILE_S:.0f}, got {value!r}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> TierSettings:

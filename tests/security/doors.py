@@ -419,6 +419,17 @@ def wait_for(cond: Callable[[], bool], limit: float) -> bool:
     return True
 
 
+async def until(cond: Callable[[], bool], limit: float) -> bool:
+    """:func:`wait_for` on the event loop (the sidecar under test runs there too): poll
+    ``cond`` every 20 ms for at most ``limit`` seconds; whether it came true."""
+    deadline = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
 def error_logs(records: list[logging.LogRecord]) -> list[logging.LogRecord]:
     """What a crashed handler leaves: a record at ERROR, one carrying a traceback, or
     ``dataplane.connection.failed``."""

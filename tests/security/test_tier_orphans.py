@@ -63,14 +63,12 @@ def _orphan_events(sc: Any) -> list[LedgerEvent]:
         )
 
 
-def _cli_verify(settings: Settings) -> tuple[int, dict[str, Any]]:
-    """``kvgov audit verify`` as an operator runs it, pinning the sidecar's signing key."""
+def _cli_verify(settings: Settings, *peers: Settings) -> tuple[int, dict[str, Any]]:
+    """``kvgov audit verify`` as an operator runs it, pinning the sidecar's signing key (and
+    those of the ``peers`` that wrote to the same ledger)."""
     env = {"KVGOV_DATABASE__URL": settings.database_url, "KVGOV_DATA_DIR": str(settings.data_dir)}
-    result = CliRunner().invoke(
-        build_app(),
-        ["audit", "verify", "--json", "--trust-key", str(settings.signing_key_path)],
-        env=env,
-    )
+    pins = [arg for s in (settings, *peers) for arg in ("--trust-key", str(s.signing_key_path))]
+    result = CliRunner().invoke(build_app(), ["audit", "verify", "--json", *pins], env=env)
     return result.exit_code, json.loads(result.stdout)
 
 
@@ -233,6 +231,23 @@ def _age(client: Any, rkey: str, idle_s: int = LONG_IDLE_S) -> None:
     assert int(client.object("idletime", rkey)) >= idle_s
 
 
+def _fleet_peer(settings: Settings, where: Path, **tiers: Any) -> Settings:
+    """Another sidecar of ``settings``'s fleet: its own data dir (under ``where``) and chain,
+    the fleet's pseudonym key; ``tiers`` overrides tier settings."""
+    peer = settings.model_copy(
+        update={
+            "data_dir": where / "data",
+            "ledger": settings.ledger.model_copy(
+                update={"pseudonym_key_path": settings.pseudonym_key_path}
+            ),
+            "tiers": settings.tiers.model_copy(update=tiers),
+        }
+    )
+    peer.data_dir.mkdir(parents=True)
+    generate_signing_key_file(peer.signing_key_path)  # its own chain's key, provisioned
+    return peer
+
+
 @contextmanager
 def _entry_index_locked(db: doors.ProdDatabase) -> Iterator[psycopg.Connection[Any]]:
     """Hold ``cache_entries`` so no ledger writer can commit a put's row (a slow or stalled
@@ -292,18 +307,7 @@ async def test_values_erased_from_a_shared_redis_while_its_sidecars_were_down_ar
                 )
         finally:
             db.dispose()
-        # another sidecar of the fleet (its own data dir and chain; the fleet's keys)
-        s2 = s1.model_copy(
-            update={
-                "data_dir": tmp_path / "s2" / "data",
-                "ledger": s1.ledger.model_copy(
-                    update={"pseudonym_key_path": s1.pseudonym_key_path}
-                ),
-            }
-        )
-        s2.data_dir.mkdir(parents=True)
-        generate_signing_key_file(s2.signing_key_path)  # its own chain's key, provisioned
-        other = await build_sidecar(s2)
+        other = await build_sidecar(_fleet_peer(s1, tmp_path / "s2"))
         await other.start()
         try:
             # time passes: nothing touched the values since; a value of a put that crashed

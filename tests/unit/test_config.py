@@ -72,6 +72,19 @@ def test_a_journal_sync_interval_out_of_range_stops_start_up(
     assert load_settings().ledger.journal_sync_interval_ms == 0.0
 
 
+@pytest.mark.parametrize("value", ["-1", "0.05", "nan", "inf", "2592001", "hourly"])
+def test_a_shared_reconcile_interval_out_of_range_stops_start_up(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    assert load_settings().tiers.shared_reconcile_interval_s == 3600.0
+    monkeypatch.setenv("KVGOV_TIERS__SHARED_RECONCILE_INTERVAL_S", value)
+    with pytest.raises(ConfigError, match="shared_reconcile_interval_s"):
+        load_settings()
+    for ok in ("0", "0.1", "600", "2592000"):  # 0: reconcile shared tiers at start only
+        monkeypatch.setenv("KVGOV_TIERS__SHARED_RECONCILE_INTERVAL_S", ok)
+        assert load_settings().tiers.shared_reconcile_interval_s == float(ok)
+
+
 def test_missing_and_invalid_config_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_settings(tmp_path / "absent.toml")

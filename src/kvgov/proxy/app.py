@@ -45,7 +45,14 @@ from kvgov.proxy.dataplane.records import Recorder
 from kvgov.proxy.dataplane.sealers import KeyringSealer, Sealer
 from kvgov.proxy.dataplane.server import WireServer
 from kvgov.proxy.dataplane.unsafe import NullEventSink, PlaintextSealer
-from kvgov.proxy.dataplane.upkeep import expired, ledger_entries, reconcile, sweep
+from kvgov.proxy.dataplane.upkeep import (
+    expired,
+    ledger_entries,
+    reconcile,
+    reconcile_shared_every,
+    shared_tiers,
+    sweep,
+)
 from kvgov.proxy.dataplane.wireconn import ServerConfig
 from kvgov.types import Environment, EventKind, Outcome
 
@@ -60,6 +67,9 @@ if TYPE_CHECKING:
     from kvgov.services.purge.executor import PurgeExecutor
 
 log = logging.getLogger("kvgov.sidecar")
+
+#: the name of the task reconciling the shared tiers while the sidecar runs
+SHARED_RECONCILE_TASK = "kvgov-shared-reconcile"
 
 
 @dataclass
@@ -105,6 +115,25 @@ class Sidecar:
             )
             await self.lm_server.start(dp.lm_host, dp.lm_port)
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvgov-ttl-sweeper"))
+        reconcile_s = self.settings.tiers.shared_reconcile_interval_s
+        engine = self.engine
+        recorded = self.settings.dataplane.events == "ledger"
+        if engine is not None and recorded and reconcile_s > 0 and shared_tiers(self.tiers):
+            # as at start (build_sidecar), again while running: shared tiers only
+            self._tasks.append(
+                asyncio.create_task(
+                    reconcile_shared_every(
+                        reconcile_s,
+                        self.pipeline.index,
+                        self.tiers,
+                        self.pipeline.recorder,
+                        lookup=partial(ledger_entries, engine),
+                        principal=f"sidecar:{self.settings.chain_id}",
+                        metrics=self.metrics,
+                    ),
+                    name=SHARED_RECONCILE_TASK,
+                )
+            )
         keyring = self.pipeline.keyring
         if self.engine is not None and self.writer is not None and keyring is not None:
             from kvgov.proxy.purge.sidecar import PurgeWiring, attach_purge
@@ -616,6 +645,8 @@ async def _build_sidecar(
             lookup=lambda digests: ledger_entries(db, digests),
             principal=f"sidecar:{settings.chain_id}",
         )
+        for name, count in removed.items():
+            metrics.orphans_removed.labels(name).inc(count)
         if removed:
             log.warning("tiers.reconciled", extra={"removed_not_live": removed})
     cpus = usable_cpus()

@@ -89,6 +89,20 @@ class DataPlaneMetrics:
             "Listener accept() failures (descriptor or memory exhaustion); accepting backs off",
             registry=r,
         )
+        self.orphans_removed = Counter(
+            "kvgov_tiers_orphans_removed",
+            "Values a tier held that no live entry names (erased while this sidecar was down,"
+            " or left in a shared Redis), deleted and recorded as kv:delete orphan, by tier",
+            ["tier"],
+            registry=r,
+        )
+        self.reconcile_passes = Counter(
+            "kvgov_tiers_reconcile_passes",
+            "Periodic reconciles of a shared tier with the ledger"
+            " (tiers.shared_reconcile_interval_s), by tier and outcome (ok, failed)",
+            ["tier", "outcome"],
+            registry=r,
+        )
         self.pool_bytes = Gauge(
             "kvgov_dataplane_buffer_pool_in_use_bytes", "Bytes of pooled buffers in use", registry=r
         )

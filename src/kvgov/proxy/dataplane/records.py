@@ -9,7 +9,8 @@ miss: nothing waits, a sink that can may hold it back briefly to commit it with 
 The entry events (put, gone: deleted/expired, evicted) carry the
 :class:`~kvgov.ledger.events.EntryChange` that keeps the ledger's entry index in step with the
 tiers, so the index explains every entry the tiers hold or dropped. The orphan deletions of a
-start (:func:`orphan_event`, :func:`orphans_event`) carry none: their entries are gone already.
+start or of a shared tier's periodic pass (:func:`orphan_event`, :func:`orphans_event`) carry
+none: their entries are gone already.
 """
 
 from __future__ import annotations
@@ -220,10 +221,11 @@ def orphan_event(
     removed: bool,
     principal: str | None,
 ) -> Event:
-    """``kv:delete``, reason ``orphan``: at start, ``tier`` held a value under ``digest`` that
-    no live entry names (purged, deleted or expired while this sidecar was down), and it was
-    deleted (``removed``: a live value was there). The tenant and ``attrs.entry_state`` are
-    what the ledger's row says (None: it has no row).
+    """``kv:delete``, reason ``orphan``: at start (or, for a shared tier, in a periodic pass),
+    ``tier`` held a value under ``digest`` that no live entry names (purged, deleted or expired
+    while this sidecar was down, or without a sidecar sharing the tier), and it was deleted
+    (``removed``: a live value was there). The tenant and ``attrs.entry_state`` are what the
+    ledger's row says (None: it has no row).
 
     It carries no entry-index change: a ``purged``, ``deleted`` or ``expired`` row already
     says the entry is gone (rewriting it would lose which); a digest without a row would get

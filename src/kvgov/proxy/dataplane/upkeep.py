@@ -2,12 +2,14 @@
 :func:`sweep`: the sidecar's sweeper), a tier's capacity eviction (:func:`evicted`: the
 tiers' ``on_evict`` hook, through ``Pipeline.tier_evicted``) and, at start, the values a tier
 holds that no live entry names (:func:`reconcile`: a local tier's, and a shared tier's that
-have gone untouched for a while). No operation's flow calls it.
+have gone untouched for a while; a shared tier's again every interval while the sidecar runs:
+:func:`reconcile_shared_every`). No operation's flow calls it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -21,6 +23,7 @@ from kvgov.db.models import CacheEntry
 from kvgov.ledger.events import Event
 from kvgov.logging import get_logger
 from kvgov.proxy.dataplane.index import EntryIndex
+from kvgov.proxy.dataplane.metrics import DataPlaneMetrics
 from kvgov.proxy.dataplane.records import (
     LedgerEntry,
     Recorder,
@@ -57,9 +60,10 @@ LOCAL_TIERS = frozenset({"filesystem"})
 #: long (seconds): a put writes its tiers before its ledger row commits (its journal, then the
 #: writer's batch: normally well within a second, longer while the database is slow or
 #: away), so a younger value that no live row names may be another sidecar's put in
-#: progress. An orphan touched more recently than this stays until a later start (or its
-#: TTL); a put whose row takes longer to commit may lose its Redis copy (a miss, as if Redis
-#: had evicted it: the entry is recomputable).
+#: progress. An orphan touched more recently than this stays until a later pass (the next
+#: start, or the next ``tiers.shared_reconcile_interval_s`` while running) or its TTL; a
+#: put whose row takes longer to commit may lose its Redis copy (a miss, as if Redis had
+#: evicted it: the entry is recomputable).
 SHARED_ORPHAN_MIN_IDLE_S = 600
 
 #: orphans deleted (and recorded) per step: one ledger lookup, then one group commit
@@ -179,10 +183,30 @@ async def _reconcile_shared(
     for it, and nothing wrote or read it for :data:`SHARED_ORPHAN_MIN_IDLE_S`, the last
     checked atomically with the deletion. Only what was really deleted is recorded (several
     sidecars may reconcile at once). The keys are scanned, looked up and deleted a step at a
-    time, never all held at once."""
+    time, never all held at once.
+
+    Safe to run at any time (:func:`reconcile_shared_every`): nothing here relies on the
+    index being complete. A pass cancelled part-way (the sidecar stopping) first records what
+    it deleted: a step's deletions and their events run to the end, and the summary of the
+    unlisted ones is recorded on the way out, as it is when the tier fails part-way."""
     removed = young = unknown = unlisted = unlisted_bytes = 0
 
     async def step(chunk: list[str]) -> None:
+        running = asyncio.ensure_future(look_up_delete_record(chunk))
+        try:
+            await asyncio.shield(running)
+        except asyncio.CancelledError:
+            # once deleted, a value's record must follow, and the lookup's thread must give
+            # its connection back before the sidecar disposes of its engine: finish the step
+            try:
+                await running
+            except Exception as exc:  # noqa: BLE001 - stopping anyway: say so, then stop
+                log.warning(
+                    "tiers.reconcile.failed", extra={"tier": name, "error": type(exc).__name__}
+                )
+            raise
+
+    async def look_up_delete_record(chunk: list[str]) -> None:
         nonlocal removed, young, unknown, unlisted, unlisted_bytes
         known = await asyncio.to_thread(lookup, chunk)
         gone = [key for key in chunk if _not_live(known.get(key))]
@@ -205,17 +229,19 @@ async def _reconcile_shared(
             await recorder.record_all(events)
 
     chunk: list[str] = []
-    async for key in tier.iter_keys():
-        if not is_digest(key) or index.get(key) is not None:
-            continue
-        chunk.append(key)
-        if len(chunk) >= RECONCILE_CHUNK:
+    try:
+        async for key in tier.iter_keys():
+            if not is_digest(key) or index.get(key) is not None:
+                continue
+            chunk.append(key)
+            if len(chunk) >= RECONCILE_CHUNK:
+                await step(chunk)
+                chunk = []
+        if chunk:
             await step(chunk)
-            chunk = []
-    if chunk:
-        await step(chunk)
-    if recorder is not None and unlisted:
-        await recorder.record_all([orphans_event(name, unlisted, unlisted_bytes, principal)])
+    finally:  # cancelled or failed part-way: the deletions counted so far are recorded too
+        if recorder is not None and unlisted:
+            await recorder.record_all([orphans_event(name, unlisted, unlisted_bytes, principal)])
     if young or unknown:
         log.info(
             "tiers.reconcile.kept",
@@ -227,6 +253,75 @@ async def _reconcile_shared(
             },
         )
     return removed
+
+
+def shared_tiers(tiers: TierChain) -> list[str]:
+    """The tiers of ``tiers`` that other sidecars may share (:class:`IdleDeleting`, not in
+    :data:`LOCAL_TIERS`): those :func:`reconcile_shared_every` reconciles while running."""
+    return [
+        name
+        for name in tiers.names
+        if name not in LOCAL_TIERS and isinstance(tiers.tier(name), IdleDeleting)
+    ]
+
+
+#: each wait between two periodic reconciles is the interval times a factor drawn in
+#: ``1 +- RECONCILE_JITTER``: sidecars started together do not all scan Redis at once
+RECONCILE_JITTER = 0.1
+
+
+def jittered(interval_s: float) -> float:
+    """``interval_s`` spread by +-:data:`RECONCILE_JITTER` (not a secret: any source will do,
+    the system's spares the module-level generator's state)."""
+    spread = random.SystemRandom().uniform(-RECONCILE_JITTER, RECONCILE_JITTER)
+    return interval_s * (1.0 + spread)
+
+
+async def reconcile_shared_every(
+    interval_s: float,
+    index: EntryIndex,
+    tiers: TierChain,
+    recorder: Recorder,
+    *,
+    lookup: Lookup,
+    principal: str | None,
+    metrics: DataPlaneMetrics | None = None,
+) -> None:
+    """Until cancelled, every ``interval_s`` (jittered, :func:`jittered`), reconcile each
+    shared tier (:func:`shared_tiers`) with the ledger as at start (:func:`_reconcile_shared`:
+    the same checks, each deletion recorded the same way). The orphans a purge or a deletion
+    left in a shared Redis while no sidecar sharing it was alive, or whose deletion there
+    failed, go within an interval of idling :data:`SHARED_ORPHAN_MIN_IDLE_S`, not at the next
+    start. Passes run one after the other, never two at once; a local tier is left alone (its
+    reconcile relies on the index loaded at start). A failing pass (Redis away, the ledger's
+    lookup failing) is logged ``tiers.reconcile.failed`` with its error class (never a key)
+    and tried again next interval: the loop lives as long as the sidecar."""
+    names = shared_tiers(tiers)
+    if not names:
+        return
+    while True:
+        await asyncio.sleep(jittered(interval_s))
+        for name in names:
+            tier = tiers.tier(name)
+            if not isinstance(tier, IdleDeleting):  # pragma: no cover - shared_tiers checked
+                continue
+            try:
+                count = await _reconcile_shared(
+                    index, tier, name=name, recorder=recorder, lookup=lookup, principal=principal
+                )
+            except Exception as exc:  # noqa: BLE001 - logged and retried; never ends the loop
+                log.warning(
+                    "tiers.reconcile.failed", extra={"tier": name, "error": type(exc).__name__}
+                )
+                if metrics is not None:
+                    metrics.reconcile_passes.labels(name, "failed").inc()
+                continue
+            if metrics is not None:
+                metrics.reconcile_passes.labels(name, "ok").inc()
+                if count:
+                    metrics.orphans_removed.labels(name).inc(count)
+            if count:
+                log.warning("tiers.reconciled", extra={"removed_not_live": {name: count}})
 
 
 def _not_live(entry: LedgerEntry | None) -> bool:
