@@ -450,6 +450,16 @@ class PurgeSettings(_Section):
     sidecar_live_s: float = Field(default=60.0, gt=0.0)
 
 
+def _read_setting_file(name: str, path: Path) -> str:
+    """The text of setting ``name``'s file, read now; an error names the file, never what it
+    holds."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"cannot read {name} {path}: {reason}") from None
+
+
 #: the shortest OPA token the production overlay's authz policy admits (opa-authz.rego)
 OPA_TOKEN_MIN_CHARS = 32
 
@@ -637,11 +647,7 @@ class Settings(BaseSettings):
             url = value.get_secret_value()
             self._check_url(url, name.removesuffix("_file"), database=database)
             return url
-        try:
-            url = path.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise ConfigError(f"cannot read {name} {path}: {reason}") from None
+        url = _read_setting_file(name, path).strip()
         if not url:
             what = "the database URL" if database else "the Redis URL"
             raise ConfigError(f"{name} {path} is empty", hint=f"it must hold {what}")
@@ -669,11 +675,7 @@ class Settings(BaseSettings):
         if path is None:
             return dict(dp.engine_tokens)
         name = "dataplane.engine_tokens_file"
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise ConfigError(f"cannot read {name} {path}: {reason}") from None
+        text = _read_setting_file(name, path)
         hint = 'it must hold a JSON object {"<token>": "<engine-id>", ...}'
         try:
             data = json.loads(text)
@@ -707,11 +709,7 @@ class Settings(BaseSettings):
             token = policy.opa_token.get_secret_value() if policy.opa_token else ""
             return token or None
         name = "policy.opa_token_file"
-        try:
-            token = path.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise ConfigError(f"cannot read {name} {path}: {reason}") from None
+        token = _read_setting_file(name, path).strip()
         if not token:
             raise ConfigError(f"{name} {path} is empty", hint="it must hold OPA's bearer token")
         if any(ch.isspace() or not ch.isprintable() for ch in token):
