@@ -773,9 +773,15 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         raise ConfigError(f"config file not found: {config_file}")
     unknown = _unknown_env_names()
     if unknown:
+        hint = "KVGOV_ variables name a setting, nested with '__' (KVGOV_TIERS__CHAIN)"
+        if any(_SERVICE_LINK.search(name) for name in unknown):
+            hint += (
+                "; names ending _SERVICE_HOST, _SERVICE_PORT or _PORT_<n>_TCP are what the"
+                " kubelet makes of a Service named kvgov-*: set enableServiceLinks: false in"
+                " the pod spec (the shipped manifests do)"
+            )
         raise ConfigError(
-            "unknown settings in the environment: " + ", ".join(sorted(unknown)),
-            hint="KVGOV_ variables name a setting, nested with '__' (KVGOV_TIERS__CHAIN)",
+            "unknown settings in the environment: " + ", ".join(sorted(unknown)), hint=hint
         )
     token = _CONFIG_FILE.set(config_file)
     try:
@@ -873,6 +879,10 @@ def url_password_problem(url: str) -> str | None:
         "its password holds an unescaped '@' (the driver would take part of it for the host):"
         " percent-encode it ('@' as %40)"
     )
+
+
+#: a Kubernetes service-link variable's tail (``<SERVICE>_SERVICE_HOST``, ``_PORT_7080_TCP``...)
+_SERVICE_LINK = re.compile(r"_SERVICE_(HOST|PORT)|_PORT(_\d+_(TCP|UDP|SCTP)(_\w+)?)?$")
 
 
 def _unknown_env_names() -> list[str]:
