@@ -124,3 +124,19 @@ async def test_a_staging_folder_swapped_after_bind_is_not_followed(
         assert stat.S_ISSOCK(os.lstat(sock).st_mode)
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(str(sock))
+
+
+async def test_a_folder_planted_at_the_socket_path_stops_start_up_with_a_clear_error(
+    tmp_path: Path, prod_db: ProdDatabase, short_dir: Path
+) -> None:
+    """The engine's container (review r8, H3) makes a folder where the socket goes: the
+    sidecar's start raised a bare IsADirectoryError; it now says what holds the path and why
+    it may be there, and leaves the folder alone."""
+    from kvgov.errors import ConfigError
+
+    sock = short_dir / "d.sock"
+    (sock / "planted").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="something that is not a socket holds the path"):
+        async with doors.sidecar(tmp_path, prod_db, unix_path=str(sock)):
+            pass
+    assert (sock / "planted").is_dir()

@@ -95,8 +95,21 @@ class Sidecar:
     key_events: KeyEventRecorder | None = None
     #: the loop's exception handler before :meth:`start` replaced it (restored at stop)
     _loop_handler: tuple[Any] | None = None
+    #: whether :meth:`start` got as far as recording ``sidecar:started``
+    _started: bool = False
 
     async def start(self) -> None:
+        """Listen, start the background tasks, record ``sidecar:started``. A start that fails
+        part-way stops what it started (listeners, tasks, the writer, flushed) before it
+        raises: a listener bound before a later step failed stayed open."""
+        try:
+            await self._start()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.stop(grace_s=0)
+            raise
+
+    async def _start(self) -> None:
         dp = self.settings.dataplane
         self._watch_accept_errors()
         _descriptor_headroom(self.settings)
@@ -186,6 +199,7 @@ class Sidecar:
             )
         self.ready = True
         await self._record_lifecycle(EventKind.SIDECAR_STARTED)
+        self._started = True
         log.info("sidecar.started", extra={"addresses": self.addresses})
 
     def control_plane(self) -> ControlPlane:
@@ -374,8 +388,9 @@ class Sidecar:
                 await task
         if self.key_events is not None:  # key events handed over but not yet submitted
             await self.key_events.drain()
-        with contextlib.suppress(KvgovError):  # a stop must finish even if the ledger cannot
-            await self._record_lifecycle(EventKind.SIDECAR_STOPPED)
+        if self._started:  # (a start that failed part-way recorded no start either)
+            with contextlib.suppress(KvgovError):  # a stop must finish even if the ledger cannot
+                await self._record_lifecycle(EventKind.SIDECAR_STOPPED)
         if self.pipeline.policy is not None:
             await self.pipeline.policy.aclose()
         if self.writer is not None:  # a final checkpoint signs everything it wrote

@@ -109,8 +109,17 @@ class WireServer:
             sockname = srv.sockets[0].getsockname()
             self.addresses.append(f"tcp://{sockname[0]}:{sockname[1]}")
         if unix_path:
-            with contextlib.suppress(FileNotFoundError):  # a stale socket from a previous run
+            try:  # a stale socket from a previous run
                 os.unlink(unix_path)  # noqa: PTH108
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # e.g. a folder the engine's container made in its place
+                raise ConfigError(
+                    f"dataplane.unix_path {unix_path}: something that is not a socket holds"
+                    f" the path ({exc.strerror}); its folder is shared with the engine's"
+                    " container, which may have put it there",
+                    hint="remove it (or restart the pod: the folder is an emptyDir)",
+                ) from None
             # a fresh volume (a container's emptyDir) may not hold the socket's folder yet;
             # group members (the engine's container, by fsGroup) may reach the socket in it
             Path(unix_path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
