@@ -61,6 +61,23 @@ def test_unknown_env_key_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
         load_settings()
 
 
+def test_service_link_variables_are_named_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the kubelet makes of a Service named kvgov-control (review r8): refused like any
+    other unknown name, with the cause and its fix in the hint."""
+    monkeypatch.setenv("KVGOV_CONTROL_PORT_7080_TCP_ADDR", "10.96.0.10")
+    monkeypatch.setenv("KVGOV_CONTROL_SERVICE_HOST", "10.96.0.10")
+    with pytest.raises(ConfigError, match="KVGOV_CONTROL_SERVICE_HOST") as err:
+        load_settings()
+    assert "enableServiceLinks: false" in str(err.value.hint)
+
+
+def test_a_plain_typo_gets_no_service_link_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGOV_TIERS__CHIAN", '["memory"]')
+    with pytest.raises(ConfigError) as err:
+        load_settings()
+    assert "enableServiceLinks" not in str(err.value.hint)
+
+
 @pytest.mark.parametrize("value", ["-1", "1001", "soon"])
 def test_a_journal_sync_interval_out_of_range_stops_start_up(
     monkeypatch: pytest.MonkeyPatch, value: str
