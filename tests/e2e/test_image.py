@@ -133,6 +133,12 @@ def test_image_runs_read_only_as_non_root_and_governs_a_real_engine(
                 "exec", name, "python3", "-c", "open('/opt/kvgov/x', 'w')", check=False
             )
             assert write.returncode != 0 and "Read-only file system" in write.stderr
+            # no setuid or setgid file (the few 0700 folders it cannot read hold none)
+            setuid = c.podman(
+                "exec", name, "find", "/", "-xdev", "-perm", "/6000", "-type", "f", check=False
+            )
+            assert setuid.stdout.split() == [], "setuid/setgid files in the image"
+            assert all("Permission denied" in line for line in setuid.stderr.splitlines())
             for heavy in ("torch", "lmcache"):
                 imp = c.podman("exec", name, "python3", "-c", f"import {heavy}", check=False)
                 assert imp.returncode != 0, f"{heavy} is in the sidecar image"
