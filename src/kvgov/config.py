@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
 import json
 import os
 import re
@@ -169,7 +170,17 @@ class PolicySettings(_Section):
     policy_dir: Path | None = None
     #: data document (tenants, engines, class limits) as JSON; empty means the shipped example
     data_file: Path | None = None
+    #: where OPA's REST API is: ``unix:///run/opa/opa.sock`` (production: a socket in a volume
+    #: only the ``opa`` and ``kvgov`` containers mount, checked to be OPA's before anything is
+    #: sent on it, see ``opa_uids``), ``https://host[:port]`` (OPA's certificate verified with
+    #: the system's CAs) or ``http://host[:port]``. Production refuses ``http://`` on loopback:
+    #: every container of the pod can bind OPA's port whenever OPA's process is gone and would
+    #: then get the token and answer every decision (``docs/policy.md``, "OPA's own API")
     opa_url: str = "http://127.0.0.1:8181"
+    #: the uids OPA may run as, for a ``unix://`` ``opa_url``: the socket must be owned by one
+    #: of them and served by a process running as one (``SO_PEERCRED``); its directory owned by
+    #: root, kvgov's uid or one of them. Unset: kvgov's own uid and root
+    opa_uids: list[int] | None = None
     opa_timeout_s: float = Field(default=0.25, gt=0.0, le=30.0)
     #: the bearer token kvgov's requests to OPA carry (OPA started with
     #: ``--authentication=token --authorization=basic`` and a ``system.authz`` policy that
@@ -193,6 +204,13 @@ class PolicySettings(_Section):
     #: it reloads them and drops its cached decisions (a revoked engine loses access within
     #: this); 0: never (a change then needs a restart)
     reload_interval_s: float = Field(default=10.0, ge=0.0, le=3600.0)
+
+    @field_validator("opa_uids")
+    @classmethod
+    def _opa_uids_named(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(uid < 0 for uid in value)):
+            raise ValueError("must name OPA's uids (integers >= 0), or be unset")
+        return value
 
     @model_validator(mode="after")
     def _one_token_source(self) -> PolicySettings:
@@ -460,6 +478,23 @@ def _read_setting_file(name: str, path: Path) -> str:
         raise ConfigError(f"cannot read {name} {path}: {reason}") from None
 
 
+def _is_local_host(host: str | None) -> bool:
+    """Whether a URL's host is this host: a loopback name or address (127.0.0.0/8, ::1), or
+    the unspecified address (connecting to 0.0.0.0 or :: reaches this host too)."""
+    if not host:
+        return False
+    name = host.lower().rstrip(".")
+    if name in LOOPBACK_HOSTS or name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback or address.is_unspecified
+
+
 #: the shortest OPA token the production overlay's authz policy admits (opa-authz.rego)
 OPA_TOKEN_MIN_CHARS = 32
 
@@ -595,15 +630,26 @@ class Settings(BaseSettings):
         inline = policy.opa_token.get_secret_value() if policy.opa_token else ""
         if policy.engine == "opa" and inline and (problem := opa_token_problem(inline)):
             problems.append(f"policy.opa_token {problem}")
-        if self.policy.engine == "opa" and not dp.cleartext_network_ok:
+        if self.policy.engine == "opa":
             opa = urlsplit(self.policy.opa_url)
-            if opa.scheme == "http" and opa.hostname not in LOOPBACK_HOSTS:
+            if opa.scheme == "http" and _is_local_host(opa.hostname):
+                problems.append(
+                    f"policy.opa_url={opa.scheme}://{opa.hostname} asks OPA on a loopback TCP"
+                    " port, which any process of the host (in a pod: every container, vLLM's"
+                    " too) can bind whenever OPA's process is gone (OOM, crash, restart"
+                    " back-off): it then receives policy.opa_token with every decision and"
+                    " answers them all; run OPA on a Unix socket in a volume only OPA and kvgov"
+                    " mount (--addr=unix:///run/opa/opa.sock, policy.opa_url="
+                    "unix:///run/opa/opa.sock) or serve it over https:// (a mesh does not"
+                    " cover loopback: dataplane.cleartext_network_ok does not lift this)"
+                )
+            elif opa.scheme == "http" and not dp.cleartext_network_ok:
                 problems.append(
                     f"policy.opa_url={opa.scheme}://{opa.hostname} asks OPA over plain HTTP"
                     " beyond this host: every decision (and policy.opa_token) in the clear,"
                     " open to whoever can answer in OPA's place; use https:// or OPA in the"
-                    " pod (http://127.0.0.1:8181); behind a mesh that encrypts pod traffic"
-                    " (mTLS) set dataplane.cleartext_network_ok"
+                    " pod on a Unix socket (unix:///run/opa/opa.sock); behind a mesh that"
+                    " encrypts pod traffic (mTLS) set dataplane.cleartext_network_ok"
                 )
         if dp.lm_port >= 0 and dp.lm_host not in LOOPBACK_HOSTS:
             problems.append(

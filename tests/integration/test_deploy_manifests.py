@@ -323,11 +323,39 @@ def test_production_runs_opa_as_its_own_sidecar_before_kvgov() -> None:
     assert inits.index("opa") < inits.index("kvgov")
     opa = containers(pod)["opa"]
     assert opa["restartPolicy"] == "Always"
-    assert "--addr=127.0.0.1:8181" in opa["args"]  # loopback only: the pod's kvgov asks it
+    # a Unix socket, not a loopback port any container could take (review r8, F4)
+    assert "--addr=unix:///run/opa/opa.sock" in opa["args"]
+    assert [a for a in opa["args"] if a.startswith("--addr=")] == [
+        "--addr=unix:///run/opa/opa.sock"
+    ]
+    assert "--unix-socket-perm=660" in opa["args"]
     env = settings_env(docs, pod)
-    assert env["KVGOV_POLICY__OPA_URL"] == "http://127.0.0.1:8181"
+    assert env["KVGOV_POLICY__OPA_URL"] == "unix:///run/opa/opa.sock"
     assert one(docs, "Deployment")["spec"]["replicas"] > 1
     assert one(docs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+
+
+def test_production_opas_socket_is_mounted_by_opa_and_kvgov_only() -> None:
+    """OPA's socket directory is a memory emptyDir that exactly the opa and kvgov containers
+    mount, at the directory of ``policy.opa_url`` and of OPA's ``--addr``: vLLM can neither
+    bind that socket nor reach it (review r8, F4). A tmpfs, whose root is sticky, so that
+    kvgov's directory check (no other uid can replace the socket) holds."""
+    docs = render("production")
+    pod = one(docs, "Deployment", "kvgov-inference")["spec"]["template"]["spec"]
+    env = settings_env(docs, pod)
+    socket_dir = Path(urlsplit(env["KVGOV_POLICY__OPA_URL"]).path).parent.as_posix()
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "opa-socket"]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    holders = {
+        name: [m for m in c.get("volumeMounts", []) if m["name"] == "opa-socket"]
+        for name, c in containers(pod).items()
+    }
+    assert {name for name, mounts in holders.items() if mounts} == {"opa", "kvgov"}
+    assert all(m["mountPath"] == socket_dir for m in holders["opa"] + holders["kvgov"])
+    # the kubelet's probes use OPA's diagnostic port (the pod IP), never the socket
+    opa = containers(pod)["opa"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert opa[probe]["httpGet"]["port"] == "opa-diag"
 
 
 def secrets_of(pod: dict[str, Any], container: dict[str, Any]) -> set[str]:
@@ -353,10 +381,11 @@ def secrets_of(pod: dict[str, Any], container: dict[str, Any]) -> set[str]:
 def test_production_opa_serves_its_api_to_kvgovs_token_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every container of the pod shares OPA's loopback address (vLLM's too): OPA asks its
-    ``system.authz`` policy (``overlays/production/opa-authz.rego``, its rules:
-    ``tests/security/test_opa_api_authz.py``) about every request, with the bearer token as the
-    identity, and the token's Secret reaches the opa and kvgov containers and no other."""
+    """Whoever reaches OPA's API (its socket, opa and kvgov only; a loopback port before, every
+    container): OPA asks its ``system.authz`` policy (``overlays/production/opa-authz.rego``,
+    its rules: ``tests/security/test_opa_api_authz.py``) about every request, with the bearer
+    token as the identity, and the token's Secret reaches the opa and kvgov containers and no
+    other."""
     import os
 
     docs = render("production")
@@ -542,7 +571,7 @@ def test_egress_reaches_nothing_else(
     overlay: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The exact list of ports: Redis only with a Redis tier, the bundle server only beside
-    OPA, and none for what is on the pod's loopback (vLLM's reset, OPA's API)."""
+    OPA, and none for what is on the pod's loopback (vLLM's reset) or on OPA's socket (its API)."""
     import os
 
     name, docs = overlay
@@ -557,7 +586,8 @@ def test_egress_reaches_nothing_else(
     if "redis" in settings.tiers.chain:
         expected.add((6379, "TCP"))
     if settings.policy.engine == "opa":
-        assert urlsplit(settings.policy.opa_url).hostname in LOOPBACK_HOSTS
+        opa = urlsplit(settings.policy.opa_url)
+        assert opa.scheme == "unix" or opa.hostname in LOOPBACK_HOSTS  # in the pod: no rule
         expected.add((bundle_port(docs), "TCP"))
     for url in settings.purge.vllm_engines:
         assert urlsplit(url).hostname in LOOPBACK_HOSTS, url  # else it needs a rule

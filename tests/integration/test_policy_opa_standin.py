@@ -16,8 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import socket
+import tempfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -68,9 +71,13 @@ class GolibPolicyEngine:
 
 class OpaStandIn:
     """The stand-in server. ``mode``: "ok", "slow", "error" (HTTP 500), "garbage" (not JSON),
-    "undefined" (every decision undefined)."""
+    "undefined" (every decision undefined). ``unix=True``: it listens, as the production OPA
+    does (``--addr=unix:///run/opa/opa.sock``), on a Unix socket in a fresh directory of its
+    own (0700, short path: ``sun_path`` holds 107 bytes); ``url`` is then ``unix:///...``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, unix: bool = False) -> None:
+        self.unix = unix
+        self.socket_path: Path | None = None
         self.engine = opa_bindings.OpaEngine()
         self.mode = "ok"
         self.delay_s = 2.0
@@ -93,6 +100,12 @@ class OpaStandIn:
         app.router.add_post("/v1/data/{path:.*}", self._query)
         self._runner = web.AppRunner(app, shutdown_timeout=0.5, handle_signals=False)
         await self._runner.setup()
+        if self.unix:
+            self.socket_path = Path(tempfile.mkdtemp(prefix="opa-")) / "opa.sock"
+            unix_site = web.UnixSite(self._runner, str(self.socket_path))
+            await unix_site.start()
+            self.url = f"unix://{self.socket_path}"
+            return
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
@@ -102,6 +115,8 @@ class OpaStandIn:
         self.release.set()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.socket_path is not None:
+            shutil.rmtree(self.socket_path.parent, ignore_errors=True)
 
     async def _misbehave(self) -> Any:
         if self.mode == "slow":
@@ -150,8 +165,8 @@ class OpaStandIn:
 
 
 @contextlib.asynccontextmanager
-async def running_standin() -> AsyncIterator[OpaStandIn]:
-    server = OpaStandIn()
+async def running_standin(*, unix: bool = False) -> AsyncIterator[OpaStandIn]:
+    server = OpaStandIn(unix=unix)
     await server.start()
     try:
         yield server

@@ -178,7 +178,10 @@ def test_production_refuses_an_opa_token_the_shipped_policy_never_admits(
     accepted = []
     for weak in ("short-token", "   ", TOKEN[:31]):
         try:
-            _with(base, policy={"engine": "opa", "opa_token": weak})
+            _with(
+                base,
+                policy={"engine": "opa", "opa_token": weak, "opa_url": "unix:///run/opa/opa.sock"},
+            )
         except ValidationError:
             continue
         accepted.append(len(weak))
@@ -211,11 +214,11 @@ def test_production_refuses_a_token_file_the_shipped_policy_never_admits(
 # pod's every container. A production sidecar asks it, tokenless, for its policies first.
 
 
-async def _standin(authz: bool) -> Any:
+async def _standin(authz: bool, *, unix: bool = False) -> Any:
     from tests.integration.test_policy_opa_standin import OpaStandIn
     from tests.security.test_opa_api_authz import authorizer
 
-    opa = OpaStandIn()
+    opa = OpaStandIn(unix=unix)
     if authz:  # OPA's authorizer with the shipped opa-authz.rego
         opa.middlewares.append(authorizer(authz_engine()))
     await opa.start()
@@ -226,12 +229,13 @@ async def test_the_open_probe_tells_an_open_opa_from_a_locked_one() -> None:
     from kvgov.policy.opa import answers_without_token
     from tests.integration.test_policy_opa_standin import closed_port_url
 
-    for authz, expected in ((False, True), (True, False)):
-        opa = await _standin(authz)
-        try:
-            assert await answers_without_token(opa.url, 5.0) is expected
-        finally:
-            await opa.stop()
+    for unix in (False, True):  # OPA on loopback TCP (development) or its Unix socket
+        for authz, expected in ((False, True), (True, False)):
+            opa = await _standin(authz, unix=unix)
+            try:
+                assert await answers_without_token(opa.url, 5.0) is expected
+            finally:
+                await opa.stop()
     assert await answers_without_token(closed_port_url(), 1.0) is None
 
 
@@ -245,7 +249,7 @@ async def test_a_production_sidecar_refuses_an_opa_that_serves_everyone(
     from tests.security import doors
     from tests.security.test_production_guards import _with
 
-    opa = await _standin(authz)
+    opa = await _standin(authz, unix=True)  # as production runs it: loopback TCP is refused
     try:
         token_file = tmp_path / "opa-token"
         token_file.write_text(TOKEN)

@@ -366,8 +366,9 @@ def test_production_refuses_asking_opa_in_the_clear_across_the_network(
     opa = {"engine": "opa", "opa_token": OPA_TOKEN}
     with pytest.raises(ValidationError, match=r"policy\.opa_url=http://"):
         _with(base, policy={**opa, "opa_url": url})
-    # in the pod, over TLS, or behind a mesh that encrypts pod traffic: accepted
-    for ok in ("http://127.0.0.1:8181", "https://opa.policy.svc:8181"):
+    # in the pod on its socket, over TLS, or behind a mesh that encrypts pod traffic: accepted
+    # (loopback TCP is refused: tests/security/test_opa_channel.py)
+    for ok in ("unix:///run/opa/opa.sock", "https://opa.policy.svc:8181"):
         assert _with(base, policy={**opa, "opa_url": ok}).policy.opa_url == ok
     meshed = _with(base, policy={**opa, "opa_url": url}, dataplane={"cleartext_network_ok": True})
     assert meshed.policy.opa_url == url
@@ -386,17 +387,18 @@ def test_production_refuses_opa_without_a_token(tmp_path: Path, prod_db: ProdDat
     (``GET /v1/data``: tenants, engines, labels) and could rewrite them. Start-up now stops and
     says why (the OPA side: ``tests/security/test_opa_api_authz.py``)."""
     base = doors.settings(tmp_path, prod_db)
-    for policy in ({"engine": "opa"}, {"engine": "opa", "opa_token": ""}):
+    opa: dict[str, Any] = {"engine": "opa", "opa_url": "unix:///run/opa/opa.sock"}
+    for policy in (opa, {**opa, "opa_token": ""}):
         with pytest.raises(ValidationError) as caught:
             _with(base, policy=policy)
         text = str(caught.value)
         assert "policy.engine=opa without policy.opa_token or policy.opa_token_file" in text
         assert "--authentication=token --authorization=basic" in text
     # a token inline, or (what the overlay mounts) in a file: accepted
-    assert _with(base, policy={"engine": "opa", "opa_token": OPA_TOKEN}).opa_token == OPA_TOKEN
+    assert _with(base, policy={**opa, "opa_token": OPA_TOKEN}).opa_token == OPA_TOKEN
     token_file = tmp_path / "opa-token"
     token_file.write_text(OPA_TOKEN + "\n")
-    from_file = _with(base, policy={"engine": "opa", "opa_token_file": token_file})
+    from_file = _with(base, policy={**opa, "opa_token_file": token_file})
     assert from_file.opa_token == OPA_TOKEN
     # the embedded engine asks no OPA; development keeps working without a token
     assert _with(base, policy={"engine": "embedded"}).opa_token is None

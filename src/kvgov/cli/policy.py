@@ -50,7 +50,12 @@ def register(app: typer.Typer) -> None:
         bundle = load_configured_bundle(cfg)
         if chosen == "opa":
             report = asyncio.run(
-                testing.run_opa(bundle, url=cfg.policy.opa_url, token=cfg.opa_token)
+                testing.run_opa(
+                    bundle,
+                    url=cfg.policy.opa_url,
+                    token=cfg.opa_token,
+                    opa_uids=cfg.policy.opa_uids,
+                )
             )
         else:
             report = testing.run_embedded(bundle)
@@ -124,7 +129,15 @@ def register(app: typer.Typer) -> None:
         # the configured token is the pod's OPA's: it goes to policy.opa_url only, never to
         # another server named on the command line (which would then hold every pod's key)
         token = cfg.opa_token if _same_url(target, cfg.policy.opa_url) else None
-        written = asyncio.run(push_bundle(bundle, url=target, token=token, include_tests=tests))
+        written = asyncio.run(
+            push_bundle(
+                bundle,
+                url=target,
+                token=token,
+                include_tests=tests,
+                opa_uids=cfg.policy.opa_uids,
+            )
+        )
         for item in written:
             echo(f"pushed {item}")
         echo(

@@ -55,6 +55,7 @@ def build_inner_engine(settings: Settings) -> PolicyEngine:
             timeout_s=policy.opa_timeout_s,
             token=settings.opa_token,  # policy.opa_token or its file, read now
             loader=loader,
+            opa_uids=policy.opa_uids,
         )
     from kvgov.policy.embedded import EmbeddedPolicyEngine
 

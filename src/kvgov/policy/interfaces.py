@@ -37,6 +37,7 @@ class DenyReason(StrEnum):
     POLICY_ERROR = "policy_error"  # the embedded engine failed to evaluate
     OPA_TIMEOUT = "opa_timeout"
     OPA_UNAVAILABLE = "opa_unavailable"  # connection refused, reset, DNS...
+    OPA_UNTRUSTED = "opa_untrusted"  # OPA's Unix socket is not shown to be OPA's (its uid)
     OPA_BAD_STATUS = "opa_bad_status"  # a non-200 reply
     OPA_UNDEFINED = "opa_undefined"  # HTTP 200 without ``result``
     OPA_INVALID_REPLY = "opa_invalid_reply"  # not JSON, or not an object

@@ -1,14 +1,17 @@
-"""OPA over REST through ``opa-python-client`` (production: OPA runs as its own sidecar).
+"""OPA over REST (production: OPA runs as its own sidecar, on a Unix socket).
 
 Decisions are ``POST /v1/data/kvgov/authz/decision`` with ``{"input": ...}`` via
-``AsyncOpaClient.query_rule``. The client lives inside ``async with`` (entered on first use,
-left by :meth:`OpaRestPolicyEngine.aclose`), retries are off (a retry is a second timeout on
-the data path) and the whole call, pooled-connection wait included, runs under
+``opa-python-client``'s ``AsyncOpaClient.query_rule``, over the channel of
+:mod:`kvgov.policy.opa_channel` (``http(s)://`` or ``unix://``; a Unix socket is checked to be
+OPA's before anything is sent on it). The client lives inside ``async with`` (entered on first
+use, left by :meth:`OpaRestPolicyEngine.aclose`), retries are off (a retry is a second timeout
+on the data path) and the whole call, pooled-connection wait included, runs under
 ``asyncio.timeout(policy.opa_timeout_s)``.
 
-Fail closed: a timeout (``opa_timeout``), a transport error (``opa_unavailable``), a non-200
-reply (``opa_bad_status:<code>``), a reply that is not JSON (``opa_invalid_reply``) and an
-undefined decision (HTTP 200 without ``result``: ``opa_undefined``) are all denies.
+Fail closed: a timeout (``opa_timeout``), a transport error (``opa_unavailable``), a Unix socket
+that is not shown to be OPA's (``opa_untrusted``), a non-200 reply (``opa_bad_status:<code>``),
+a reply that is not JSON (``opa_invalid_reply``) and an undefined decision (HTTP 200 without
+``result``: ``opa_undefined``) are all denies.
 
 Revisions: OPA is loaded with the same policy directory and data file (``kvgov policy push``,
 or a bundle built from them), so the engine reports the revision of those local sources.
@@ -17,11 +20,10 @@ or a bundle built from them), so the engine reports the revision of those local 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 from kvgov.errors import PolicyError
 from kvgov.logging import get_logger
@@ -39,6 +41,9 @@ from kvgov.policy.interfaces import (
     text_digest,
     validated_document,
 )
+from kvgov.policy.opa_channel import OpaEndpoint, OpaUntrustedError, opa_client
+
+__all__ = ["OPEN_PROBE_PATH", "OpaEndpoint", "OpaRestPolicyEngine", "answers_without_token"]
 
 log = get_logger(__name__)
 
@@ -51,49 +56,31 @@ class _OpaClient(Protocol):
     ) -> object: ...
 
 
-@dataclass(frozen=True, slots=True)
-class OpaEndpoint:
-    host: str
-    port: int
-    ssl: bool
-
-    @classmethod
-    def parse(cls, url: str) -> OpaEndpoint:
-        """``http(s)://host[:port]``; raises :class:`PolicyError` for anything else."""
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise PolicyError(f"policy.opa_url must be http(s)://host[:port], got {url!r}")
-        if parts.path not in ("", "/") or parts.query or parts.fragment:
-            raise PolicyError(f"policy.opa_url must not carry a path or query: {url!r}")
-        try:
-            port = parts.port or (443 if parts.scheme == "https" else 8181)
-        except ValueError as exc:
-            raise PolicyError(f"policy.opa_url has an invalid port: {url!r}") from exc
-        return cls(parts.hostname, port, parts.scheme == "https")
-
-
 #: kvgov's own decision request, which an OPA with ``--authentication=token
 #: --authorization=basic`` and kvgov's authz policy answers only with the token
 #: (``deploy/kubernetes/overlays/production/opa-authz.rego``)
 OPEN_PROBE_PATH = f"/v1/data/{POLICY_PACKAGE.replace('.', '/')}/{DECISION_RULE}"
 
 
-async def answers_without_token(url: str, timeout_s: float) -> bool | None:
+async def answers_without_token(
+    url: str, timeout_s: float, *, opa_uids: Collection[int] | None = None
+) -> bool | None:
     """Whether the OPA at ``url`` answers kvgov's decision request (an empty input) carrying
     no token: True (it serves whoever reaches it), False (it refused), None (it could not be
-    asked)."""
+    asked, or its Unix socket is not shown to be OPA's: ``opa_uids``)."""
     import aiohttp
 
     endpoint = OpaEndpoint.parse(url)
-    scheme = "https" if endpoint.ssl else "http"
-    target = f"{scheme}://{endpoint.host}:{endpoint.port}{OPEN_PROBE_PATH}"
     try:
         async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
-            session.post(target, json={"input": {}}, allow_redirects=False) as response,
+            asyncio.timeout(timeout_s),
+            opa_client(endpoint, timeout_s=timeout_s, opa_uids=opa_uids) as client,
         ):
-            return response.status == 200
-    except (aiohttp.ClientError, TimeoutError, OSError):
+            await client.query_rule({}, POLICY_PACKAGE, DECISION_RULE)
+            return True
+    except aiohttp.ClientResponseError:
+        return False  # refused (401, 403), or any other status: not answered
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
         return None
 
 
@@ -108,10 +95,12 @@ class OpaRestPolicyEngine:
         timeout_s: float,
         token: str | None = None,
         loader: Callable[[], PolicyBundle] | None = None,
+        opa_uids: Collection[int] | None = None,
     ) -> None:
         self.endpoint = OpaEndpoint.parse(url)
         self.timeout_s = timeout_s
         self._token = token
+        self._opa_uids = opa_uids
         self._bundle = bundle
         self._loader = loader
         self._stack: AsyncExitStack | None = None
@@ -130,16 +119,12 @@ class OpaRestPolicyEngine:
             return self._client
         async with self._opening:
             if self._client is None:
-                from opa_client import AsyncOpaClient
-
                 stack = AsyncExitStack()
-                client = AsyncOpaClient(
-                    host=self.endpoint.host,
-                    port=self.endpoint.port,
-                    ssl=self.endpoint.ssl,
+                client = opa_client(
+                    self.endpoint,
+                    timeout_s=self.timeout_s,
                     token=self._token,
-                    retries=0,
-                    timeout=self.timeout_s,
+                    opa_uids=self._opa_uids,
                 )
                 self._client = await stack.enter_async_context(client)
                 self._stack = stack
@@ -170,6 +155,8 @@ class OpaRestPolicyEngine:
                 body = await client.query_rule(doc, POLICY_PACKAGE, DECISION_RULE)
         except TimeoutError:
             return deny(DenyReason.OPA_TIMEOUT)
+        except OpaUntrustedError:
+            return deny(DenyReason.OPA_UNTRUSTED)
         except aiohttp.ContentTypeError:
             return deny(DenyReason.OPA_INVALID_REPLY)
         except aiohttp.ClientResponseError as exc:
@@ -217,6 +204,7 @@ async def push_bundle(
     token: str | None = None,
     timeout_s: float = 5.0,
     include_tests: bool = True,
+    opa_uids: Collection[int] | None = None,
 ) -> list[str]:
     """Load the bundle's policies (and tests) and its data into an OPA server.
 
@@ -224,18 +212,12 @@ async def push_bundle(
     OPA refuses or cannot be reached. Policies are sent as they are (no v0 rewriting), so what
     runs in OPA is what the revision names.
     """
-    from opa_client import AsyncOpaClient
-
     endpoint = OpaEndpoint.parse(url)
     written: list[str] = []
     modules = bundle.modules + (bundle.tests if include_tests else ())
     try:
-        async with AsyncOpaClient(
-            host=endpoint.host,
-            port=endpoint.port,
-            ssl=endpoint.ssl,
-            token=token,
-            timeout=timeout_s,
+        async with opa_client(
+            endpoint, timeout_s=timeout_s, token=token, opa_uids=opa_uids
         ) as client:
             for module in modules:
                 pid = policy_id(module.name)

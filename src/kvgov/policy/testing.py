@@ -12,7 +12,7 @@ Rego tests rely on. The differential tests check the RVM against the interpreter
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -117,19 +117,21 @@ def opa_error_text(exc: Exception) -> str:
 
 
 async def run_opa(
-    bundle: PolicyBundle, *, url: str, token: str | None = None, timeout_s: float = 5.0
+    bundle: PolicyBundle,
+    *,
+    url: str,
+    token: str | None = None,
+    timeout_s: float = 5.0,
+    opa_uids: Collection[int] | None = None,
 ) -> RegoTestReport:
     """Evaluate the test rules in an OPA server (push them first: ``kvgov policy push``)."""
     import aiohttp
-    from opa_client import AsyncOpaClient
 
-    from kvgov.policy.opa import OpaEndpoint
+    from kvgov.policy.opa_channel import OpaEndpoint, opa_client
 
     endpoint = OpaEndpoint.parse(url)
     results: list[RegoTestResult] = []
-    async with AsyncOpaClient(
-        host=endpoint.host, port=endpoint.port, ssl=endpoint.ssl, token=token, timeout=timeout_s
-    ) as client:
+    async with opa_client(endpoint, timeout_s=timeout_s, token=token, opa_uids=opa_uids) as client:
         for rule in discover_test_rules(bundle):
             package, _, name = rule.removeprefix("data.").rpartition(".")
             try:

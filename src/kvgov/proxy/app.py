@@ -495,7 +495,9 @@ async def _refuse_an_open_opa(settings: Settings) -> None:
     from kvgov.policy.opa import OPEN_PROBE_PATH, answers_without_token
 
     url = settings.policy.opa_url
-    open_ = await answers_without_token(url, settings.policy.opa_timeout_s)
+    open_ = await answers_without_token(
+        url, settings.policy.opa_timeout_s, opa_uids=settings.policy.opa_uids
+    )
     if open_ is None:
         log.warning("policy.opa.unchecked", extra={"opa_url": url, "probe": OPEN_PROBE_PATH})
     elif open_:
