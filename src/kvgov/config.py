@@ -179,7 +179,7 @@ class PolicySettings(_Section):
     opa_url: str = "http://127.0.0.1:8181"
     #: the uids OPA may run as, for a ``unix://`` ``opa_url``: the socket must be owned by one
     #: of them and served by a process running as one (``SO_PEERCRED``); its directory owned by
-    #: root, kvgov's uid or one of them. Unset: kvgov's own uid and root
+    #: root, kvgov's uid or one of them. Unset: kvgov's own uid (root only when named)
     opa_uids: list[int] | None = None
     opa_timeout_s: float = Field(default=0.25, gt=0.0, le=30.0)
     #: the bearer token kvgov's requests to OPA carry (OPA started with
@@ -632,24 +632,27 @@ class Settings(BaseSettings):
             problems.append(f"policy.opa_token {problem}")
         if self.policy.engine == "opa":
             opa = urlsplit(self.policy.opa_url)
-            if opa.scheme == "http" and _is_local_host(opa.hostname):
-                problems.append(
-                    f"policy.opa_url={opa.scheme}://{opa.hostname} asks OPA on a loopback TCP"
-                    " port, which any process of the host (in a pod: every container, vLLM's"
-                    " too) can bind whenever OPA's process is gone (OOM, crash, restart"
-                    " back-off): it then receives policy.opa_token with every decision and"
-                    " answers them all; run OPA on a Unix socket in a volume only OPA and kvgov"
-                    " mount (--addr=unix:///run/opa/opa.sock, policy.opa_url="
-                    "unix:///run/opa/opa.sock) or serve it over https:// (a mesh does not"
-                    " cover loopback: dataplane.cleartext_network_ok does not lift this)"
+            if opa.scheme == "http":
+                # whatever its host: a loopback one (in any spelling: 0x7f.1, the pod's own
+                # name or address) is a port any container of the pod binds whenever OPA's
+                # process is gone, and one beyond the pod is the token in the clear, answered
+                # by whoever takes OPA's place; plain HTTP proves neither end (review r9)
+                where = (
+                    "a loopback TCP port, which any process of the host (in a pod: every"
+                    " container, vLLM's too) can bind whenever OPA's process is gone (OOM,"
+                    " crash, restart back-off): it then receives policy.opa_token with every"
+                    " decision and answers them all"
+                    if _is_local_host(opa.hostname)
+                    else "plain HTTP: nothing proves who answers (a port of this pod's own"
+                    " address, or any other spelling of this host, is as open as loopback), and"
+                    " beyond the pod every decision and policy.opa_token cross in the clear"
                 )
-            elif opa.scheme == "http" and not dp.cleartext_network_ok:
                 problems.append(
-                    f"policy.opa_url={opa.scheme}://{opa.hostname} asks OPA over plain HTTP"
-                    " beyond this host: every decision (and policy.opa_token) in the clear,"
-                    " open to whoever can answer in OPA's place; use https:// or OPA in the"
-                    " pod on a Unix socket (unix:///run/opa/opa.sock); behind a mesh that"
-                    " encrypts pod traffic (mTLS) set dataplane.cleartext_network_ok"
+                    f"policy.opa_url={opa.scheme}://{opa.hostname} asks OPA over {where}; run"
+                    " OPA on a Unix socket in a volume only OPA and kvgov mount"
+                    " (--addr=unix:///run/opa/opa.sock, policy.opa_url=unix:///run/opa/opa.sock)"
+                    " or serve it over https:// (a mesh does not prove OPA to kvgov:"
+                    " dataplane.cleartext_network_ok does not lift this)"
                 )
         if dp.lm_port >= 0 and dp.lm_host not in LOOPBACK_HOSTS:
             problems.append(

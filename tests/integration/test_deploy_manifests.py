@@ -53,11 +53,16 @@ RESTRICTED = {
 
 
 def render(overlay: str) -> list[dict[str, Any]]:
+    return render_dir(KUSTOMIZE / "overlays" / overlay)
+
+
+def render_dir(path: Path) -> list[dict[str, Any]]:
+    """``kubectl kustomize`` of the Kustomization in ``path``."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed: cannot render the Kustomize overlays")
     out = subprocess.run(
-        [kubectl, "kustomize", str(KUSTOMIZE / "overlays" / overlay)],
+        [kubectl, "kustomize", str(path)],
         capture_output=True,
         text=True,
         check=False,

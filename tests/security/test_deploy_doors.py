@@ -32,6 +32,7 @@ from tests.integration.test_deploy_manifests import (
     containers,
     one,
     render,
+    render_dir,
 )
 
 #: a cluster IP the API server would assign (rendered Services carry none)
@@ -194,7 +195,9 @@ def test_production_runs_the_images_its_overlay_names() -> None:
     overlay = (ROOT / "deploy/kubernetes/overlays/production/kustomization.yaml").read_text()
     import yaml
 
-    wanted = {i["name"]: i for i in yaml.safe_load(overlay)["images"]}
+    wanted = {
+        i["name"].removeprefix("kvgov.invalid/"): i for i in yaml.safe_load(overlay)["images"]
+    }
     images = production_images(render("production"))
     expected = {
         "kvgov": f"{wanted['kvgov']['newName']}@{wanted['kvgov']['digest']}",
@@ -344,3 +347,15 @@ def test_sound_settings_need_the_job_and_pod_only(monkeypatch: pytest.MonkeyPatc
     settings = load_with(env, monkeypatch)
     assert settings.dataplane.host == ""
     assert Path(str(settings.dataplane.unix_path)).parent.as_posix() == "/run/kvgov"
+
+
+def test_the_base_applied_alone_pulls_nothing() -> None:
+    """Review r9: with the images' mapping moved to the overlays, the base named bare
+    ``kvgov`` / ``vllm-kvgov``, which a cluster resolves to ``docker.io/library/...:latest``
+    (or its unqualified-search registries). Its logical names are under ``kvgov.invalid``, a
+    registry that never resolves."""
+    docs = render_dir(ROOT / "deploy/kubernetes/base")
+    pod = one(docs, "Deployment", "kvgov-inference")["spec"]["template"]["spec"]
+    job = one(docs, "Job", "kvgov-migrate")["spec"]["template"]["spec"]
+    images = [c["image"] for spec in (pod, job) for c in containers(spec).values()]
+    assert images and all(i.startswith("kvgov.invalid/") for i in images), images

@@ -361,17 +361,20 @@ def test_production_refuses_asking_opa_in_the_clear_across_the_network(
 ) -> None:
     """Review 4a (observation): a production sidecar accepted ``policy.opa_url`` over plain
     HTTP to another host: every decision, and the bearer ``policy.opa_token``, crossed the pod
-    network in the clear, and whoever could answer in OPA's place decided every put and get."""
+    network in the clear, and whoever could answer in OPA's place decided every put and get.
+    Behind a mesh too (review r9): plain HTTP proves nothing of who answers, and the guard read
+    the host as text, so another spelling of loopback (``0x7f.1``, the pod's own name or
+    address) passed as "beyond this host" and a squatter on it got the token."""
     base = doors.settings(tmp_path, prod_db)
     opa = {"engine": "opa", "opa_token": OPA_TOKEN}
     with pytest.raises(ValidationError, match=r"policy\.opa_url=http://"):
         _with(base, policy={**opa, "opa_url": url})
-    # in the pod on its socket, over TLS, or behind a mesh that encrypts pod traffic: accepted
+    with pytest.raises(ValidationError, match=r"policy\.opa_url=http://"):
+        _with(base, policy={**opa, "opa_url": url}, dataplane={"cleartext_network_ok": True})
+    # in the pod on its socket, or over TLS: accepted
     # (loopback TCP is refused: tests/security/test_opa_channel.py)
     for ok in ("unix:///run/opa/opa.sock", "https://opa.policy.svc:8181"):
         assert _with(base, policy={**opa, "opa_url": ok}).policy.opa_url == ok
-    meshed = _with(base, policy={**opa, "opa_url": url}, dataplane={"cleartext_network_ok": True})
-    assert meshed.policy.opa_url == url
 
 
 # -- OPA's API without authentication (review: OPA sidecar unauthenticated) ------------------

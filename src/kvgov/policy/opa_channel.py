@@ -17,7 +17,7 @@ OPA's (:func:`socket_path_problem`, :func:`peer_problem`):
 - the path is a socket (not a symlink or a file) owned by one of OPA's uids;
 - the process listening on it runs as one of OPA's uids (the kernel's ``SO_PEERCRED``, Linux).
 
-OPA's uids: ``policy.opa_uids``, else kvgov's own uid and root. A check that fails refuses the
+OPA's uids: ``policy.opa_uids``, else kvgov's own uid. A check that fails refuses the
 connection (:class:`OpaUntrustedError`; a decision then denies ``opa_untrusted``) and is logged
 once per session (``policy.opa_channel_refused``). These prove who serves the socket, not what:
 a process of OPA's uid (kvgov itself, when they share one) is trusted.
@@ -52,6 +52,10 @@ log = get_logger(__name__)
 _SUN_PATH_MAX = 107
 
 
+#: the host a request over OPA's Unix socket names (OPA reads none): one that never resolves
+UNIX_HOST = "opa.invalid"
+
+
 @dataclass(frozen=True, slots=True)
 class OpaEndpoint:
     host: str
@@ -76,7 +80,7 @@ class OpaEndpoint:
                     f"policy.opa_url names a socket path that is not normalised or longer than"
                     f" {_SUN_PATH_MAX} bytes: {url!r}"
                 )
-            return cls("localhost", 0, ssl=False, socket_path=path)
+            return cls(UNIX_HOST, 0, ssl=False, socket_path=path)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise PolicyError(
                 f"policy.opa_url must be http(s)://host[:port] or unix:///path, got {url!r}"
@@ -95,8 +99,9 @@ class OpaUntrustedError(aiohttp.ClientConnectionError):
 
 
 def allowed_uids(opa_uids: Collection[int] | None) -> frozenset[int]:
-    """OPA's uids: ``policy.opa_uids``, else this process's uid and root."""
-    return frozenset(opa_uids) if opa_uids is not None else frozenset({os.getuid(), 0})
+    """OPA's uids: ``policy.opa_uids``, else this process's uid (root only when named: a
+    container running as root that reached the socket's folder would otherwise pass)."""
+    return frozenset(opa_uids) if opa_uids is not None else frozenset({os.getuid()})
 
 
 def _uids(allowed: Collection[int]) -> str:
@@ -259,7 +264,23 @@ def opa_client(
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
             )
 
-    # over a Unix socket the URL's host and port name nothing (OPA does not read them)
+        async def __aenter__(self) -> Any:
+            client = await super().__aenter__()
+            # the session must be the one made above, whatever a later release of the
+            # library does on the way (review r9): otherwise nothing is sent on it
+            session = getattr(client, "_session", None)
+            if endpoint.socket_path is not None and not isinstance(
+                getattr(session, "connector", None), CheckedUnixConnector
+            ):
+                await client.close_connection()
+                raise OpaUntrustedError(
+                    "opa-python-client did not use the checked connection to OPA's socket"
+                )
+            return client
+
+    # over a Unix socket the URL's host and port name nothing (OPA does not read them); the
+    # host is one that never resolves (RFC 2606), so a session that fell back to TCP reaches
+    # nobody rather than a port of this pod
     port = endpoint.port if endpoint.socket_path is None else 80
     return _Client(
         host=endpoint.host, port=port, ssl=endpoint.ssl, token=token, retries=0, timeout=timeout_s

@@ -97,6 +97,8 @@ class Sidecar:
     _loop_handler: tuple[Any] | None = None
     #: whether :meth:`start` got as far as recording ``sidecar:started``
     _started: bool = False
+    #: whether :meth:`stop` was called (it runs once)
+    _stopping: bool = False
 
     async def start(self) -> None:
         """Listen, start the background tasks, record ``sidecar:started``. A start that fails
@@ -105,8 +107,10 @@ class Sidecar:
         try:
             await self._start()
         except BaseException:
-            with contextlib.suppress(Exception):
+            try:
                 await self.stop(grace_s=0)
+            except Exception as exc:  # noqa: BLE001 - the start's own error is the one to raise
+                log.warning("sidecar.start.cleanup_failed", extra={"error": type(exc).__name__})
             raise
 
     async def _start(self) -> None:
@@ -373,7 +377,12 @@ class Sidecar:
         )
 
     async def stop(self, grace_s: float = 30.0) -> None:
-        """Stop accepting, drain in-flight requests, flush the ledger, close everything."""
+        """Stop accepting, drain in-flight requests, flush the ledger, close everything. Once:
+        a second call (a caller's cleanup after a start that failed and stopped itself) returns
+        at once."""
+        if self._stopping:
+            return
+        self._stopping = True
         self.ready = False
         await self.server.stop_accepting()
         if self.lm_server is not None:
@@ -809,17 +818,26 @@ async def run_sidecar(settings: Settings) -> None:
         loop.add_signal_handler(sig, stop.set)
     sidecar = await build_sidecar(settings)
     await sidecar.start()
-    if sidecar.engine is not None:
-        from kvgov.proxy.dataplane.restore import register_sidecar
+    try:  # what follows the start failing stops the sidecar too (a final checkpoint, flushed)
+        if sidecar.engine is not None:
+            from kvgov.proxy.dataplane.restore import register_sidecar
 
-        endpoint = sidecar.server.addresses[0] if sidecar.server.addresses else None
-        await asyncio.get_running_loop().run_in_executor(
-            None, register_sidecar, sidecar.engine, sidecar.sidecar_id, settings.chain_id, endpoint
-        )
-    api = settings.api
-    config = api_config(create_control_app(sidecar.control_plane()), api, tls)
-    web = _control_server_class()(config)
-    web_task = asyncio.create_task(web.serve())
+            endpoint = sidecar.server.addresses[0] if sidecar.server.addresses else None
+            await asyncio.get_running_loop().run_in_executor(
+                None,
+                register_sidecar,
+                sidecar.engine,
+                sidecar.sidecar_id,
+                settings.chain_id,
+                endpoint,
+            )
+        api = settings.api
+        config = api_config(create_control_app(sidecar.control_plane()), api, tls)
+        web = _control_server_class()(config)
+        web_task = asyncio.create_task(web.serve())
+    except BaseException:
+        await sidecar.stop(grace_s=0)
+        raise
     await stop.wait()
     log.info("sidecar.stopping")
     await sidecar.stop()
