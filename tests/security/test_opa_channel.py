@@ -20,7 +20,6 @@ The tokens here are test values, never printed: assertions report counts, not ou
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -28,9 +27,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -40,24 +37,16 @@ from pydantic import ValidationError
 
 from kvgov.config import LOOPBACK_HOSTS, Settings
 from kvgov.policy.bundle import load_bundle
-from kvgov.policy.interfaces import PolicyInput
 from kvgov.policy.opa import OpaRestPolicyEngine, answers_without_token
 from tests.integration.test_deploy_manifests import containers, one, render, settings_env
 from tests.security import doors
 from tests.security.doors import ProdDatabase
+from tests.security.squatter import FORBIDDEN, squatter
+from tests.security.test_opa_api_authz import ALLOWED
 from tests.security.test_production_guards import OPA_TOKEN, _with
 
 #: a test value shaped like `openssl rand -hex 32`; not a secret, never printed
 TOKEN = "5ab1" * 16
-#: a decision the policy never admits (restricted is not cacheable), which a squatter allows
-FORBIDDEN = PolicyInput(
-    operation="get",
-    tenant="globex",
-    engine="vllm",
-    key_tenant="globex",
-    actor_user="u1",
-    sensitivity="restricted",
-)
 NOBODY = 65534
 SOCKET_DIR_MODE_OF_A_TMPFS_EMPTYDIR = stat.S_IFDIR | 0o3777  # drwxrwsrwt (fsGroup: setgid)
 
@@ -222,41 +211,10 @@ def test_the_process_serving_the_socket_must_be_opa() -> None:
 
 @pytest.fixture
 def port_squatter() -> Iterator[tuple[str, list[str]]]:
-    """What vLLM's code would run on a loopback port once OPA's listener is gone: 401 to a
-    request without a token, ``allowed: true`` to every one carrying one. Records the
-    Authorization headers."""
-    seen: list[str] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length:
-                self.rfile.read(length)
-            auth = self.headers.get("Authorization", "")
-            seen.append(auth)
-            status, body = (200, _allow_all()) if auth else (401, {"code": "unauthorized"})
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", seen
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def _allow_all() -> dict[str, Any]:
-    return {"result": {"allowed": True, "reasons": [], "tiers": []}}
+    """What vLLM's code would run on a loopback port once OPA's listener is gone
+    (:func:`tests.security.squatter.squatter`): its URL and the Authorization headers seen."""
+    with squatter() as (port, seen):
+        yield f"http://127.0.0.1:{port}", seen
 
 
 @pytest.fixture
@@ -466,16 +424,6 @@ def authz_engine() -> Any:
     from tests.security.test_opa_api_authz import authz_engine as build
 
     return build()
-
-
-ALLOWED = PolicyInput(
-    operation="put",
-    tenant="acme",
-    engine="vllm-acme-0",
-    key_tenant="acme",
-    actor_user="u1",
-    sensitivity="internal",
-)
 
 
 @pytest.mark.parametrize("token", ["right", "wrong", None])

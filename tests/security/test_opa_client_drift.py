@@ -21,13 +21,10 @@ token is a test value, never printed.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import tempfile
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -35,56 +32,19 @@ import aiohttp
 import pytest
 
 from kvgov.policy.bundle import load_bundle
-from kvgov.policy.interfaces import PolicyInput
 from kvgov.policy.opa import OpaRestPolicyEngine
+from tests.security.squatter import FORBIDDEN, squatter
 
 TOKEN = "c0de" * 16  # a test value shaped like `openssl rand -hex 32`; never printed
-FORBIDDEN = PolicyInput(
-    operation="get",
-    tenant="globex",
-    engine="vllm",
-    key_tenant="globex",
-    actor_user="u1",
-    sensitivity="restricted",
-)
-
-
-class _Squatter(ThreadingHTTPServer):
-    allow_reuse_address = True
 
 
 @pytest.fixture
 def port_80() -> Iterator[list[str]]:
-    seen: list[str] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length:
-                self.rfile.read(length)
-            auth = self.headers.get("Authorization", "")
-            seen.append(auth)
-            data = json.dumps({"result": {"allowed": True, "reasons": [], "tiers": []}}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
     try:
-        server = _Squatter(("127.0.0.1", 80), Handler)
+        with squatter(80, tokenless=200) as (_, seen):
+            yield seen
     except OSError as exc:
         pytest.skip(f"cannot bind 127.0.0.1:80 here ({exc.strerror})")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield seen
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture

@@ -19,67 +19,26 @@ value, never printed: the assertion reports a count.
 
 from __future__ import annotations
 
-import json
 import socket
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from kvgov.policy.bundle import load_bundle
-from kvgov.policy.interfaces import PolicyInput
 from kvgov.policy.opa import OpaRestPolicyEngine
 from tests.security import doors
 from tests.security.doors import ProdDatabase
+from tests.security.squatter import FORBIDDEN, squatter
 from tests.security.test_production_guards import OPA_TOKEN, _with
-
-FORBIDDEN = PolicyInput(
-    operation="get",
-    tenant="globex",
-    engine="vllm",
-    key_tenant="globex",
-    actor_user="u1",
-    sensitivity="restricted",  # never cacheable: the real policy denies it
-)
 
 
 @pytest.fixture
-def squatter() -> Iterator[tuple[int, list[str]]]:
+def squatter_port() -> Iterator[tuple[int, list[str]]]:
     """vLLM's code on 127.0.0.1:<port> while OPA is gone: allows whatever carries a token."""
-    seen: list[str] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length:
-                self.rfile.read(length)
-            auth = self.headers.get("Authorization", "")
-            seen.append(auth)
-            body: dict[str, Any] = (
-                {"result": {"allowed": True, "reasons": [], "tiers": []}} if auth else {}
-            )
-            data = json.dumps(body).encode()
-            self.send_response(200 if auth else 401)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1], seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    with squatter() as found:
+        yield found
 
 
 def _own_name_is_loopback() -> bool:
@@ -95,10 +54,10 @@ def _own_name_is_loopback() -> bool:
 async def test_a_meshed_production_refuses_every_spelling_of_a_loopback_opa(
     tmp_path: Path,
     prod_db: ProdDatabase,
-    squatter: tuple[int, list[str]],
+    squatter_port: tuple[int, list[str]],
     host: str,
 ) -> None:
-    port, seen = squatter
+    port, seen = squatter_port
     if host == "<hostname>":
         if not _own_name_is_loopback():
             pytest.skip("this host's name does not resolve to loopback here")
