@@ -57,11 +57,17 @@ def squatter(port: int = 0, *, tokenless: int = 401) -> Iterator[tuple[int, list
         def log_message(self, *args: object) -> None:
             pass
 
-    server = _Server(("127.0.0.1", port), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    with serving(_Server(("127.0.0.1", port), Handler)) as bound:
+        yield bound, seen
+
+
+@contextmanager
+def serving(httpd: ThreadingHTTPServer) -> Iterator[int]:
+    """``httpd`` serving in a thread while the block runs; yields its port."""
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
-        yield int(server.server_address[1]), seen
+        yield int(httpd.server_address[1])
     finally:
-        server.shutdown()
-        server.server_close()
+        httpd.shutdown()
+        httpd.server_close()

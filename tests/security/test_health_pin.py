@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import ssl
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from cryptography.x509.oid import NameOID
 from typer.testing import CliRunner
 
 from kvgov.cli.main import build_app
+from tests.security.squatter import serving
 
 PIN_REFUSED = "is not the API's certificate"
 
@@ -142,13 +142,8 @@ def _https(cert: Path, key: Path) -> Iterator[int]:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(cert, key)
     httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield int(httpd.server_address[1])
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with serving(httpd) as port:
+        yield port
 
 
 def _health(port: int, cert_file: Path, *args: str) -> tuple[int, str]:

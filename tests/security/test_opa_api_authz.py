@@ -33,7 +33,8 @@ import pytest
 from kvgov.config import Settings
 from kvgov.policy.bundle import load_bundle
 from kvgov.policy.factory import build_inner_engine
-from kvgov.policy.interfaces import DECISION_RULE, POLICY_PACKAGE, PolicyInput
+from kvgov.policy.interfaces import DECISION_RULE, POLICY_PACKAGE
+from tests.integration.test_policy_opa_rest import ALLOWED
 from tests.integration.test_policy_opa_standin import OpaStandIn
 
 opa_bindings = pytest.importorskip("opa_bindings", reason="opa-golib-python-bindings not installed")
@@ -199,16 +200,6 @@ def authorizer(engine: Any) -> Any:
         return await handler(request)
 
     return middleware
-
-
-ALLOWED = PolicyInput(
-    operation="put",
-    tenant="acme",
-    engine="vllm-acme-0",
-    key_tenant="acme",
-    actor_user="u1",
-    sensitivity="internal",
-)
 
 
 @pytest.mark.parametrize("token", [TOKEN, "wrong-" + TOKEN, None], ids=["right", "wrong", "none"])

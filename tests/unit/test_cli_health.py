@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from kvgov.cli.health import probe_url
 from kvgov.cli.main import build_app
 from tests.security.doors import TlsIdentity, tls_identity
+from tests.security.squatter import serving
 
 
 class _Probe(BaseHTTPRequestHandler):
@@ -32,14 +33,10 @@ class _Probe(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server() -> Iterator[int]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Probe)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield int(httpd.server_address[1])
+        with serving(ThreadingHTTPServer(("127.0.0.1", 0), _Probe)) as port:
+            yield port
     finally:
-        httpd.shutdown()
-        httpd.server_close()
         _Probe.ready = True
 
 
