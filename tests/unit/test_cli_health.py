@@ -5,7 +5,6 @@ to every address."""
 from __future__ import annotations
 
 import ssl
-import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -79,13 +78,8 @@ def tls_server(tmp_path: Path) -> Iterator[tuple[int, TlsIdentity]]:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(tls.cert, tls.key)
     httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield int(httpd.server_address[1]), tls
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with serving(httpd) as port:
+        yield port, tls
 
 
 def test_over_tls_the_probe_trusts_the_servers_own_certificate(
