@@ -185,11 +185,18 @@ class PolicySettings(_Section):
     #: the bearer token kvgov's requests to OPA carry (OPA started with
     #: ``--authentication=token --authorization=basic`` and a ``system.authz`` policy that
     #: admits it: ``docs/policy.md``, "OPA's own API"); or ``opa_token_file``, a file holding
-    #: it (a mounted Secret, read at start-up), not both. ``engine = "opa"`` in production
-    #: refuses neither set: an OPA that needs no token serves its policy and data to every
-    #: process that reaches it, the inference engine's container in the pod included
+    #: it (a mounted Secret, read at start-up, then followed: ``opa_token_reload_interval_s``),
+    #: not both. ``engine = "opa"`` in production refuses neither set: an OPA that needs no
+    #: token serves its policy and data to every process that reaches it, the inference
+    #: engine's container in the pod included
     opa_token: SecretStr | None = None
     opa_token_file: Path | None = None
+    #: the longest a running sidecar goes between looks at ``opa_token_file`` (a ``stat``,
+    #: on the decision path): a rotated Secret's new token is sent from then on, the old one
+    #: never again. It also looks at once whenever OPA refuses the token (401/403: then asks
+    #: again, once, with the new token) and on every decision while the file's content is
+    #: refused. 0: only then (``docs/policy.md``, "Rotating OPA's token")
+    opa_token_reload_interval_s: float = Field(default=10.0, ge=0.0, le=3600.0)
     #: the longest a decision cached from OPA is served, in seconds (``engine = "opa"`` only;
     #: the embedded engine's cache is emptied by the reload that follows its sources). OPA's
     #: authority is its bundle, which can change without kvgov's ``policy_dir``/``data_file``
@@ -757,6 +764,13 @@ class Settings(BaseSettings):
         if path is None:
             token = policy.opa_token.get_secret_value() if policy.opa_token else ""
             return token or None
+        return self.read_opa_token_file(path)
+
+    def read_opa_token_file(self, path: Path) -> str:
+        """The token in ``policy.opa_token_file`` (``path``), read now with every check of
+        start-up: a running sidecar reads it again after a rotation
+        (:mod:`kvgov.policy.opa_token`). Raises :class:`ConfigError` naming the file and what
+        is wrong, never what it holds."""
         name = "policy.opa_token_file"
         token = _read_setting_file(name, path).strip()
         if not token:

@@ -410,9 +410,15 @@ def test_production_opa_serves_its_api_to_kvgovs_token_only(
     assert "package system.authz" in cm["data"][Path(arg).name]
     # OPA's side of the token: the variable the policy reads, from Secret kvgov-opa-token
     (env,) = [e for e in opa["env"] if e["name"] == "KVGOV_OPA_TOKEN"]
-    assert "opa.runtime().env.KVGOV_OPA_TOKEN" in policy_file.read_text(encoding="utf-8")
+    assert "opa.runtime().env[name]" in policy_file.read_text(encoding="utf-8")
     ref = env["valueFrom"]["secretKeyRef"]
     assert ref["name"] == "kvgov-opa-token" and ref.get("optional") is not True
+    # and, during a rotation only, the next token of the same Secret (key `next`, absent
+    # otherwise: optional), which the policy admits too (docs/deploy.md, "Rotating OPA's token")
+    (nxt,) = [e for e in opa["env"] if e["name"] == "KVGOV_OPA_TOKEN_NEXT"]
+    next_ref = nxt["valueFrom"]["secretKeyRef"]
+    assert next_ref == {"name": ref["name"], "key": "next", "optional": True}
+    assert '"KVGOV_OPA_TOKEN", "KVGOV_OPA_TOKEN_NEXT"' in policy_file.read_text(encoding="utf-8")
     # kvgov's side: policy.opa_token_file, in its read-only mount of that Secret's key
     for key in list(os.environ):
         if key.startswith("KVGOV_"):

@@ -173,12 +173,58 @@ def test_an_unset_empty_or_short_configured_token_admits_no_one(
         assert not allowed(engine, doc, runtime), (env, identity)
 
 
+#: the token a rotation replaces TOKEN with (the Secret's key ``next``, then ``token``)
+NEXT = "5b6a" * 16
+
+
+def test_during_a_rotation_the_next_token_is_admitted_too(engine: Any) -> None:
+    """Rotation: OPA reads its environment at start only, so the next token reaches every OPA
+    first (the Secret's ``next``: ``KVGOV_OPA_TOKEN_NEXT``, a rolling restart), then kvgov (its
+    file, no restart), and the old one is dropped last (``next`` removed, a restart). While
+    both are set each admits kvgov's decision request, and nothing else; afterwards the old
+    one admits nothing."""
+    during = {"env": {"KVGOV_OPA_TOKEN": TOKEN, "KVGOV_OPA_TOKEN_NEXT": NEXT + "\n"}}
+    for token in (TOKEN, NEXT):
+        assert allowed(engine, authz_input("POST", DECISION_PATH, token), during)
+        for method, target in OTHER_REQUESTS:
+            assert not allowed(engine, authz_input(method, target, token), during), target
+    for wrong in (None, "", NEXT[:-1], NEXT + "0", f"Bearer {NEXT}", TOKEN + NEXT):
+        assert not allowed(engine, authz_input("POST", DECISION_PATH, wrong), during)
+    after = {"env": {"KVGOV_OPA_TOKEN": NEXT}}  # next moved to token, pods restarted
+    assert allowed(engine, authz_input("POST", DECISION_PATH, NEXT), after)
+    assert not allowed(engine, authz_input("POST", DECISION_PATH, TOKEN), after)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"KVGOV_OPA_TOKEN": TOKEN, "KVGOV_OPA_TOKEN_NEXT": ""},
+        {"KVGOV_OPA_TOKEN": TOKEN, "KVGOV_OPA_TOKEN_NEXT": "short-token"},
+        {"KVGOV_OPA_TOKEN": TOKEN, "KVGOV_OPA_TOKEN_NEXT": " " * 40},
+        {"KVGOV_OPA_TOKEN_NEXT": "short-token"},
+        {"KVGOV_OPA_TOKEN": TOKEN, "KVGOV_OPA_TOKEN_PREVIOUS": NEXT},
+    ],
+    ids=["empty-next", "short-next", "blank-next", "short-next-alone", "other-name"],
+)
+def test_a_weak_next_token_or_another_variable_admits_no_one(
+    engine: Any, env: dict[str, str]
+) -> None:
+    """Deny by default holds for the second variable too: an empty or short next token admits
+    no one (not whoever sends the same empty or short value), and no other variable counts."""
+    runtime = {"env": env}
+    for identity in (None, "", " " * 40, "short-token", NEXT):
+        assert not allowed(engine, authz_input("POST", DECISION_PATH, identity), runtime)
+    if "KVGOV_OPA_TOKEN" in env:  # the token in force still admits kvgov
+        assert allowed(engine, authz_input("POST", DECISION_PATH, TOKEN), runtime)
+
+
 def test_the_configured_token_is_in_no_document(engine: Any) -> None:
     """The expected token is a local of the rule, not a document someone allowed to read
     ``data.system`` (a future, wider policy) could fetch."""
-    rt = json.dumps(RUNTIME)
+    rt = json.dumps({"env": {"KVGOV_OPA_TOKEN": TOKEN, "KVGOV_OPA_TOKEN_NEXT": NEXT}})
     rows = engine.eval_query(f"doc := data.system with opa.runtime as {rt}", {})
     assert TOKEN not in json.dumps(rows)
+    assert NEXT not in json.dumps(rows)
 
 
 # -- kvgov's client through OPA's authorizer ---------------------------------------------

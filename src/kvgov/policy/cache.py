@@ -69,6 +69,7 @@ _FAILURES = frozenset(
         DenyReason.OPA_UNAVAILABLE,
         DenyReason.OPA_UNTRUSTED,  # OPA's socket served by another uid: OPA's state, too
         DenyReason.OPA_INVALID_REPLY,
+        DenyReason.OPA_TOKEN_INVALID,  # kvgov's own token file, being fixed: not the policy's
         # no result at all: OPA has no policy active yet (its bundle still loading) or is asked
         # at the wrong path; its state, not the policy's answer (review s11)
         DenyReason.OPA_UNDEFINED,

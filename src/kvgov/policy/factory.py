@@ -11,6 +11,8 @@ cached decisions expire after ``policy.opa_decision_ttl_s``.
 
 from __future__ import annotations
 
+from functools import partial
+
 from kvgov.config import Settings
 from kvgov.policy.bundle import PolicyBundle, load_bundle, source_stamp
 from kvgov.policy.cache import CachingPolicyEngine
@@ -48,12 +50,22 @@ def build_inner_engine(settings: Settings) -> PolicyEngine:
     bundle = loader()
     if policy.engine == "opa":
         from kvgov.policy.opa import OpaRestPolicyEngine
+        from kvgov.policy.opa_token import OpaTokenFile
 
+        path = policy.opa_token_file
         return OpaRestPolicyEngine(
             bundle,
             url=policy.opa_url,
             timeout_s=policy.opa_timeout_s,
-            token=settings.opa_token,  # policy.opa_token or its file, read now
+            token=settings.opa_token if path is None else None,  # policy.opa_token
+            # the file: read now (a refusal stops start-up), then followed (a rotated Secret)
+            token_file=None
+            if path is None
+            else OpaTokenFile(
+                path,
+                partial(settings.read_opa_token_file, path),
+                interval_s=policy.opa_token_reload_interval_s,
+            ),
             loader=loader,
             opa_uids=policy.opa_uids,
         )

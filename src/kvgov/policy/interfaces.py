@@ -41,6 +41,9 @@ class DenyReason(StrEnum):
     OPA_BAD_STATUS = "opa_bad_status"  # a non-200 reply
     OPA_UNDEFINED = "opa_undefined"  # HTTP 200 without ``result``
     OPA_INVALID_REPLY = "opa_invalid_reply"  # not JSON, or not an object
+    #: ``policy.opa_token_file`` changed to something unusable (empty, unreadable, too short
+    #: in production): nothing was sent, not the replaced token either
+    OPA_TOKEN_INVALID = "opa_token_invalid"  # noqa: S105 - a reason, no secret
     NOT_RECORDED = "decision_not_recorded"  # an allow the ledger could not take
 
 

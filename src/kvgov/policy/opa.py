@@ -13,6 +13,14 @@ that is not shown to be OPA's (``opa_untrusted``), a non-200 reply (``opa_bad_st
 a reply that is not JSON (``opa_invalid_reply``) and an undefined decision (HTTP 200 without
 ``result``: ``opa_undefined``) are all denies.
 
+The token: ``policy.opa_token``, or ``policy.opa_token_file`` followed while the sidecar runs
+(:class:`~kvgov.policy.opa_token.OpaTokenFile`: a rotated Secret is taken without a restart).
+Each token gets its own client (the library puts the token in its session's headers): a new
+token opens a new one, and the one it replaces is closed once every call already on it has run
+out its timeout. A 401 or 403 looks at the file at once and, when it holds a new token, asks
+again, once, with it (within the same timeout); a file whose content is refused sends nothing
+(``opa_token_invalid``), never the replaced token.
+
 Revisions: OPA is loaded with the same policy directory and data file (``kvgov policy push``,
 or a bundle built from them), so the engine reports the revision of those local sources.
 """
@@ -42,6 +50,7 @@ from kvgov.policy.interfaces import (
     validated_document,
 )
 from kvgov.policy.opa_channel import OpaEndpoint, OpaUntrustedError, opa_client
+from kvgov.policy.opa_token import OpaTokenFile
 
 __all__ = ["OPEN_PROBE_PATH", "OpaEndpoint", "OpaRestPolicyEngine", "answers_without_token"]
 
@@ -60,6 +69,14 @@ class _OpaClient(Protocol):
 #: --authorization=basic`` and kvgov's authz policy answers only with the token
 #: (``deploy/kubernetes/overlays/production/opa-authz.rego``)
 OPEN_PROBE_PATH = f"/v1/data/{POLICY_PACKAGE.replace('.', '/')}/{DECISION_RULE}"
+
+#: OPA's answers to a token it does not admit (``--authorization=basic`` answers 401; a proxy
+#: in front of it may answer 403)
+_TOKEN_REFUSED = frozenset({401, 403})
+
+
+class _NoTokenError(Exception):
+    """``policy.opa_token_file`` holds no usable token now: nothing is sent."""
 
 
 async def answers_without_token(
@@ -94,18 +111,24 @@ class OpaRestPolicyEngine:
         url: str,
         timeout_s: float,
         token: str | None = None,
+        token_file: OpaTokenFile | None = None,
         loader: Callable[[], PolicyBundle] | None = None,
         opa_uids: Collection[int] | None = None,
     ) -> None:
+        """``token``: a fixed token; ``token_file``: one followed (then ``token`` is unused)."""
         self.endpoint = OpaEndpoint.parse(url)
         self.timeout_s = timeout_s
         self._token = token
+        self._token_file = token_file
         self._opa_uids = opa_uids
         self._bundle = bundle
         self._loader = loader
         self._stack: AsyncExitStack | None = None
         self._client: _OpaClient | None = None
+        self._client_token: str | None = None
         self._opening = asyncio.Lock()
+        #: clients replaced by a new token's, each closed once its calls have timed out
+        self._retiring: set[asyncio.Task[None]] = set()
 
     @property
     def revision(self) -> PolicyRevision:
@@ -114,22 +137,72 @@ class OpaRestPolicyEngine:
     def decide_cached(self, inp: PolicyInput) -> Decision | None:
         return None
 
-    async def _opened(self) -> _OpaClient:
-        if self._client is not None:
-            return self._client
+    def _token_now(self) -> str | None:
+        """The token to send: the fixed one, or the file's in force (none: nothing is sent)."""
+        if self._token_file is None:
+            return self._token
+        token = self._token_file.token
+        if token is None:
+            raise _NoTokenError
+        return token
+
+    async def _opened(self) -> tuple[_OpaClient, str | None]:
+        """The client that sends the token in force, and that token. A new token gets a new
+        client, opened now; only ever the token in force (a caller that read the token before
+        it changed cannot bring the old one back)."""
+        token = self._token_now()
+        if self._client is not None and self._client_token == token:
+            return self._client, token
         async with self._opening:
-            if self._client is None:
+            token = self._token_now()  # it may have changed while this waited
+            if self._client is None or self._client_token != token:
+                if self._stack is not None:
+                    self._retire(self._stack)
+                self._client = self._stack = None
                 stack = AsyncExitStack()
                 client = opa_client(
                     self.endpoint,
                     timeout_s=self.timeout_s,
-                    token=self._token,
+                    token=token,
                     opa_uids=self._opa_uids,
                 )
                 self._client = await stack.enter_async_context(client)
-                self._stack = stack
+                self._stack, self._client_token = stack, token
         assert self._client is not None
-        return self._client
+        return self._client, self._client_token
+
+    def _retire(self, stack: AsyncExitStack) -> None:
+        """Close a replaced client once every call on it has run out (each is bounded by
+        ``timeout_s``); closed now, its calls in flight would fail for nothing."""
+
+        async def close_later() -> None:
+            try:
+                await asyncio.sleep(self.timeout_s)
+            finally:
+                await stack.aclose()
+
+        task = asyncio.create_task(close_later(), name="kvgov-opa-retired-client")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _ask(self, doc: dict[str, Any]) -> object:
+        """OPA's answer to ``doc``; refused the token (401/403), asked once more with the
+        file's new token, when the file holds one (OPA took a rotated Secret first)."""
+        import aiohttp
+
+        tokens = self._token_file
+        if tokens is not None and tokens.due():
+            await tokens.look()
+        client, token = await self._opened()
+        try:
+            return await client.query_rule(doc, POLICY_PACKAGE, DECISION_RULE)
+        except aiohttp.ClientResponseError as exc:
+            if exc.status not in _TOKEN_REFUSED or tokens is None:
+                raise
+            if await tokens.look() in (None, token):
+                raise  # no newer token: OPA's refusal stands (fail closed)
+        client, _ = await self._opened()
+        return await client.query_rule(doc, POLICY_PACKAGE, DECISION_RULE)
 
     async def decide(self, inp: PolicyInput) -> Decision:
         import aiohttp
@@ -151,10 +224,11 @@ class OpaRestPolicyEngine:
 
         try:
             async with asyncio.timeout(self.timeout_s):
-                client = await self._opened()
-                body = await client.query_rule(doc, POLICY_PACKAGE, DECISION_RULE)
+                body = await self._ask(doc)
         except TimeoutError:
             return deny(DenyReason.OPA_TIMEOUT)
+        except _NoTokenError:
+            return deny(DenyReason.OPA_TOKEN_INVALID)
         except OpaUntrustedError:
             return deny(DenyReason.OPA_UNTRUSTED)
         except aiohttp.ContentTypeError:
@@ -187,6 +261,10 @@ class OpaRestPolicyEngine:
 
     async def aclose(self) -> None:
         stack, self._stack, self._client = self._stack, None, None
+        retiring = list(self._retiring)
+        for task in retiring:
+            task.cancel()  # its ``finally`` closes the client now
+        await asyncio.gather(*retiring, return_exceptions=True)
         if stack is not None:
             await stack.aclose()
 
