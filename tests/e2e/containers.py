@@ -134,3 +134,40 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+#: run by the image's python3 (it has no getcap): every regular file on the root's filesystem
+#: (``find / -xdev``) whose ``security.capability`` xattr grants file capabilities, one a line;
+#: folders it cannot read on stderr
+_FILE_CAPS = """
+import os, sys
+dev = os.lstat("/").st_dev
+todo = ["/"]
+while todo:
+    path = todo.pop()
+    try:
+        entries = list(os.scandir(path))
+    except OSError as exc:
+        print(f"{path}: {exc.strerror}", file=sys.stderr)
+        continue
+    for e in entries:
+        st = e.stat(follow_symlinks=False)
+        if st.st_dev != dev:
+            continue
+        if e.is_dir(follow_symlinks=False):
+            todo.append(e.path)
+        elif e.is_file(follow_symlinks=False):
+            if "security.capability" in os.listxattr(e.path, follow_symlinks=False):
+                print(e.path)
+"""
+
+
+def files_with_capabilities(image: str) -> list[str]:
+    """The image's files with file capabilities, read as root (every folder readable) in a
+    container of its own without network."""
+    proc = podman(
+        "run", "--rm", "--user", "0", "--network=none", "--no-healthcheck",
+        "--entrypoint", "python3", image, "-c", _FILE_CAPS,
+    )  # fmt: skip
+    assert proc.stderr == "", f"folders the capability scan could not read: {proc.stderr}"
+    return proc.stdout.split()

@@ -139,6 +139,8 @@ def test_image_runs_read_only_as_non_root_and_governs_a_real_engine(
             )
             assert setuid.stdout.split() == [], "setuid/setgid files in the image"
             assert all("Permission denied" in line for line in setuid.stderr.splitlines())
+            # nor file capabilities (a base's ping and the like gain them at exec without setuid)
+            assert c.files_with_capabilities(kvgov_image) == [], "file capabilities in the image"
             for heavy in ("torch", "lmcache"):
                 imp = c.podman("exec", name, "python3", "-c", f"import {heavy}", check=False)
                 assert imp.returncode != 0, f"{heavy} is in the sidecar image"
