@@ -166,6 +166,7 @@ class Sidecar:
                     server=self.server,
                     pseudonymize=self.pipeline.pseudonymizer.user,
                     sidecar_id=self.sidecar_id,
+                    fences=self.pipeline,
                 )
             )
         if self.purge is not None and self.purge.task is not None:

@@ -74,6 +74,7 @@ from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.policy.interfaces import Decision, PolicyEngine
 from kvgov.proxy.dataplane.admission import Admission, Allowed
 from kvgov.proxy.dataplane.buffers import BufferPool, Lease, size_class
+from kvgov.proxy.dataplane.fences import ERASURE_IN_PROGRESS, ErasureFencedError, Fence, in_scope
 from kvgov.proxy.dataplane.identity import Denied, Identity, Who
 from kvgov.proxy.dataplane.index import EntryIndex, EntryMeta
 from kvgov.proxy.dataplane.limits import DenialBudget, DenialGate
@@ -137,6 +138,8 @@ ACK_OK = Ack("ok")
 ACK_KEPT = Ack("kept")
 ACK_EMPTY = Ack("refused", "empty")
 ACK_FAILED = Ack("error", "store_failed")
+#: a put in flight when an erasure of its scope began (:mod:`~kvgov.proxy.dataplane.fences`)
+ACK_FENCED = Ack("error", ERASURE_IN_PROGRESS)
 
 
 class PutSession:
@@ -306,6 +309,9 @@ class Door:
                     waiting.cancel()
                 self._to_store.clear()
                 raise
+            except ErasureFencedError:  # nothing stored; recorded as a denial by store_put
+                self._acked(fut, ACK_FENCED)
+                continue
             except Exception as exc:  # noqa: BLE001 - reported per item in its ack
                 log.warning("dataplane.put.failed", extra={"error": type(exc).__name__})
                 self._acked(fut, ACK_FAILED)
@@ -515,8 +521,10 @@ class Pipeline:
         #: counter children looked up once (``labels()`` costs microseconds per call)
         self._put_bytes = metrics.op_bytes.labels("put")
         self._get_bytes = metrics.op_bytes.labels("get")
-        #: digests of puts planned and not yet stored or dropped (a second put of one is kept)
-        self._storing: set[str] = set()
+        #: puts planned and not yet stored or dropped, by digest (a second put of one is kept)
+        self._storing: dict[str, PutPlan] = {}
+        #: erasures under way, by purge job id (:meth:`fence`); empty but while a purge runs
+        self._fences: dict[str, Fence] = {}
 
     @property
     def keyring(self) -> Keyring | None:
@@ -611,6 +619,10 @@ class Pipeline:
             if given is not None:
                 given.release()
             return Denied(f"bad_item_meta: {exc.message}", who.identity, who.ctx, decision)
+        if self._fences and self._fenced(who):  # its erasure is under way: not cached now
+            if given is not None:
+                given.release()
+            return Denied(ERASURE_IN_PROGRESS, who.identity, who.ctx, decision)
         kept = self._kept(who, decision)
         if kept is not None:
             if given is not None:
@@ -627,6 +639,12 @@ class Pipeline:
         body_len = sealer.body_size(length, self.segment_size)
         if given is None:
             lease = await self.pool.acquire(len(head) + body_len, who.identity.engine)
+            # the loop ran while it waited: an erasure of its scope may have begun, or another
+            # put of its key been planned (one plan per key is ever being stored: :meth:`fence`)
+            stop = self._unplanned(who, decision)
+            if stop is not None:
+                lease.release()
+                return stop
         else:
             lease = given.resize(len(head) + body_len)
         # the fastest tier's own buffer, when it can set one aside: sealed into, then kept
@@ -648,8 +666,7 @@ class Pipeline:
             lease.release()
             raise
         per_job = segments_per_job(self.segment_size)
-        self._storing.add(who.digest)
-        return PutPlan(
+        plan = self._storing[who.digest] = PutPlan(
             who,
             lease,
             length,
@@ -661,8 +678,18 @@ class Pipeline:
             per_job,
             reserved=reserved,
             inline_bytes=self.inline_crypto_bytes,
-            on_done=self._storing.discard,
+            on_done=self._planned_done,
         )
+        return plan
+
+    def _planned_done(self, digest: str) -> None:
+        self._storing.pop(digest, None)
+
+    def _unplanned(self, who: Who, decision: Decision) -> Denied | Kept | None:
+        """What stops a put before it is planned (the checks :meth:`_plan_put` makes first)."""
+        if self._fences and self._fenced(who):
+            return Denied(ERASURE_IN_PROGRESS, who.identity, who.ctx, decision)
+        return self._kept(who, decision)
 
     def _kept(self, who: Who, decision: Decision | None) -> Kept | None:
         """A put of a key that is live, or being stored by another put, is acknowledged
@@ -694,6 +721,8 @@ class Pipeline:
         who, decision = plan.who, plan.decision
         try:
             writer = await plan.sealed()
+            if plan.fenced:  # an erasure of its scope began while it arrived: not written
+                raise await self._fenced_out(plan, written=False)
             now = self.clock()
             ttl = decision.ttl_s
             expires_at = now + ttl if ttl is not None else None  # 0: refused by the policy
@@ -708,6 +737,8 @@ class Pipeline:
                 written = await self.tiers.put_reserved(
                     who.digest, reserved, allowed=allowed, expires_at=expires_at
                 )
+            if plan.fenced:  # ... or while it was written: taken out again, never visible
+                raise await self._fenced_out(plan, written=True)
         finally:
             plan.abort()
         scope = decision.scope
@@ -738,12 +769,66 @@ class Pipeline:
         self._put_bytes.inc(plan.length)
         return stored
 
+    async def _fenced_out(self, plan: PutPlan, *, written: bool) -> ErasureFencedError:
+        """A put in flight when an erasure of its scope began (:meth:`fence`): remove what it
+        wrote (it is still being stored, so no other put of its key has written since) and
+        record the refusal; the caller raises what this returns, and the ack is ``error``."""
+        who = plan.who
+        log.warning("dataplane.put.fenced", extra={"key_digest": who.digest})
+        if written:
+            await self.tiers.delete(who.digest)
+        denied = Denied(ERASURE_IN_PROGRESS, who.identity, who.ctx, plan.decision)
+        await self.admission.deny(who, denied, Operation.PUT, None)
+        return ErasureFencedError("a purge of this put's scope began while it was in flight")
+
     async def unstore(self, stored: StoredPut) -> None:
         """Take an unrecorded put out of the index and every tier (unless it was replaced)."""
         log.warning("dataplane.put.unrecorded", extra={"key_digest": stored.digest})
         if self.index.get(stored.digest) is stored.entry:
             self.index.pop(stored.digest)
             await self.tiers.delete(stored.digest)
+
+    # -- erasure fences (fences.py): a purge's tier step raises one before it reads its scope --
+
+    def fence(self, job_id: str, fence: Fence) -> int:
+        """Raise ``fence`` for purge job ``job_id`` (again: replaced). Puts of its scope in
+        flight now are marked and never made visible (:meth:`store_put`); puts of it admitted
+        while it stands are denied (:meth:`_plan_put`). Returns how many in flight it caught.
+        Synchronous on the event loop: a put is either still being stored here (marked) or
+        already in the index (:meth:`fenced_entries` finds it), never between the two."""
+        self._fences[job_id] = fence
+        caught = 0
+        for plan in self._storing.values():
+            who = plan.who
+            if fence.covers(who.tenant, who.actor, who.key_user):
+                plan.fenced = True
+                caught += 1
+        return caught
+
+    def lift(self, job_ids: Sequence[str]) -> None:
+        """The purge jobs are finished: their puts are cached again."""
+        for job_id in job_ids:
+            self._fences.pop(job_id, None)
+
+    @property
+    def fenced_jobs(self) -> list[str]:
+        """The purge jobs whose fences stand here."""
+        return list(self._fences)
+
+    def fenced_entries(self, fence: Fence) -> list[str]:
+        """Digests of the entries this index holds in ``fence``'s scope (whatever the database
+        shows: their records may not have reached it, or a row may have been edited)."""
+        return in_scope(self.index.items(), fence)
+
+    def _fenced(self, who: Who) -> bool:
+        """Whether an erasure under way covers a put by ``who`` (a lapsed fence is dropped)."""
+        now = self.clock()
+        for job_id, fence in list(self._fences.items()):
+            if fence.until <= now:
+                del self._fences[job_id]
+            elif fence.covers(who.tenant, who.actor, who.key_user):
+                return True
+        return False
 
     # -- get / exists / remove -----------------------------------------------------------------
 

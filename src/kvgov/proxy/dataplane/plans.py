@@ -108,6 +108,9 @@ class PutPlan:
     reserved: Reserved | None = None
     #: told the key's digest once the plan is done with (stored or dropped)
     on_done: Callable[[str], None] | None = None
+    #: an erasure of its scope began while it was in flight: never made visible
+    #: (:mod:`~kvgov.proxy.dataplane.fences`)
+    fenced: bool = False
 
     def segment_done(self, index: int, pool: Executor) -> None:
         """Segment ``index`` has fully arrived: seal it, here for a chunk up to

@@ -8,6 +8,10 @@ it when it has a ledger; ``stop`` cancels the task). The sidecar's purge steps u
   shredded data keys are dropped too);
 - its in-memory entry index, from which purged entries are dropped *before* the tiers are
   touched;
+- its pipeline's erasure fences (:mod:`kvgov.proxy.dataplane.fences`), raised before the tier
+  step reads its scope so that no put of that scope still arriving is made visible after it,
+  and its ledger writer, flushed then so that the puts it acknowledged from its journal are in
+  the scope it reads;
 - ``WireServer.evict_on_engines`` to send EVICT to the connected engines that may hold the
   purged tenant's data (the policy admits them for it, or the ledger saw them store or read
   it) and wait for their ACKs.
@@ -19,10 +23,11 @@ the engines' local tiers whatever this process has seen since it (re)started.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvgov.proxy.dataplane.fences import Fence
 from kvgov.services.purge.build import make_service, writer_checkpointer
 from kvgov.services.purge.executor import PurgeExecutor
 from kvgov.services.purge.ports import EngineEviction, KeyringShredder
@@ -40,6 +45,17 @@ class _Index(Protocol):
     def pop(self, digest: str) -> object: ...
 
 
+class _Fences(Protocol):  # the sidecar's Pipeline
+    def fence(self, job_id: str, fence: Fence) -> int: ...
+
+    def lift(self, job_ids: Sequence[str]) -> None: ...
+
+    @property
+    def fenced_jobs(self) -> list[str]: ...
+
+    def fenced_entries(self, fence: Fence) -> list[str]: ...
+
+
 class _Server(Protocol):
     async def evict_on_engines(
         self,
@@ -52,15 +68,47 @@ class _Server(Protocol):
 
 
 class SidecarEngines:
-    """The sidecar's :class:`LocalIndex` and :class:`EngineEvictor` in one."""
+    """The sidecar's :class:`LocalIndex` and :class:`EngineEvictor` in one (``fences`` and
+    ``settle``: its pipeline and its ledger writer's flush; without them, as for the TTL
+    sweeper, nothing is fenced)."""
 
-    def __init__(self, index: _Index, server: _Server) -> None:
+    def __init__(
+        self,
+        index: _Index,
+        server: _Server,
+        *,
+        fences: _Fences | None = None,
+        settle: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self._index = index
         self._server = server
+        self._fences = fences
+        self._settle = settle
 
     def drop(self, key_digests: Sequence[str]) -> None:
         for digest in key_digests:
             self._index.pop(digest)
+
+    def fence(self, job_id: str, tenant: str, subject: str | None, until: float) -> int:
+        if self._fences is None:
+            return 0
+        return self._fences.fence(job_id, Fence(tenant, subject, until))
+
+    def lift(self, job_ids: Sequence[str]) -> None:
+        if self._fences is not None:
+            self._fences.lift(job_ids)
+
+    def fenced(self) -> list[str]:
+        return self._fences.fenced_jobs if self._fences is not None else []
+
+    async def settle(self) -> None:
+        if self._settle is not None:
+            await self._settle()
+
+    def held(self, tenant: str, subject: str | None) -> list[str]:
+        if self._fences is None:
+            return []
+        return self._fences.fenced_entries(Fence(tenant, subject, until=float("inf")))
 
     async def evict(
         self,
@@ -94,6 +142,8 @@ class PurgeWiring:
     server: _Server
     pseudonymize: Callable[[str, str], str]
     sidecar_id: str
+    #: its pipeline: the purge's erasure fences (None: none raised)
+    fences: _Fences | None = None
 
 
 async def attach_purge(w: PurgeWiring) -> PurgeExecutor:
@@ -101,7 +151,7 @@ async def attach_purge(w: PurgeWiring) -> PurgeExecutor:
     from kvgov.db.engine import make_sessionmaker
     from kvgov.ledger.chain import load_signing_key
 
-    engines = SidecarEngines(w.index, w.server)
+    engines = SidecarEngines(w.index, w.server, fences=w.fences, settle=w.writer.flush)
     service = make_service(
         w.settings,
         sessions=make_sessionmaker(w.engine),

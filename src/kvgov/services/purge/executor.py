@@ -79,6 +79,7 @@ class PurgeExecutor:
                     )
                 )
                 self.steps_run += await self.service.run_until_idle()
+                await self.service.lift_fences()  # of jobs finished elsewhere too
             except (KvgovError, SQLAlchemyError, OSError) as exc:
                 log.warning("purge.executor.error", extra={"error": type(exc).__name__})
             self._wake.clear()

@@ -199,16 +199,58 @@ class NoEngines:
 
 class LocalIndex(Protocol):
     """A process's own in-memory view of entries (the sidecar's index): a purge drops the
-    entries from it before deleting them from the tiers, so they are never served again."""
+    entries from it before deleting them from the tiers, so they are never served again.
+
+    Before the tier step reads its scope it fences the process's data plane (:meth:`fence`),
+    so no put of that scope still arriving is made visible after the read, and waits until the
+    puts it acknowledged are in the database (:meth:`settle`); entries the index holds in that
+    scope which the database did not show (:meth:`held`) are deleted with the rest."""
 
     def drop(self, key_digests: Sequence[str]) -> None: ...
 
+    def fence(self, job_id: str, tenant: str, subject: str | None, until: float) -> int:
+        """Raise purge job ``job_id``'s erasure fence (``subject`` None: the whole tenant; it
+        lapses at ``until``, ``time.time()``); returns how many puts in flight it caught."""
+        ...
+
+    def lift(self, job_ids: Sequence[str]) -> None:
+        """Those purge jobs are finished: lift their fences."""
+        ...
+
+    def fenced(self) -> list[str]:
+        """The purge jobs whose fences stand here."""
+        ...
+
+    async def settle(self) -> None:
+        """Wait until the puts this process acknowledged are in the database."""
+        ...
+
+    def held(self, tenant: str, subject: str | None) -> list[str]:
+        """Digests of the entries the index holds of ``tenant`` (owned by or scoped to
+        ``subject``, when given)."""
+        ...
+
 
 class NoLocalIndex:
-    """The index of a process that serves nothing (the CLI)."""
+    """The index of a process that serves nothing (the CLI): nothing to fence or hold."""
 
     def drop(self, key_digests: Sequence[str]) -> None:
         return None
+
+    def fence(self, job_id: str, tenant: str, subject: str | None, until: float) -> int:
+        return 0
+
+    def lift(self, job_ids: Sequence[str]) -> None:
+        return None
+
+    def fenced(self) -> list[str]:
+        return []
+
+    async def settle(self) -> None:
+        return None
+
+    def held(self, tenant: str, subject: str | None) -> list[str]:
+        return []
 
 
 @dataclass(frozen=True, slots=True)

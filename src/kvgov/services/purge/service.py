@@ -245,6 +245,15 @@ class PurgeService:
             count += 1
         return count
 
+    async def lift_fences(self) -> None:
+        """Lift this process's erasure fences (raised by its ``tiers`` steps) of the jobs that
+        are finished, here or by another process: their subjects' puts are cached again."""
+        fenced = self.ctx.local_index.fenced()
+        if not fenced:
+            return
+        open_ids = set(await self.ctx.db(jobs.open_job_ids))
+        self.ctx.local_index.lift([j for j in fenced if j not in open_ids])
+
     async def wait(self, job_id: str, *, run_local: bool = True) -> JobView:
         """Run what this process can and poll until the job is finished (bounded by the job
         timeout: after it, the final step runs and names what did not answer)."""
@@ -314,8 +323,10 @@ class PurgeService:
             # closed ``failed`` so that its final step is not claimed (and run) again for ever
             log.error("purge.finish.refused", extra={"purge_id": job_id})
             await self.ctx.db(lambda s: jobs.close_refused(s, job_id, ledger_step.id, now=utcnow()))
+            await self.lift_fences()
             return
         log.info("purge.finished", extra={"purge_id": job_id})
+        await self.lift_fences()
 
 
 def build_receipt(job: JobView, state: PurgeState, *, finished_at: str) -> Receipt:

@@ -106,7 +106,22 @@ async def run_step(ctx: StepContext, job: JobView, step: StepView) -> StepOutcom
 
 
 async def _tiers(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
+    # first fence this process's data plane: a put of the scope still arriving is never made
+    # visible, one admitted from now until the job ends is refused (review r10, F2); then
+    # the puts it acknowledged from its journal reach the database before the scope is read
+    purge = ctx.settings.purge
+    until = job.created_at.timestamp() + purge.job_timeout_s + purge.step_lease_s
+    ctx.local_index.fence(job.id, job.tenant, job.subject, until)
+    await ctx.local_index.settle()
     entries = await ctx.db(lambda s: scope.scoped_entries(s, job.tenant, job.subject))
+    # and what the index holds of the scope that the database did not show; with the fence
+    # up nothing of it enters the index any more, so this one look is complete
+    listed = {e.key_digest for e in entries}
+    entries += [
+        scope.ScopedEntry(d, EntryState.LIVE, (), None)
+        for d in ctx.local_index.held(job.tenant, job.subject)
+        if d not in listed
+    ]
     # stop serving them from this process first, then delete them everywhere it reaches
     ctx.local_index.drop([e.key_digest for e in entries])
     result = await delete_entries(
