@@ -96,6 +96,8 @@ async def test_puts_are_acknowledged_from_the_journal_while_postgres_cannot_comm
             assert reg.get_sample_value("kvgov_ledger_journal_failures") == 0
             # the warm-up, the eight puts and the get were synced, in at most one sync each
             assert 1 <= (reg.get_sample_value("kvgov_ledger_journal_syncs") or 0) <= 10
+            # nothing but this sidecar wrote its chain (tests/security/test_foreign_append.py)
+            assert reg.get_sample_value("kvgov_ledger_foreign_appends") == 0
         finally:
             holder.rollback()
             holder.close()

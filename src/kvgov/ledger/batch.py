@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC
 from itertools import repeat
 from operator import attrgetter
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import Connection, select, update
 
@@ -215,6 +215,26 @@ def read_head(conn: Connection, chain_id: str) -> tuple[int, str]:
 
 Head = tuple[int, str]
 Rows = list[tuple[Any, ...]]
+#: position runs ``(first, last)`` of a chain that its live writer did not write
+Disclaimed = list[tuple[int, int]]
+
+
+class HeadCheck(Protocol):
+    """A live writer's check of the head it reads under the chain lock
+    (:class:`kvgov.ledger.writing.foreign.ForeignWatch`): rows it did not write are named by a
+    signed seal in the caller's transaction (:meth:`check`, before anything of the writer's
+    own), and taken as known once that transaction committed (:meth:`settle`)."""
+
+    @property
+    def known(self) -> Head:
+        """The head the writer last wrote or accounted for."""
+        ...
+
+    def check(self, conn: Connection, head: Head) -> Disclaimed: ...
+
+    def settle(self, head: Head, disclaimed: Disclaimed) -> None: ...
+
+
 #: the journal mark moved by a small batch (a data-modifying CTE of its one statement)
 _MOVE_MARK = (
     "UPDATE ledger_journal_marks SET applied_upto = %s WHERE chain_id = %s AND applied_upto < %s"
@@ -230,6 +250,9 @@ class Applied:
     head: Head = (0, GENESIS_HASH)
     #: True when the batch had to be chained here (no or stale pre-chained rows)
     rechained: bool = True
+    #: rows before the batch its writer did not write, named by a foreign seal in the same
+    #: transaction (:class:`HeadCheck`)
+    foreign: Disclaimed = field(default_factory=list)
 
 
 def apply_batch(
@@ -242,6 +265,7 @@ def apply_batch(
     attempts: list[tuple[Rows, bool]] | None = None,
     copy: str | None = None,
     mark: int = 0,
+    check: HeadCheck | None = None,
 ) -> Applied:
     """Append ``batch`` to the chain inside the caller's transaction; return the positions.
 
@@ -251,10 +275,15 @@ def apply_batch(
     already in ``user_refs`` (skipped). The rows about to be written are appended to
     ``attempts`` (for :func:`find_committed`). ``mark``: the last local-journal position the
     batch holds (0: none); the chain's journal mark moves to it in the same transaction.
+    ``check``: the live writer's :class:`HeadCheck`, given the head read under the lock before
+    any row is written (rows it did not write are sealed as foreign first).
 
     On Postgres a small pre-chained batch first tries :func:`_apply_small`: everything in one
-    round trip, if the head is the expected one."""
-    if chained is not None and copy is not None and conn.dialect.name == "postgresql":
+    round trip, if the head is the expected one. It is not tried when the batch was chained on
+    another head than the one the writer knows it left (a re-chain after a refused event, or
+    someone else's rows): the head would not match, and the general path reads it anyway."""
+    fast = check is None or chained is None or chained[0] == check.known
+    if fast and chained is not None and copy is not None and conn.dialect.name == "postgresql":
         applied = _apply_small(
             conn,
             chain_id,
@@ -268,6 +297,9 @@ def apply_batch(
         if applied is not None:
             return applied
     head = read_head(conn, chain_id)
+    # the head the writer knows it left, compared with the one just read: a re-chain after a
+    # refused event keeps them equal; rows someone else appended do not (no extra query)
+    foreign = check.check(conn, head) if check is not None else []
     rechained = chained is None or chained[0] != head
     if chained is not None and not rechained:
         rows = chained[1]
@@ -285,6 +317,7 @@ def apply_batch(
             .values(applied_upto=mark)
         )
     applied.rechained = rechained
+    applied.foreign = foreign
     if rows:
         applied.head = (rows[-1][1], rows[-1][3])
     else:
@@ -355,10 +388,12 @@ def find_committed(
         }
         if found.get(first[1]) == first[3] and found.get(last[1]) == last[3]:
             moved = head != (last[1], last[3])
+            # the head the batch left, not the chain's: rows after it are someone else's,
+            # which the writer's next transaction reads (and checks) as a moved head
             return Applied(
                 [Appended(chain_id, r[1]) for r in rows],
                 set(),  # not known: those users are upserted again later, harmlessly
-                head=head,
+                head=(last[1], last[3]),
                 rechained=rechained or moved,
             )
     return None

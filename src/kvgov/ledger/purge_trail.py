@@ -10,8 +10,10 @@ a chain no trusted key vouches for: the runtime role may INSERT into ``chains`` 
 ``ledger_events``, and the chain hash is unkeyed, so it could register a chain of its own and
 chain a matching event on it (review 6, F1). An event counts only on a chain whose key is
 trusted (the receipt signer's own, ``ledger.trusted_keys``), whose genesis that key signed, and
-at a position a writer session of that key covered (:mod:`kvgov.ledger.seals`). Linking to the
-rest of the chain, and events appended to a live writer's chain, stay ``audit verify``'s job.
+at a position a writer session of that key covered (:mod:`kvgov.ledger.seals`): not one its
+live writer named in a foreign seal (appended to its chain by someone else, found at the
+writer's next batch, checkpoint or close). Linking to the rest of the chain, and events
+appended after a live writer's latest head-reading transaction, stay ``audit verify``'s job.
 """
 
 from __future__ import annotations

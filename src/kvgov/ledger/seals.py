@@ -24,15 +24,28 @@ signature by the chain's key over a note::
   signs over whatever a crashed predecessor left unsigned). ``exclusive``: the writer holds the
   chain alone (a sidecar holding its journal's lock), so every session opened before it is
   over, crashed or not;
-* **close** (each clean writer close): the head the session leaves.
+* **close** (each clean writer close): the head the session leaves;
+* **foreign** (a live writer that found rows it did not write:
+  :mod:`kvgov.ledger.writing.foreign`): the positions ``first..last`` and the hash at
+  ``last``; stored with ``seq`` = ``last`` and ``session`` = ``<session>@<first>`` (several
+  per session)::
+
+      kvgov.ledger.seal/v1 <chain_id>
+      foreign <session>
+      <first> <last>
+      <base64 hash at last>
+      time <signed_at>
 
 A session covers the positions ``(open.seq, end]``, ``end`` being its close or the next
 exclusive open after it (open-ended while neither exists: a live or crashed writer). A legacy
-chain's positions up to its first open are covered too. An event no session covers was written
-while no writer held the chain open: verification fails it (``after_close``), whatever
-checkpoints follow. Closes, opens and checkpoints all sign a head; events after the last of them
-are the *unsigned tail*, normal between checkpoints, and a failure (``stale_unsigned``) once
-older than a bound (:data:`DEFAULT_MAX_UNSIGNED_AGE`, measured from the later of the first
+chain's positions up to its first open are covered too. No session covers a position a valid
+foreign seal names: the writer that signed it had already left out whatever another writer
+session of the chain covered (a CLI command beside it), so nobody holding the key wrote it. An
+event no session covers fails verification: ``foreign_append`` when a foreign seal names it,
+``after_close`` otherwise (written while no writer held the chain open), whatever checkpoints
+follow. Closes, opens, foreign seals and checkpoints all sign a head; events after the last of
+them are the *unsigned tail*, normal between checkpoints, and a failure (``stale_unsigned``)
+once older than a bound (:data:`DEFAULT_MAX_UNSIGNED_AGE`, measured from the later of the first
 unsigned event's time and the chain's newest signature) or dated in the future.
 """
 
@@ -57,7 +70,7 @@ from sqlalchemy import Connection, Engine, select
 from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE, utcnow
 from kvgov.db.models import Chain, ChainSeal, Checkpoint, LedgerEvent, table
 from kvgov.errors import LedgerError
-from kvgov.ledger.batch import read_head
+from kvgov.ledger.batch import HeadCheck, read_head
 from kvgov.ledger.chain import (
     GENESIS_HASH,
     checkpoint_signature_ok,
@@ -81,6 +94,9 @@ class SealKind(StrEnum):
     GENESIS = "genesis"
     OPEN = "open"
     CLOSE = "close"
+    #: positions a live writer did not write (a build without it reads the row as a seal
+    #: whose signature does not verify: the chain fails, never passes)
+    FOREIGN = "foreign"
 
 
 def new_session() -> str:
@@ -119,12 +135,39 @@ def session_note(
     exclusive: bool,
 ) -> bytes:
     _check_chain_id(chain_id)
-    if kind is SealKind.GENESIS or not session or any(c.isspace() for c in session):
+    if kind not in (SealKind.OPEN, SealKind.CLOSE) or not _session_ok(session):
         raise LedgerError("a session seal needs a session id without spaces")
     flag = " exclusive" if exclusive else ""
     head = _b64(bytes.fromhex(head_hash))
     text = (
         f"{SEAL_ORIGIN} {chain_id}\n{kind} {session}{flag}\n{seq}\n{head}\n"
+        f"time {format_time(signed_at)}\n"
+    )
+    return text.encode("utf-8")
+
+
+def _session_ok(session: str) -> bool:
+    return bool(session) and not any(c.isspace() or c == FOREIGN_SEP for c in session)
+
+
+#: separates a foreign seal's session from its first position in the ``session`` column
+FOREIGN_SEP = "@"
+
+
+def foreign_note(
+    chain_id: str, session: str, *, first: int, last: int, head_hash: str, signed_at: datetime
+) -> bytes:
+    """The note of a foreign seal: positions ``first..last`` of ``chain_id`` were not written by
+    the writer session ``session``, and the chain held ``head_hash`` at ``last``. Its second
+    and third lines (``foreign ...``, two numbers) are no other seal's and no checkpoint's."""
+    _check_chain_id(chain_id)
+    if not _session_ok(session):
+        raise LedgerError("a foreign seal needs a session id without spaces")
+    if not 1 <= first <= last:
+        raise LedgerError("a foreign seal names positions 1 <= first <= last")
+    head = _b64(bytes.fromhex(head_hash))
+    text = (
+        f"{SEAL_ORIGIN} {chain_id}\n{SealKind.FOREIGN} {session}\n{first} {last}\n{head}\n"
         f"time {format_time(signed_at)}\n"
     )
     return text.encode("utf-8")
@@ -163,7 +206,25 @@ class Seal:
     def name(self) -> str:
         if self.kind == SealKind.GENESIS:
             return "genesis"
-        return f"{self.kind} of session {self.session[:8]}"
+        return f"{self.kind} of session {self.signer[:8]}"
+
+    @property
+    def signer(self) -> str:
+        """The writer session that signed it (a foreign seal's ``session`` also holds its
+        first position)."""
+        if self.kind == SealKind.FOREIGN:
+            return self.session.rpartition(FOREIGN_SEP)[0]
+        return self.session
+
+    @property
+    def first(self) -> int | None:
+        """A foreign seal's first position (None: another kind, or a malformed row)."""
+        if self.kind != SealKind.FOREIGN:
+            return None
+        signer, sep, first = self.session.rpartition(FOREIGN_SEP)
+        if not sep or not signer or not first.isdigit() or first != str(int(first)):
+            return None
+        return int(first) if 1 <= int(first) <= self.seq else None
 
     def note(self, created_at: datetime | None) -> bytes | None:
         """The text the signature covers (None: a kind this build does not know)."""
@@ -171,6 +232,18 @@ class Seal:
             if created_at is None:
                 return None
             return genesis_note(self.chain_id, self.public_key, created_at, self.signed_at)
+        if self.kind == SealKind.FOREIGN:
+            first = self.first
+            if first is None or self.exclusive:
+                return None
+            return foreign_note(
+                self.chain_id,
+                self.signer,
+                first=first,
+                last=self.seq,
+                head_hash=self.head_hash,
+                signed_at=self.signed_at,
+            )
         if self.kind not in (SealKind.OPEN, SealKind.CLOSE):
             return None
         return session_note(
@@ -278,6 +351,37 @@ def write_session_seal(
     return seal
 
 
+def write_foreign_seal(
+    conn: Connection,
+    chain_id: str,
+    key: Ed25519PrivateKey,
+    *,
+    session: str,
+    first: int,
+    head: tuple[int, str],
+) -> Seal:
+    """Sign and store that positions ``first..head[0]`` were not written by ``session``
+    (caller's transaction, the chain locked; ``head``: the last of them and its hash)."""
+    last, head_hash = head
+    signed_at = utcnow()
+    note = foreign_note(
+        chain_id, session, first=first, last=last, head_hash=head_hash, signed_at=signed_at
+    )
+    seal = Seal(
+        chain_id=chain_id,
+        kind=SealKind.FOREIGN,
+        session=f"{session}{FOREIGN_SEP}{first}",
+        seq=last,
+        head_hash=head_hash,
+        exclusive=False,
+        signed_at=signed_at,
+        signature=key.sign(note),
+        public_key=public_key_bytes(key),
+    )
+    _insert(conn, seal)
+    return seal
+
+
 def read_seals(conn: Connection, chain_id: str) -> list[Seal]:
     t = table(ChainSeal)
     rows = conn.execute(
@@ -314,15 +418,46 @@ def session_end(seals: Sequence[Seal], opened: Seal) -> int | None:
     return max(min(ends), opened.seq) if ends else None
 
 
-def covered(seals: Sequence[Seal]) -> list[tuple[int, int | None]]:
+Range = tuple[int, int | None]
+
+
+def subtract(ranges: Iterable[Range], cuts: Iterable[tuple[int, int]]) -> list[Range]:
+    """``ranges`` of positions ``(start, end]`` (``end`` None: open-ended) less the ``cuts``
+    ``(start, end]``; empty pieces dropped."""
+    out = list(ranges)
+    for lo, hi in cuts:
+        pieces: list[Range] = []
+        for start, end in out:
+            if hi <= start or (end is not None and lo >= end):
+                pieces.append((start, end))  # apart
+                continue
+            if start < lo:
+                pieces.append((start, lo))
+            if end is None or hi < end:
+                pieces.append((hi, end))
+        out = pieces
+    return out
+
+
+def foreign_ranges(seals: Sequence[Seal]) -> list[tuple[int, int]]:
+    """The positions ``(first - 1, last]`` the foreign ``seals`` among ``seals`` name."""
+    return [
+        (first - 1, s.seq)
+        for s in seals
+        if s.kind == SealKind.FOREIGN and (first := s.first) is not None
+    ]
+
+
+def covered(seals: Sequence[Seal]) -> list[Range]:
     """The position ranges ``(start, end]`` the valid open and close ``seals`` cover (``end``
-    None: open-ended). Positions up to the first open are covered too (all of them when there
-    is none): they predate seals (a legacy chain) or there are none (a new chain opens at 0);
-    the caller checks that the chain itself is vouched for."""
+    None: open-ended), less the positions valid foreign seals name (nobody holding the key
+    wrote them). Positions up to the first open are covered too (all of them when there is
+    none): they predate seals (a legacy chain) or there are none (a new chain opens at 0); the
+    caller checks that the chain itself is vouched for."""
     opens = [s for s in seals if s.kind == SealKind.OPEN]
-    ranges: list[tuple[int, int | None]] = [(0, min((s.seq for s in opens), default=None))]
+    ranges: list[Range] = [(0, min((s.seq for s in opens), default=None))]
     ranges += [(opened.seq, session_end(seals, opened)) for opened in opens]
-    return ranges
+    return subtract(ranges, foreign_ranges(seals))
 
 
 def first_gap(ranges: Iterable[tuple[int, int | None]], head: int) -> Gap | None:
@@ -361,10 +496,21 @@ class Standing:
         return first_gap(covered(self.valid), head)
 
     def covers(self, seq: int) -> bool:
-        """Whether a writer session covers position ``seq`` (the chain was open there)."""
+        """Whether a writer session covers position ``seq`` (the chain was open there, and
+        its writer did not disclaim it)."""
         return any(
             start < seq and (end is None or seq <= end) for start, end in covered(self.valid)
         )
+
+    def foreign_at(self, seq: int) -> Seal | None:
+        """The valid foreign seal naming position ``seq``, if any (the first signed)."""
+        named = [
+            s
+            for s in self.valid
+            if s.kind == SealKind.FOREIGN and (first := s.first) is not None
+            if first <= seq <= s.seq
+        ]
+        return min(named, key=lambda s: s.signed_at, default=None)
 
 
 def standing(
@@ -534,16 +680,29 @@ def resume(engine: Engine, chain_id: str, key: Ed25519PrivateKey, session: str) 
             return keep_open(conn, chain_id, key, session)
 
 
-def close_session(engine: Engine, chain_id: str, key: Ed25519PrivateKey, session: str) -> Seal:
-    """At a writer's clean close: sign the session's close at the chain's head."""
+def close_session(
+    engine: Engine,
+    chain_id: str,
+    key: Ed25519PrivateKey,
+    session: str,
+    *,
+    check: HeadCheck | None = None,
+) -> Seal:
+    """At a writer's clean close: sign the session's close at the chain's head. With the live
+    writer's ``check``, rows it did not write are sealed as foreign first (same transaction),
+    so the close never signs over them silently."""
     with engine.connect() as plain:
         conn = plain.execution_options(**{SQLITE_BEGIN_IMMEDIATE: True})
         with conn.begin():
             head = read_head(conn, chain_id)
+            disclaimed = check.check(conn, head) if check is not None else []
             session = keep_open(conn, chain_id, key, session)
-            return write_session_seal(
+            seal = write_session_seal(
                 conn, chain_id, key, SealKind.CLOSE, session=session, head=head
             )
+    if check is not None:
+        check.settle(head, disclaimed)
+    return seal
 
 
 #: class (first key) of the session-level advisory lock a live writer holds on its chain (the

@@ -12,8 +12,9 @@ given to the CLI. :func:`verify_trusted` fails a ledger when
 * a chain's key, or a checkpoint's, is not one of them (``untrusted_key``, ``key_mismatch``);
 * a chain's key never vouched for it (``no_genesis``: the runtime role can register a chain
   under a trusted public key, but not sign its genesis), events were appended after its writer
-  closed it (``after_close``), or its unsigned tail is too old (``stale_unsigned``): see
-  :mod:`kvgov.ledger.seals`;
+  closed it (``after_close``) or to its live writer's chain by someone else (``foreign_append``:
+  the writer's foreign seal names them), or its unsigned tail is too old (``stale_unsigned``):
+  see :mod:`kvgov.ledger.seals`;
 * a chain is named by a checkpoint, an event, a payload, a journal mark, an index row, the
   fleet registry (``sidecars``) or the verifying sidecar itself, but is missing
   (``missing_chain``);

@@ -11,16 +11,19 @@ Each chain's seals (:mod:`kvgov.ledger.seals`) are checked too (signature, key, 
 trusted keys (what :func:`kvgov.ledger.trust.verify_trusted` passes), verification also checks
 who wrote each chain: it needs a genesis signed by its key (``no_genesis``: anyone with the
 runtime role can register a chain under a public key), events written while no writer session
-held the chain open fail (``after_close``: appended after a writer's signed close), and an
-unsigned tail (events after the newest signed head: checkpoint, open or close) fails once older
-than ``max_unsigned_age`` or dated in the future (``stale_unsigned``).
+held the chain open fail (``after_close``: appended after a writer's signed close), so do events
+a live writer's signed foreign seal says it did not write (``foreign_append``: appended to its
+chain by someone else, e.g. with the runtime role), and an unsigned tail (events after the
+newest signed head: checkpoint, open, close or foreign seal) fails once older than
+``max_unsigned_age`` or dated in the future (``stale_unsigned``).
 
 What this can and cannot see: a row changed, removed, inserted or moved anywhere is found; the
 newest events after the last checkpoint can be cut off or rewritten (with recomputed hashes) by
 someone who can bypass the append-only guard, so checkpoints should be frequent and copied
-somewhere the database administrator cannot write. Events appended to the chain of a live (or
-crashed, not yet restarted) writer by someone without the key are signed over by its next
-checkpoint: the unsigned-tail bound limits how long the second case can wait.
+somewhere the database administrator cannot write. Events appended to the chain of a live writer
+by someone without the key are named by its next transaction (a batch, a checkpoint, its close)
+in a foreign seal; those appended to a crashed writer's chain before its restart are signed
+over by the restart: the unsigned-tail bound limits how long that can wait.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class Problem(StrEnum):
     UNSIGNED = "unsigned"  # events no checkpoint covers (a failure only when asked for)
     NO_GENESIS = "no_genesis"  # a chain no key holder vouched for (no signed genesis)
     AFTER_CLOSE = "after_close"  # events written while no writer session held the chain open
+    FOREIGN_APPEND = "foreign_append"  # events the live writer's foreign seal says it did not write
     STALE_UNSIGNED = "stale_unsigned"  # an unsigned tail older than the bound, or future-dated
 
 
@@ -156,9 +160,9 @@ def verify(
     so does a chain no key holder vouched for or events appended after a writer's close. With
     them it also checks who wrote each chain: its key is trusted, it has a genesis signed by
     that key (``no_genesis``), no event was written while no writer session held it open
-    (``after_close``) and its unsigned tail is younger than ``max_unsigned_age`` (None: no
-    bound; ``stale_unsigned``). The CLI, the API and the dashboard call
-    :func:`kvgov.ledger.trust.verify_trusted`."""
+    (``after_close``) or named by its live writer's foreign seal (``foreign_append``), and its
+    unsigned tail is younger than ``max_unsigned_age`` (None: no bound; ``stale_unsigned``).
+    The CLI, the API and the dashboard call :func:`kvgov.ledger.trust.verify_trusted`."""
     report = VerifyReport()
     if trusted_keys is not None:
         report.trusted = sorted(key_fingerprint(k) for k in trusted_keys)
@@ -392,6 +396,19 @@ def _check_tail(
 ) -> None:
     """Events no writer session covers, and the unsigned tail's age (a vouched chain)."""
     gap = found.gap(verified_to)
+    disclaimed = found.foreign_at(gap.first) if gap is not None else None
+    if gap is not None and disclaimed is not None:
+        last = min(gap.last, disclaimed.seq)
+        chain.findings.append(
+            Finding(
+                Problem.FOREIGN_APPEND,
+                gap.first,
+                f"events {gap.first}..{last} were appended to the chain while its writer held "
+                f"it open, but not by that writer: its signed foreign seal (session "
+                f"{disclaimed.signer[:8]}) names them and no other writer session covers them",
+            )
+        )
+        return
     if gap is not None:
         chain.findings.append(
             Finding(

@@ -28,7 +28,10 @@ acknowledged event survives a crash.
   journal records after its mark are committed before anything new;
 - seals (:mod:`~kvgov.ledger.seals`): a new chain's genesis and each session's open (at start)
   and close (at close) are signed, so that nobody without the key can start a chain or append
-  to one its writer closed; on Postgres the writer holds the chain's writer lock for its life.
+  to one its writer closed; on Postgres the writer holds the chain's writer lock for its life;
+- foreign appends (:mod:`~kvgov.ledger.writing.foreign`): rows someone else appended to the
+  chain while the writer holds it are named by a signed foreign seal before the writer's next
+  batch, checkpoint or close signs anything over them.
 
 Failures are never acknowledged and never silently dropped. A full queue raises
 :class:`~kvgov.errors.LedgerBackpressureError` from ``submit``; ``append`` waits for room.
@@ -54,6 +57,7 @@ from kvgov.ledger.journal import Journal
 from kvgov.ledger.seals import Claim, claim_chain, close_session, new_session, resume
 from kvgov.ledger.writing.acks import JournalAcks
 from kvgov.ledger.writing.commit import Committer
+from kvgov.ledger.writing.foreign import ForeignWatch
 from kvgov.ledger.writing.replay import register_chain, replay
 from kvgov.ledger.writing.schedule import Batcher, Item, Schedule
 from kvgov.ledger.writing.sequence import Chained, Sequencer
@@ -112,8 +116,15 @@ class LedgerWriter:
             lazy_max_delay_ms=lazy_max_delay_ms,
         )
         self._sequencer = Sequencer(chain_id, copy=engine.dialect.name == "postgresql")
+        #: the head this writer left, and its sessions: rows it did not write are sealed
+        self._watch = ForeignWatch(chain_id, signing_key, self.stats)
         self._committer = Committer(
-            engine, chain_id, self.stats, journal=journal, follow=self._sequencer.follow
+            engine,
+            chain_id,
+            self.stats,
+            journal=journal,
+            follow=self._sequencer.follow,
+            watch=self._watch,
         )
         self._batcher: Batcher[Chained] = Batcher(
             self._schedule,
@@ -182,6 +193,7 @@ class LedgerWriter:
         # a writer dropped without close() must not keep its lock's connection open
         weakref.finalize(self, claim.abandon)
         self._sequencer.start(head)
+        self._watch.start(session, head)
         self._committer.head_seq = head[0]
         self._committer.applied_upto = mark
         if self.journal is not None:
@@ -239,7 +251,15 @@ class LedgerWriter:
             # the session's signed close: whatever is appended after it fails verification
             try:
                 await loop.run_in_executor(
-                    self._executor, close_session, self.engine, self.chain_id, self._key, session
+                    self._executor,
+                    functools.partial(
+                        close_session,
+                        self.engine,
+                        self.chain_id,
+                        self._key,
+                        session,
+                        check=self._watch,
+                    ),
                 )
             except (LedgerError, exc.SQLAlchemyError, OSError) as err:
                 log.warning(
@@ -335,6 +355,10 @@ class LedgerWriter:
 
     def _checkpoint(self) -> CheckpointInfo | None:  # executor thread
         session = self._session
-        if session is not None:  # still covering the chain (another writer may have claimed it)
-            self._session = resume(self.engine, self.chain_id, self._key, session)
-        return write_checkpoint(self.engine, self.chain_id, self._key)
+        if session is None:  # not started, or closed: nothing of its own to watch
+            return write_checkpoint(self.engine, self.chain_id, self._key)
+        # still covering the chain (another writer may have claimed it)
+        self._session = resume(self.engine, self.chain_id, self._key, session)
+        self._watch.adopt(self._session)
+        # rows someone else appended since the last batch are sealed before it signs
+        return write_checkpoint(self.engine, self.chain_id, self._key, check=self._watch)

@@ -13,7 +13,11 @@ chained with :func:`~kvgov.ledger.batch.apply_batch` (Postgres fast paths:
 - a batch that holds journal records moves the chain's journal mark in the same transaction;
   once committed, the journal segments the chain wholly holds are deleted;
 - a batch the committer had to re-chain on the database's real head tells the sequencer to
-  follow that head.
+  follow that head;
+- with the live writer's :class:`~kvgov.ledger.writing.foreign.ForeignWatch`, a head that is
+  not the one the writer last left has the rows it did not write sealed as foreign, in the
+  same transaction and before the batch (the fast path's own head check, or the head the
+  general path reads anyway: nothing more per batch).
 """
 
 from __future__ import annotations
@@ -27,7 +31,15 @@ from sqlalchemy import Connection, Engine, exc
 
 from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE
 from kvgov.errors import LedgerError
-from kvgov.ledger.batch import Applied, Head, Prepared, Rows, apply_batch, find_committed
+from kvgov.ledger.batch import (
+    Applied,
+    Head,
+    HeadCheck,
+    Prepared,
+    Rows,
+    apply_batch,
+    find_committed,
+)
 from kvgov.ledger.journal import Journal
 from kvgov.ledger.writing.sequence import Chained, Result
 from kvgov.ledger.writing.stats import WriterStats
@@ -54,11 +66,14 @@ class Committer:
         *,
         journal: Journal | None,
         follow: Callable[[Head], None],
+        watch: HeadCheck | None = None,
     ) -> None:
         self.engine = engine
         self.chain_id = chain_id
         self.stats = stats
         self.journal = journal
+        #: the live writer's watch for rows it did not write (None: no session, no check)
+        self.watch = watch
         #: told the head a batch was re-chained on (the sequencer must follow it)
         self._follow = follow
         #: set when the writer closes with a grace period that ran out: give up, do not retry
@@ -130,6 +145,8 @@ class Committer:
             self.stats.last_batch_size = len(appended)
             self.stats.last_commit_s = time.perf_counter() - started
             self.head_seq = applied.head[0]
+            if self.watch is not None:
+                self.watch.settle(applied.head, applied.foreign)
             if mark > self.applied_upto:
                 self.applied_upto = mark
                 if self.journal is not None:
@@ -166,6 +183,7 @@ class Committer:
                     attempts=attempts,
                     copy=copy,
                     mark=mark,
+                    check=self.watch,
                 )
         except BaseException:
             self.drop_connection()  # whatever state it is in, the next try starts afresh

@@ -30,7 +30,7 @@ from concurrent.futures import Executor
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import Connection, Engine, select
 
-from kvgov.db.engine import utcnow
+from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE, utcnow
 from kvgov.db.models import Chain, JournalMark, LedgerEvent, table
 from kvgov.errors import LedgerError
 from kvgov.ledger.batch import Head, chain_rows, prepare, read_head
@@ -70,7 +70,12 @@ def register_chain(
     session's open (:func:`kvgov.ledger.seals.open_session`)."""
     chains = table(Chain)
     created = None
-    with engine.connect() as conn, conn.begin():
+    # a write lock at BEGIN on SQLite: this transaction reads, then writes (the chain, its
+    # seals), and a read lock upgraded while another writer of the file commits fails at once
+    with (
+        engine.connect().execution_options(**{SQLITE_BEGIN_IMMEDIATE: True}) as conn,
+        conn.begin(),
+    ):
         found = conn.execute(
             select(chains.c.public_key).where(chains.c.chain_id == chain_id)
         ).first()

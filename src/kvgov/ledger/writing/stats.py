@@ -20,6 +20,10 @@ class WriterStats:
     journal_failures: int = 0
     #: journal syncs (``fdatasync``) since start: with puts per second, how many share one
     journal_syncs: int = 0
+    #: positions of the chain found written by someone else while this writer held it, and
+    #: the foreign seals that name them (:mod:`~kvgov.ledger.writing.foreign`)
+    foreign_appends: int = 0
+    foreign_seals: int = 0
 
     def summary(self) -> dict[str, float | int]:
         """What the writer logs when it closes."""
@@ -28,4 +32,5 @@ class WriterStats:
             "events_failed": self.events_failed,
             "batches_committed": self.batches_committed,
             "batch_retries": self.batch_retries,
+            "foreign_appends": self.foreign_appends,
         }

@@ -109,6 +109,12 @@ class DataPlaneMetrics:
         self.ledger_queue = Gauge(
             "kvgov_ledger_queue_depth", "Events waiting for the ledger writer", registry=r
         )
+        self.ledger_foreign = Gauge(
+            "kvgov_ledger_foreign_appends",
+            "Positions of this sidecar's chain found written by someone else while it held the"
+            " chain, since start (each named by a signed foreign seal: audit verify fails them)",
+            registry=r,
+        )
         self.journal_unapplied = Gauge(
             "kvgov_ledger_journal_unapplied_events",
             "Events in the local ledger journal that the database does not hold yet",
@@ -137,10 +143,17 @@ class DataPlaneMetrics:
             child = self._op_children[key] = self.ops.labels(op, listener, outcome)
         child.inc()
 
-    def watch(self, pool_in_use: Callable[[], float], ledger_depth: Callable[[], float]) -> None:
+    def watch(
+        self,
+        pool_in_use: Callable[[], float],
+        ledger_depth: Callable[[], float],
+        ledger_foreign: Callable[[], float] | None = None,
+    ) -> None:
         """Sample gauges at scrape time."""
         self.pool_bytes.set_function(pool_in_use)
         self.ledger_queue.set_function(ledger_depth)
+        if ledger_foreign is not None:
+            self.ledger_foreign.set_function(ledger_foreign)
 
     def watch_journal(
         self,

@@ -1,0 +1,143 @@
+"""Foreign appends: rows a live writer finds on its chain that it did not write.
+
+The runtime database role (every sidecar pod holds it) may INSERT into ``ledger_events``, and
+the chain hash is unkeyed: with stolen runtime credentials anyone can compute correctly chained
+rows and append them to a live writer's chain. The writer re-chains its next batch on the real
+head, so without this its next checkpoint and its close would sign over them and its session
+would cover them (``docs/ledger.md``, "Chain seals").
+
+The :class:`ForeignWatch` knows the head the writer last wrote (or accounted for). Whenever the
+writer reads its chain's head under the chain lock (the general path of a batch, after the fast
+path declined because the head moved; its checkpoints; its close) it compares the two: equal,
+nothing happened (a batch re-chained after a refused event leaves them equal). Otherwise the
+rows ``(known, head]`` are not the writer's. Those another valid writer session of the chain
+covers (a ``kvgov token`` or ``kvgov tenant`` command writing beside the sidecar: its own
+signed open, its rows, its close) are explained; the rest are named, before anything of the
+writer's own in the same transaction, by a signed ``foreign`` seal
+(:func:`kvgov.ledger.seals.write_foreign_seal`), which verification turns into
+``foreign_append``. The writer keeps serving (it cannot un-append) and chains on the real head.
+
+Explained means: covered, as the seals stand when the lock is held, by a valid open of a
+session that is not one of this writer's (its first, or one it resumed), up to that session's
+close or the exclusive open that ended it, or up to the head while it is open-ended, less
+whatever that session's own foreign seals disclaim. What this cannot tell apart: rows appended
+while another session is open beside the writer (either may have written them; a CLI command
+lives seconds), and, for a writer that is not exclusive, rows an earlier crashed session still
+covers (``docs/ledger.md``, "Chain seals").
+
+The comparison uses the head the transaction reads anyway: a batch whose head is the known one
+costs nothing more; the seals are read only when it moved.
+"""
+
+from __future__ import annotations
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy import Connection, select
+
+from kvgov.db.models import LedgerEvent, table
+from kvgov.ledger.batch import Disclaimed, Head
+from kvgov.ledger.chain import GENESIS_HASH, public_key_bytes
+from kvgov.ledger.seals import (
+    Seal,
+    SealKind,
+    foreign_ranges,
+    read_seals,
+    session_end,
+    subtract,
+    write_foreign_seal,
+)
+from kvgov.ledger.writing.stats import WriterStats
+from kvgov.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def unexplained(
+    seals: list[Seal], public_key: bytes, mine: set[str], known: int, head: int
+) -> Disclaimed:
+    """The runs ``(first, last)`` of positions ``known + 1..head`` that no valid writer
+    session other than ``mine`` covers (``seals``: the chain's, checked against its key)."""
+    valid = [
+        s
+        for s in seals
+        if s.kind in (SealKind.OPEN, SealKind.CLOSE, SealKind.FOREIGN)
+        and s.signature_ok(public_key, None)
+    ]
+    others = [
+        (s.seq, session_end(valid, s))
+        for s in valid
+        if s.kind == SealKind.OPEN and s.session not in mine
+    ]
+    # another session's rows, as far as it still claims them
+    covered = subtract(others, foreign_ranges(valid))
+    cuts = [(start, head if end is None else end) for start, end in covered]
+    runs = subtract([(known, head)], cuts)
+    return [(start + 1, end) for start, end in runs if end is not None]
+
+
+class ForeignWatch:
+    """A live writer's watch on its chain's head (a :class:`~kvgov.ledger.batch.HeadCheck`).
+
+    Used on the writer's database thread only (its committer, checkpoints and close share
+    it). ``known`` moves only once a transaction committed (:meth:`settle`): a batch rolled
+    back leaves it, and its retry checks (and seals) again."""
+
+    def __init__(self, chain_id: str, key: Ed25519PrivateKey, stats: WriterStats) -> None:
+        self.chain_id = chain_id
+        self._key = key
+        self._public = public_key_bytes(key)
+        self.stats = stats
+        self._known: Head = (0, GENESIS_HASH)
+        #: this writer's sessions, the current one last (a resumed session is a new one)
+        self._sessions: list[str] = []
+
+    @property
+    def known(self) -> Head:
+        return self._known
+
+    def start(self, session: str, head: Head) -> None:
+        """The writer opened ``session`` on ``head``."""
+        self._sessions = [session]
+        self._known = head
+
+    def adopt(self, session: str) -> None:
+        """The writer goes on under ``session`` (it resumed: ``seals.keep_open``)."""
+        if session not in self._sessions:
+            self._sessions.append(session)
+
+    def check(self, conn: Connection, head: Head) -> Disclaimed:
+        """Under the chain lock, before the writer writes or signs anything in this
+        transaction: seal the rows after the known head that no other session explains."""
+        known = self._known
+        if head[0] <= known[0] or not self._sessions:
+            return []  # nothing new: the head it left (or a re-chain after a refusal)
+        runs = unexplained(
+            read_seals(conn, self.chain_id), self._public, set(self._sessions), known[0], head[0]
+        )
+        for first, last in runs:
+            at = head if last == head[0] else (last, self._hash_at(conn, last))
+            write_foreign_seal(
+                conn, self.chain_id, self._key, session=self._sessions[-1], first=first, head=at
+            )
+        return runs
+
+    def settle(self, head: Head, disclaimed: Disclaimed) -> None:
+        """The transaction that read ``head`` (and sealed ``disclaimed``) committed: every row
+        up to ``head`` is accounted for."""
+        if head[0] >= self._known[0]:
+            self._known = head
+        for first, last in disclaimed:
+            self.stats.foreign_appends += last - first + 1
+            self.stats.foreign_seals += 1
+            log.error(
+                "ledger.chain.foreign_append",
+                extra={"chain_id": self.chain_id, "first_seq": first, "last_seq": last},
+            )
+
+    def _hash_at(self, conn: Connection, seq: int) -> str:
+        events = table(LedgerEvent)
+        return str(
+            conn.execute(
+                select(events.c.hash).where(events.c.chain_id == self.chain_id, events.c.seq == seq)
+            ).scalar_one()
+        )
