@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -22,9 +23,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
 
 from kvgov.wire.client import WireClient
+from kvgov.wire.control import ControlChannel
 from kvgov.wire.messages import EvictRequest, RequestContext
 from tests.e2e.served import kvgov as _kvgov
 from tests.e2e.served import serve, serve_env, stop
@@ -99,7 +101,27 @@ def test_sigkill_mid_purge_then_restart_completes(env: dict[str, str], pg_url: s
     db = create_engine(pg_url)
     endpoint = f"unix://{env['KVGOV_DATAPLANE__UNIX_PATH']}"
     proc = serve(env)
+    # the engine keeps its control channel up (reconnecting across the restart): a holder
+    # with none when engines@S runs is named unreachable and the purge is incomplete
+    engine = WireClient(endpoint, engine_id="engine-1")
+    channel = engine.control(lambda request: sorted(request.digests), reconnect_delay=0.2)
     try:
+        _sigkill_mid_purge_then_restart(env, db, endpoint, proc, channel)
+    finally:
+        channel.close()
+        engine.close()
+        db.dispose()
+
+
+def _sigkill_mid_purge_then_restart(
+    env: dict[str, str],
+    db: Engine,
+    endpoint: str,
+    proc: subprocess.Popen[bytes],
+    channel: ControlChannel,
+) -> None:
+    try:
+        assert channel.connected.wait(10)
         with WireClient(endpoint, engine_id="engine-1") as client:
             for user in ("alice", "bob"):
                 ctx = RequestContext(request_id=f"req-{user}", user=user, tenant="acme")
@@ -165,6 +187,7 @@ def test_sigkill_mid_purge_then_restart_completes(env: dict[str, str], pg_url: s
             assert all(client.exists(k) for k in _keys("bob"))
 
         # the same purge again: harmless, nothing left to delete
+        _wait(channel.connected.is_set, 30, "the engine's control channel did not reconnect")
         again = _kvgov(env, "purge", "--user", "alice", "--tenant", "acme", "--yes", "--json")
         assert again.returncode == 0, again.stdout + again.stderr
         receipt = json.loads(again.stdout)["receipt"]["receipt"]
@@ -176,7 +199,6 @@ def test_sigkill_mid_purge_then_restart_completes(env: dict[str, str], pg_url: s
         assert audit.returncode == 0, audit.stdout + audit.stderr
     finally:
         stop(proc)
-        db.dispose()
 
 
 def test_engine_that_does_not_acknowledge_makes_the_purge_incomplete(

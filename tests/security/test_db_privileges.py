@@ -236,9 +236,20 @@ def _run_deployment(db: RoleDatabase, data_dir: Path) -> None:
             assert reply.status_code == 200, reply.text
 
             _ok(kvgov(env, "keys", "rotate", "--tenant", "acme"))
-            purged = json.loads(
-                _ok(kvgov(env, "purge", "--user", "alice", "--tenant", "acme", "--yes", "--json"))
-            )
+            # the engine's control channel is up for the purge (a holder without one is named
+            # unreachable and the purge is incomplete)
+            channel = client.control(lambda request: sorted(request.digests))
+            try:
+                assert channel.connected.wait(10)
+                purged = json.loads(
+                    _ok(
+                        kvgov(
+                            env, "purge", "--user", "alice", "--tenant", "acme", "--yes", "--json"
+                        )
+                    )
+                )
+            finally:
+                channel.close()
             assert purged["state"] == "completed", purged
             assert purged["receipt"]["receipt"]["entries_purged"] == 4
             assert not any(client.exists(key("alice", i)) for i in range(4))

@@ -76,21 +76,64 @@ def scoped_entries(s: Session, tenant: str, subject: str | None) -> list[ScopedE
 
 #: what ``Identity.principal`` records for an authenticated engine connection
 ENGINE_PRINCIPAL = "engine:"
+#: what it records for the ``lm://`` listener's engine (no control channel: never sent EVICT)
+LM_PRINCIPAL = "lm:"
+#: the events after which an engine's local tiers may hold a copy of the entry
+_HOLDING_KINDS = (EventKind.KV_PUT, EventKind.KV_PUT_KEPT, EventKind.KV_GET)
 
 
-def engines_that_held(s: Session, tenant: str) -> set[str]:
-    """Engine ids the ledger saw store or read ``tenant``'s data (their local tiers may hold
-    copies), through ``ix_ledger_events_tenant_kind``."""
-    rows = s.execute(
-        select(LedgerEvent.principal)
-        .where(
-            LedgerEvent.tenant == tenant,
-            LedgerEvent.kind.in_([EventKind.KV_PUT, EventKind.KV_GET]),
+@dataclass(frozen=True, slots=True)
+class Holders:
+    """The engines the ledger saw store or read a tenant's data.
+
+    ``anywhere`` (any of the tenant's data, through any sidecar) may be sent the purge's EVICT
+    on whichever sidecar they are connected to: an engine may have moved between sidecars.
+    ``here`` and ``lm_here`` stored or read an entry *in the purge's scope* through the
+    executing sidecar (on its chain), so that sidecar must reach them or name them
+    unreachable; each other sidecar's ``engines@S`` answers for its own chain."""
+
+    anywhere: frozenset[str] = frozenset()
+    #: kvgov-wire engine ids that held an entry in scope through this sidecar's chain
+    here: frozenset[str] = frozenset()
+    #: ``lm://`` engine ids that held an entry in scope through this sidecar's chain
+    lm_here: frozenset[str] = frozenset()
+
+
+def _held(tenant: str) -> ColumnElement[bool]:
+    return and_(
+        LedgerEvent.tenant == tenant,
+        LedgerEvent.kind.in_([str(k) for k in _HOLDING_KINDS]),
+        or_(
             LedgerEvent.principal.like(ENGINE_PRINCIPAL + "%"),
-        )
-        .distinct()
+            LedgerEvent.principal.like(LM_PRINCIPAL + "%"),
+        ),
     )
-    return {p[len(ENGINE_PRINCIPAL) :] for (p,) in rows if p}
+
+
+def engines_that_held(
+    s: Session, tenant: str, subject: str | None = None, *, chain_id: str | None = None
+) -> Holders:
+    """The engines the ledger saw store or read ``tenant``'s data (their local tiers may hold
+    copies), through ``ix_ledger_events_tenant_kind``; with ``chain_id`` (the executing
+    sidecar's chain) also those that did so on that chain for an entry in the purge's scope
+    (``subject``'s entries, every entry for a tenant purge: ``ix_ledger_events_key_digest``)."""
+    anywhere: set[str] = set()
+    for (principal,) in s.execute(select(LedgerEvent.principal).where(_held(tenant)).distinct()):
+        if principal and principal.startswith(ENGINE_PRINCIPAL):
+            anywhere.add(principal[len(ENGINE_PRINCIPAL) :])
+    here: set[str] = set()
+    lm_here: set[str] = set()
+    if chain_id is not None:
+        ours = and_(_held(tenant), LedgerEvent.chain_id == chain_id)
+        if subject is not None:
+            in_scope = select(CacheEntry.key_digest).where(_entry_filter(tenant, subject))
+            ours = and_(ours, LedgerEvent.key_digest.in_(in_scope))
+        for (principal,) in s.execute(select(LedgerEvent.principal).where(ours).distinct()):
+            if principal and principal.startswith(ENGINE_PRINCIPAL):
+                here.add(principal[len(ENGINE_PRINCIPAL) :])
+            elif principal:
+                lm_here.add(principal[len(LM_PRINCIPAL) :])
+    return Holders(frozenset(anywhere), frozenset(here), frozenset(lm_here))
 
 
 def _event_filter(tenant: str, subject: str | None) -> ColumnElement[bool]:

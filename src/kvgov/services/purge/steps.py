@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -177,20 +177,42 @@ async def _keys(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
     )
 
 
+#: why a holder the ledger names got no EVICT (``EngineAnswer.error``)
+NO_CONTROL_CONNECTION = "no_control_connection"
+NO_CONTROL_CHANNEL = "no_control_channel"
+
+
+@runtime_checkable
+class _Flushing(Protocol):
+    """A sink that can commit what it holds back now (the ledger writer)."""
+
+    async def flush(self) -> None: ...
+
+
 async def _engines(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
+    if isinstance(ctx.sink, _Flushing):
+        # puts are acknowledged from the journal before Postgres has their events: the
+        # holders read below must include an engine that stored the data a moment ago
+        await ctx.sink.flush()
     entries = await ctx.db(lambda s: scope.scoped_entries(s, job.tenant, job.subject))
-    holders = await ctx.db(lambda s: scope.engines_that_held(s, job.tenant))
+    # the engines that stored or read an entry in scope through this sidecar are this step's
+    # to reach (each other sidecar's engines@S answers for its own chain)
+    chain = ctx.settings.chain_id if step.sidecar_id is not None else None
+    holders = await ctx.db(
+        lambda s: scope.engines_that_held(s, job.tenant, job.subject, chain_id=chain)
+    )
     results = await ctx.evictor.evict(
         job.tenant,
         [e.key_digest for e in entries],
         ctx.settings.purge.engine_ack_timeout_s,
-        holders,
+        holders.anywhere,
     )
     # an ACK that reports an error (the engine could not look or could not match) did not evict
     answers = [
         EngineAnswer(engine=r.engine, acked=r.acked, removed=r.removed, error=r.error)
         for r in results
     ]
+    answers += _not_sent(holders, {r.engine for r in results})
     acked = [a for a in answers if a.acked and a.error is None]
     missing = tuple(a for a in answers if not a.acked or a.error is not None)
     removed: dict[str, int] = {}
@@ -206,6 +228,24 @@ async def _engines(ctx: StepContext, job: JobView, step: StepView) -> StepOutcom
         reason="no successful EVICT acknowledgement from " + names if missing else None,
     )
     return (PurgeState.INCOMPLETE if missing else PurgeState.COMPLETED), detail
+
+
+def _not_sent(holders: scope.Holders, answered: set[str]) -> list[EngineAnswer]:
+    """The holders this sidecar had to reach that no EVICT went to: an engine with no open
+    control connection (reconnecting, restarting, ``control: false``) and the ``lm://``
+    engine, which has none at all. Their local tiers may still hold the entries, so the step
+    names them instead of counting them evicted (review r10, F1)."""
+    down = [
+        EngineAnswer(engine=e, acked=False, removed=0, error=NO_CONTROL_CONNECTION)
+        for e in sorted(holders.here - answered)
+    ]
+    lm = [
+        EngineAnswer(
+            engine=scope.LM_PRINCIPAL + e, acked=False, removed=0, error=NO_CONTROL_CHANNEL
+        )
+        for e in sorted(holders.lm_here)
+    ]
+    return down + lm
 
 
 async def _gpu(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
