@@ -5,7 +5,8 @@ The database URL comes from, in order: a connection handed in by ``kvgov.db.engi
 Settings (``KVGOV_DATABASE_URL``, the embedded SQLite default). SQLite runs in batch mode so
 later migrations can alter tables there (batch mode recreates a table from its reflection, which
 leaves out expression indexes and triggers: such a migration of ``ledger_events`` must create
-``ix_ledger_events_purge_id`` again, and one of ``data_keys`` the tombstone triggers of 0010).
+``ix_ledger_events_purge_id`` again, one of ``data_keys`` the tombstone triggers of 0010, and one
+of ``cache_entries`` the identity trigger of 0011).
 """
 
 from __future__ import annotations

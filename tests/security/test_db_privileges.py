@@ -32,9 +32,9 @@ from psycopg import errors as pg_errors
 
 from kvgov.config import load_settings
 from kvgov.db.engine import make_engine, migrate
-from kvgov.ledger.events import Event
+from kvgov.ledger.events import EntryChange, Event
 from kvgov.ledger.writer import LedgerWriter
-from kvgov.types import EventKind, Outcome
+from kvgov.types import EntryState, EventKind, Outcome
 from kvgov.wire.client import WireClient
 from kvgov.wire.messages import RequestContext
 from tests.e2e.served import kvgov, serve, serve_env, stop
@@ -84,6 +84,7 @@ async def _seed(url: str) -> None:
                     key_digest=f"{i:064x}",
                     outcome=Outcome.OK,
                     payload={"note": "erasable"} if i == 0 else None,
+                    entry=EntryChange(key_digest=f"{i:064x}", state=EntryState.LIVE, tenant="acme"),
                 )
             )
         assert await writer.write_checkpoint() is not None
@@ -149,6 +150,39 @@ def test_runtime_role_cannot_touch_the_evidence(deployment: RoleDatabase, statem
             conn.execute(statement)
         conn.rollback()
     assert _evidence(deployment.admin_dsn) == before
+
+
+#: what would take an entry out of a purge that trusted its row (review r10, F4): moved to
+#: another tenant, or re-keyed. Purge scope stands on the chained puts now; this is the
+#: defence in depth (migration 0011's owner trigger, which the role cannot drop or disable)
+ENTRY_EDITS = {
+    "move-entry-to-another-tenant": "UPDATE cache_entries SET tenant = 'elsewhere'",
+    "clear-entry-tenant": "UPDATE cache_entries SET tenant = NULL",
+    "re-key-entry": "UPDATE cache_entries SET key_digest = md5(key_digest) || md5(key_digest)",
+    "disable-entry-guard": "ALTER TABLE cache_entries DISABLE TRIGGER cache_entries_identity",
+}
+
+
+def _entries(admin_dsn: str) -> list[tuple[object, ...]]:
+    with psycopg.connect(admin_dsn) as conn:
+        return conn.execute("SELECT key_digest, tenant FROM cache_entries ORDER BY 1").fetchall()
+
+
+@pytest.mark.parametrize("statement", list(ENTRY_EDITS.values()), ids=list(ENTRY_EDITS))
+def test_runtime_role_cannot_move_or_re_key_a_cache_entry(
+    deployment: RoleDatabase, statement: str
+) -> None:
+    before = _entries(deployment.admin_dsn)
+    assert len(before) == 5 and {t for _, t in before} == {"acme"}
+    with psycopg.connect(deployment.dsn(deployment.runtime)) as conn:
+        with pytest.raises((pg_errors.InsufficientPrivilege, pg_errors.RaiseException)):
+            conn.execute(statement)
+        conn.rollback()
+        # what the writer does to a row stays allowed (rolled back: the rows are shared)
+        changed = conn.execute("UPDATE cache_entries SET tenant = tenant, state = 'expired'")
+        assert changed.rowcount == 5
+        conn.rollback()
+    assert _entries(deployment.admin_dsn) == before
 
 
 # -- the grants are sufficient: a production deployment that runs as the runtime role ----------

@@ -9,6 +9,7 @@ refreshes its tiers, size, key, expiry and decision but keeps its life: owner, s
 creation time, creating request and chain. A put of an entry that expired, was deleted or purged
 starts a new life with the new put's values. Whether the row is live is decided by the UPDATE
 itself (a CASE on the row's state), so a concurrent chain's change is not overwritten blindly.
+No change rewrites a row's tenant (only fills an empty one) or key digest.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ _ENTRY_OPTIONAL = [
 
 #: what a put of a live entry keeps and a put of an ended entry (or a new key) sets: its life
 _LIFE = ("owner", "scope_user", "created_at", "created_request_id", "chain_id")
+
+#: what no change rewrites once a row has it: a digest's tenant is fixed by its key (the digest
+#: is keyed over the whole key, tenant tag included). An UPDATE only fills an empty one (FILL);
+#: the key digest is never written at all. On Postgres an owner trigger refuses any other change
+#: to either, the runtime role's own included (migration 0011); purge scope stands on the
+#: chained events anyway (``kvgov.ledger.repository.user_entries``)
+FIXED_ENTRY_COLUMNS = frozenset({"tenant"})
 
 
 class _Mode(Enum):
@@ -231,7 +239,7 @@ def _write_entries(conn: Connection, entries: dict[str, _Plan]) -> None:
     groups: dict[tuple[tuple[str, _Mode], ...], list[dict[str, Any]]] = {}
     for key in existing:
         plan = entries[key]
-        cols = tuple(sorted((c, plan.modes.get(c, _Mode.SET)) for c in plan.values))
+        cols = _update_columns(plan)
         params = {f"v_{c}": plan.values[c] for c, _ in cols}
         groups.setdefault(cols, []).append({"b_key": key, **params})
     for cols, rows in groups.items():
@@ -243,6 +251,18 @@ def _write_entries(conn: Connection, entries: dict[str, _Plan]) -> None:
             .values({c: _column_value(entries_t, c, mode) for c, mode in cols})
         )
         conn.execute(stmt, rows)
+
+
+def _update_columns(plan: _Plan) -> tuple[tuple[str, _Mode], ...]:
+    """The columns an UPDATE of the key's existing row writes, each with its mode, sorted (one
+    statement per distinct tuple); :data:`FIXED_ENTRY_COLUMNS` are only filled."""
+    modes = plan.modes
+    return tuple(
+        sorted(
+            (c, _Mode.FILL if c in FIXED_ENTRY_COLUMNS else modes.get(c, _Mode.SET))
+            for c in plan.values
+        )
+    )
 
 
 def _column_value(entries_t: Table, name: str, mode: _Mode) -> ColumnElement[Any]:
@@ -404,9 +424,8 @@ def pg_index_statements(rows: IndexRows) -> list[tuple[str, tuple[str]]]:
         statements.append((_DECISIONS_SQL, (encode(list(rows.decisions.values())),)))
     groups: dict[tuple[tuple[str, _Mode], ...], list[dict[str, Any]]] = {}
     for key, plan in rows.entries.items():
-        modes = plan.modes
-        cols = tuple(sorted((c, modes.get(c, _Mode.SET)) for c in plan.values))
-        groups.setdefault(cols, []).append({**plan.values, "key_digest": key})
+        # a new key's row takes every value (the JSON object); an existing one ``cols`` as told
+        groups.setdefault(_update_columns(plan), []).append({**plan.values, "key_digest": key})
     statements.extend((_entry_sql(cols), (encode(group),)) for cols, group in groups.items())
     return statements
 

@@ -61,10 +61,10 @@ def list_entries(
     """Cache entries, newest first. ``user`` is a pseudonym: entries that hold its data
     (:func:`kvgov.ledger.repository.user_entries`)."""
     query = select(CacheEntry)
-    if tenant is not None:
-        query = query.where(CacheEntry.tenant == tenant)
-    if user is not None:
+    if user is not None:  # the tenant is part of the user's definition (the footprint's too)
         query = query.where(user_entries(user, tenant))
+    elif tenant is not None:
+        query = query.where(CacheEntry.tenant == tenant)
     if sensitivity is not None:
         query = query.where(CacheEntry.sensitivity == sensitivity)
     if tier is not None:

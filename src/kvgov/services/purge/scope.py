@@ -2,10 +2,14 @@
 
 Scope errs on the side of deleting more (KV cache is recomputable): a user purge covers every
 cache entry of the tenant that the user owns, that is scoped to the user, *or* that the user ever
-put (a ``kv:put`` by the user for that key: a re-put of a live entry keeps its first owner), in
-any state (an entry marked expired or deleted may still linger in a tier some sidecar could not
-reach at the time); a tenant purge covers every entry of the tenant. Functions take a session
-and never commit.
+put (a chained ``kv:put`` or ``kv:put:kept`` by the user for that key: a re-put of a live entry
+keeps its first owner), in any state (an entry marked expired or deleted may still linger in a
+tier some sidecar could not reach at the time); a tenant purge covers every entry of the tenant
+and every key a chained put of the tenant names. The "put" part stands on the chained events,
+which the runtime database role can only append to, not on the mutable ``cache_entries`` row:
+a row moved to another tenant or re-keyed stays in scope, and a digest whose row is missing is
+still deleted from the tiers and evicted (:func:`scoped_entries`). Functions take a session and
+never commit.
 """
 
 from __future__ import annotations
@@ -19,14 +23,15 @@ from sqlalchemy import ColumnElement, and_, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from kvgov.db.models import CacheEntry, EventPayload, LedgerEvent, UserRef
-from kvgov.ledger.repository import user_entries
+from kvgov.ledger.repository import put_digests, tenant_entries, user_entries
 from kvgov.types import EntryState, EventKind
 
 
 @dataclass(frozen=True, slots=True)
 class ScopedEntry:
     key_digest: str
-    state: EntryState
+    #: None: no ``cache_entries`` row has the digest, though a chained put named it
+    state: EntryState | None
     tiers: tuple[str, ...]
     size: int | None
 
@@ -59,19 +64,29 @@ def known_subjects(s: Session, tenant: str, pseudonyms: Collection[str]) -> set[
 
 def _entry_filter(tenant: str, subject: str | None) -> ColumnElement[bool]:
     if subject is None:
-        return CacheEntry.tenant == tenant
+        return tenant_entries(tenant)
     return user_entries(subject, tenant)
 
 
 def scoped_entries(s: Session, tenant: str, subject: str | None) -> list[ScopedEntry]:
+    """The entries a purge deletes and evicts, by key digest: the rows in scope, and the
+    digests the scope's chained puts name that no row has (a row re-keyed by whoever holds the
+    runtime role; state unknown, so None)."""
     rows = s.execute(
-        select(CacheEntry.key_digest, CacheEntry.state, CacheEntry.tiers, CacheEntry.size)
-        .where(_entry_filter(tenant, subject))
-        .order_by(CacheEntry.key_digest)
+        select(CacheEntry.key_digest, CacheEntry.state, CacheEntry.tiers, CacheEntry.size).where(
+            _entry_filter(tenant, subject)
+        )
     )
-    return [
+    found = [
         ScopedEntry(digest, state, tuple(tiers or ()), size) for digest, state, tiers, size in rows
     ]
+    rowless = put_digests(tenant, subject).where(
+        ~select(CacheEntry.key_digest)
+        .where(CacheEntry.key_digest == LedgerEvent.key_digest)
+        .exists()
+    )
+    found += [ScopedEntry(d, None, (), None) for d in s.scalars(rowless.distinct()) if d]
+    return sorted(found, key=lambda e: e.key_digest)
 
 
 #: what ``Identity.principal`` records for an authenticated engine connection

@@ -117,7 +117,8 @@ class PurgeService:
         present = await self.ctx.tiers.count_present([e.key_digest for e in entries])
         by_state: dict[str, int] = {}
         for e in entries:
-            by_state[str(e.state)] = by_state.get(str(e.state), 0) + 1
+            state = "unknown" if e.state is None else str(e.state)  # None: no row, chain only
+            by_state[state] = by_state.get(state, 0) + 1
         return PurgePlan(
             kind=str(req.kind),
             tenant=req.tenant,
