@@ -464,6 +464,10 @@ class ApiSettings(_Section):
 class PurgeSettings(_Section):
     #: vLLM engines whose GPU prefix cache is reset on purge (``POST {url}/reset_prefix_cache``)
     vllm_engines: list[str] = Field(default_factory=list)
+    #: this sidecar's engines keep no GPU prefix cache (vLLM ``--no-enable-prefix-caching``):
+    #: production then accepts no ``vllm_engines`` (else a purge would sign a receipt with no
+    #: GPU reset while the engine's GPU may still hold the purged user's blocks)
+    no_gpu_prefix_cache: bool = False
     engine_ack_timeout_s: float = Field(default=10.0, gt=0.0)
     http_timeout_s: float = Field(default=5.0, gt=0.0)
     #: a job not finished by every registered sidecar after this many seconds ends `incomplete`
@@ -588,6 +592,19 @@ class Settings(BaseSettings):
             problems.append(
                 "api.secure_cookies=false lets the dashboard's session cookie travel over "
                 "plain HTTP"
+            )
+        purge = self.purge
+        if not purge.vllm_engines and not purge.no_gpu_prefix_cache:
+            problems.append(
+                "purge.vllm_engines is empty: a purge would sign its receipt with no GPU prefix"
+                " cache reset while the engine's GPU may still hold the purged user's blocks;"
+                ' list the pod\'s vLLM (["http://127.0.0.1:8000"] in the shipped manifests), or'
+                " set purge.no_gpu_prefix_cache=true for engines run without prefix caching"
+            )
+        elif purge.vllm_engines and purge.no_gpu_prefix_cache:
+            problems.append(
+                "purge.no_gpu_prefix_cache=true with purge.vllm_engines set: say one (engines"
+                " without a GPU prefix cache need no reset)"
             )
         dp = self.dataplane
         if not dp.engine_tokens and dp.engine_tokens_file is None and not dp.unix_path:

@@ -70,6 +70,7 @@ def _secrets(base: Path, db: RoleDatabase) -> Path:
 def _env(db: RoleDatabase, api_port: int) -> list[str]:
     env = {
         "KVGOV_ENVIRONMENT": "production",
+        "KVGOV_PURGE__NO_GPU_PREFIX_CACHE": "true",  # no vLLM here
         "KVGOV_LOG_LEVEL": "warning",
         "KVGOV_DATABASE__URL_FILE": f"{SECRETS}/database-url",
         "KVGOV_DATABASE__MIGRATION_URL_FILE": f"{SECRETS}/migration-url",

@@ -226,6 +226,7 @@ def _production(url: str, tmp_path: Path) -> Settings:
         database={"url": url, "runtime_role": "kvgov_runtime"},
         keys={"kek_path": str(tmp_path / "kek.key")},
         dataplane={"engine_tokens": {"t0ken": "engine-a"}, "host": "", "lm_port": -1},
+        purge={"no_gpu_prefix_cache": True},
     )
 
 
@@ -248,6 +249,7 @@ async def test_a_production_sidecar_on_an_old_schema_refuses_to_start(
         url,
         tmp_path / "data",
         KVGOV_ENVIRONMENT="production",
+        KVGOV_PURGE__NO_GPU_PREFIX_CACHE="true",  # no vLLM here
         KVGOV_DATABASE__RUNTIME_ROLE="kvgov_runtime",
         KVGOV_KEYS__KEK_PATH=str(tmp_path / "kek.key"),
         KVGOV_DATAPLANE__ENGINE_TOKENS='{"t0ken": "engine-a"}',

@@ -104,6 +104,8 @@ def settings(tmp_path: Path, db: ProdDatabase, **dataplane: Any) -> Settings:
             **dataplane,
         },
         tiers={"chain": ["memory", "filesystem"], "filesystem_fsync": False},
+        # no vLLM here: the engines are the tests' clients (a test of the GPU step sets its own)
+        purge={"no_gpu_prefix_cache": True},
     )
 
 

@@ -65,6 +65,7 @@ def _env(tmp_path: Path, db: ProdDatabase | None, port: int, **api: str) -> dict
         "HOME": str(tmp_path),
         "PYTHONPATH": str(SRC),
         "KVGOV_ENVIRONMENT": "production",
+        "KVGOV_PURGE__NO_GPU_PREFIX_CACHE": "true",  # no vLLM here
         "KVGOV_LOG_JSON": "false",
         "KVGOV_DATA_DIR": str(settings.data_dir),
         "KVGOV_DATABASE__URL": db.url,

@@ -222,6 +222,7 @@ def _run_deployment(db: RoleDatabase, data_dir: Path) -> None:
         "",
         data_dir,
         KVGOV_ENVIRONMENT="production",
+        KVGOV_PURGE__NO_GPU_PREFIX_CACHE="true",  # no vLLM here
         KVGOV_DATABASE__URL_FILE=str(_secret(data_dir / "db-url", db.url(db.runtime, PASSWORD))),
         KVGOV_DATABASE__RUNTIME_ROLE=db.runtime,
         KVGOV_KEYS__KEK_PATH=str(data_dir / "kek.key"),

@@ -163,7 +163,16 @@ async def test_the_fleets_key_on_two_sidecars_and_the_cli_purges_what_pod_a_reco
         _started(doors.settings(tmp_path / "b", prod_db)),
     ):
         digest = await _record_gus(a)
-        done = await _purge_gus(doors.settings(tmp_path / "cli", prod_db))
+        # the engine that put gus's chunk through pod A keeps its control channel up for the
+        # purge (a holder without one is named unreachable and the purge is incomplete)
+        globex = engine(a, "tok-globex")
+        channel = globex.control(lambda request: [], reconnect_delay=0.1)
+        try:
+            assert await run(channel.connected.wait, 10)
+            done = await _purge_gus(doors.settings(tmp_path / "cli", prod_db))
+        finally:
+            channel.close()
+            globex.close()
     assert done.state is PurgeState.COMPLETED
     assert _entry_state(prod_db.url, digest) is not EntryState.LIVE
 
@@ -208,6 +217,7 @@ async def test_production_init_makes_no_second_pseudonym_key_for_a_pinned_ledger
         monkeypatch.delenv(name)
     env = {
         "KVGOV_ENVIRONMENT": "production",
+        "KVGOV_PURGE__NO_GPU_PREFIX_CACHE": "true",  # no vLLM here
         "KVGOV_DATA_DIR": str(host.data_dir),
         "KVGOV_DATABASE__URL": prod_db.url,
         "KVGOV_DATABASE__RUNTIME_ROLE": prod_db.runtime_role,

@@ -139,8 +139,33 @@ def test_production_accepts_a_safe_configuration(tmp_path: Path) -> None:
         database={"url": "postgresql+psycopg://kvgov@db/kvgov", "runtime_role": "kvgov_runtime"},
         keys={"kek_path": str(tmp_path / "kek.key")},
         dataplane={"engine_tokens": {"t0ken-value": "engine-a"}},
+        purge={"vllm_engines": ["http://127.0.0.1:8000"]},
     )
     assert s.production_problems() == []
+
+
+def test_production_refuses_a_purge_that_resets_no_gpu_prefix_cache(tmp_path: Path) -> None:
+    """Attack (review r10, observation): production accepted no ``purge.vllm_engines``, and
+    every purge's ``gpu`` step then ended ``completed`` with nothing reset while the pod's vLLM
+    kept the purged user's blocks in its GPU prefix cache, under a signed receipt. Start-up
+    now refuses it unless the operator says the engines keep no GPU prefix cache."""
+    safe: dict[str, object] = {
+        "environment": "production",
+        "database": {"url": "postgresql+psycopg://kvgov@db/kvgov", "runtime_role": "kvgov_rt"},
+        "keys": {"kek_path": str(tmp_path / "kek.key")},
+        "dataplane": {"engine_tokens": {"t0ken-value": "engine-a"}},
+    }
+    with pytest.raises(ConfigError, match=r"purge\.vllm_engines is empty"):
+        load_settings(**safe)
+    declared = load_settings(**safe, purge={"no_gpu_prefix_cache": True})
+    assert declared.production_problems() == []
+    with pytest.raises(ConfigError, match="say one"):
+        load_settings(
+            **safe,
+            purge={"no_gpu_prefix_cache": True, "vllm_engines": ["http://127.0.0.1:8000"]},
+        )
+    # development keeps its default (no vLLM to reset)
+    assert load_settings(data_dir=tmp_path / "dev").purge.vllm_engines == []
 
 
 def test_production_refuses_the_cleartext_wire_beyond_loopback(tmp_path: Path) -> None:
@@ -152,6 +177,7 @@ def test_production_refuses_the_cleartext_wire_beyond_loopback(tmp_path: Path) -
         "environment": "production",
         "database": {"url": "postgresql+psycopg://kvgov@db/kvgov", "runtime_role": "rt"},
         "keys": {"kek_path": str(tmp_path / "kek.key")},
+        "purge": {"no_gpu_prefix_cache": True},
     }
     tokens = {"engine_tokens": {"t0ken-value": "engine-a"}}
     for host in ("0.0.0.0", "10.1.2.3", "::"):
@@ -174,6 +200,7 @@ def test_production_needs_a_runtime_role(tmp_path: Path) -> None:
             database={"url": "postgresql+psycopg://kvgov@db/kvgov"},
             keys={"kek_path": str(tmp_path / "kek.key")},
             dataplane={"engine_tokens": {"t0ken-value": "engine-a"}},
+            purge={"no_gpu_prefix_cache": True},
         )
 
 
@@ -224,6 +251,7 @@ def test_production_refuses_sqlite_from_a_url_file(tmp_path: Path) -> None:
         database={"url_file": str(url_file), "runtime_role": "kvgov_runtime"},
         keys={"kek_path": str(tmp_path / "kek.key")},
         dataplane={"engine_tokens": {"t0ken-value": "engine-a"}},
+        purge={"no_gpu_prefix_cache": True},
     )
     with pytest.raises(ConfigError, match="production needs a Postgres ledger"):
         _ = s.database_url
