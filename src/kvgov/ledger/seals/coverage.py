@@ -1,0 +1,177 @@
+"""What the valid seals say about a chain, without a database: the positions its writer
+sessions cover (:func:`covered`, :func:`subtract`, :func:`foreign_ranges`), the first run no
+session covers (:func:`first_gap`), and :func:`standing`, which checks each seal's signature and
+whether the chain is vouched for at all. The bounds on an unsigned tail live here too."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from kvgov.ledger.chain import checkpoint_signature_ok
+from kvgov.ledger.seals.notes import Seal, SealKind
+
+#: an unsigned tail older than this fails verification (the writer died and was never
+#: restarted, or the events were appended by someone without the key): sixty times the default
+#: checkpoint interval, ample for an orchestrator to restart a crashed sidecar
+DEFAULT_MAX_UNSIGNED_AGE = timedelta(hours=1)
+#: how far in the future an unsigned event may be dated (clock skew between writer and verifier)
+CLOCK_SKEW = timedelta(minutes=5)
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """Positions ``first..last`` that no writer session covers."""
+
+    first: int
+    last: int
+    #: the covered position just before the gap (where the chain was closed)
+    closed_at: int
+
+
+def session_end(seals: Sequence[Seal], opened: Seal) -> int | None:
+    """Where the session ``opened`` (a valid open) stops covering the chain: its close, or the
+    first exclusive open signed after it; None while neither exists (live, or crashed)."""
+    ends = [
+        s.seq
+        for s in seals
+        if s.kind == SealKind.OPEN
+        and s.exclusive
+        and s.session != opened.session
+        and s.signed_at > opened.signed_at
+    ]
+    ends += [s.seq for s in seals if s.kind == SealKind.CLOSE and s.session == opened.session]
+    return max(min(ends), opened.seq) if ends else None
+
+
+Range = tuple[int, int | None]
+
+
+def subtract(ranges: Iterable[Range], cuts: Iterable[tuple[int, int]]) -> list[Range]:
+    """``ranges`` of positions ``(start, end]`` (``end`` None: open-ended) less the ``cuts``
+    ``(start, end]``; empty pieces dropped."""
+    out = list(ranges)
+    for lo, hi in cuts:
+        pieces: list[Range] = []
+        for start, end in out:
+            if hi <= start or (end is not None and lo >= end):
+                pieces.append((start, end))  # apart
+                continue
+            if start < lo:
+                pieces.append((start, lo))
+            if end is None or hi < end:
+                pieces.append((hi, end))
+        out = pieces
+    return out
+
+
+def foreign_ranges(seals: Sequence[Seal]) -> list[tuple[int, int]]:
+    """The positions ``(first - 1, last]`` the foreign ``seals`` among ``seals`` name."""
+    return [
+        (first - 1, s.seq)
+        for s in seals
+        if s.kind == SealKind.FOREIGN and (first := s.first) is not None
+    ]
+
+
+def covered(seals: Sequence[Seal]) -> list[Range]:
+    """The position ranges ``(start, end]`` the valid open and close ``seals`` cover (``end``
+    None: open-ended), less the positions valid foreign seals name (nobody holding the key
+    wrote them). Positions up to the first open are covered too (all of them when there is
+    none): they predate seals (a legacy chain) or there are none (a new chain opens at 0); the
+    caller checks that the chain itself is vouched for."""
+    opens = [s for s in seals if s.kind == SealKind.OPEN]
+    ranges: list[Range] = [(0, min((s.seq for s in opens), default=None))]
+    ranges += [(opened.seq, session_end(seals, opened)) for opened in opens]
+    return subtract(ranges, foreign_ranges(seals))
+
+
+def first_gap(ranges: Iterable[tuple[int, int | None]], head: int) -> Gap | None:
+    """The first run of positions ``1..head`` outside ``ranges``."""
+    reach = 0
+    for start, end in sorted(ranges, key=lambda r: r[0]):
+        if start > reach:
+            break
+        if end is None:
+            return None
+        reach = max(reach, end)
+    if reach >= head:
+        return None
+    following = [start for start, _ in ranges if start > reach]
+    last = min([head, *following])
+    return Gap(reach + 1, last, reach)
+
+
+@dataclass(slots=True)
+class Standing:
+    """What the valid seals and checkpoints of one chain vouch for."""
+
+    #: "signed" (a valid genesis), "legacy" (a checkpoint older than any seal) or "missing"
+    genesis: str
+    #: the valid seals, in ``(seq, signed_at)`` order
+    valid: list[Seal]
+    #: seals that do not verify against the chain's key, with why
+    invalid: list[tuple[Seal, str]]
+
+    @property
+    def vouched(self) -> bool:
+        return self.genesis != "missing"
+
+    def gap(self, head: int) -> Gap | None:
+        """The first run of positions ``1..head`` no writer session covers."""
+        return first_gap(covered(self.valid), head)
+
+    def covers(self, seq: int) -> bool:
+        """Whether a writer session covers position ``seq`` (the chain was open there, and
+        its writer did not disclaim it)."""
+        return any(
+            start < seq and (end is None or seq <= end) for start, end in covered(self.valid)
+        )
+
+    def foreign_at(self, seq: int) -> Seal | None:
+        """The valid foreign seal naming position ``seq``, if any (the first signed)."""
+        named = [
+            s
+            for s in self.valid
+            if s.kind == SealKind.FOREIGN and (first := s.first) is not None
+            if first <= seq <= s.seq
+        ]
+        return min(named, key=lambda s: s.signed_at, default=None)
+
+
+def standing(
+    seals: Sequence[Seal],
+    public_key: bytes,
+    created_at: datetime | None,
+    checkpoints: Iterable[tuple[int, str, datetime, bytes, bytes]],
+    chain_id: str,
+) -> Standing:
+    """Check every seal's signature against ``public_key`` (the chain's own: the caller checks
+    that it is trusted) and decide whether the chain is vouched for. ``checkpoints``: ``(seq,
+    head_hash, signed_at, signature, public_key)`` rows, for the legacy rule."""
+    valid: list[Seal] = []
+    invalid: list[tuple[Seal, str]] = []
+    for seal in seals:
+        if seal.public_key != public_key:
+            invalid.append((seal, "signed by another key than the chain's"))
+        elif not seal.signature_ok(public_key, created_at):
+            invalid.append((seal, "signature does not verify"))
+        else:
+            valid.append(seal)
+    if any(s.kind == SealKind.GENESIS for s in valid):
+        return Standing("signed", valid, invalid)
+    first_seal = min((s.signed_at for s in valid), default=None)
+    for seq, head_hash, signed_at, signature, key in checkpoints:
+        if first_seal is not None and signed_at >= first_seal:
+            continue
+        if bytes(key) == public_key and checkpoint_signature_ok(
+            public_key,
+            bytes(signature),
+            chain_id=chain_id,
+            seq=seq,
+            head_hash=head_hash,
+            at=signed_at,
+        ):
+            return Standing("legacy", valid, invalid)
+    return Standing("missing", valid, invalid)

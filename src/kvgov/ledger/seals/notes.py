@@ -1,0 +1,196 @@
+"""The seal notes: the kinds of seal, the text each kind signs (the formats drawn in
+:mod:`kvgov.ledger.seals`) and :class:`Seal`, one ``chain_seals`` row that checks its own
+signature. No database here: :mod:`.store` reads and writes the rows."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from kvgov.errors import LedgerError
+from kvgov.ledger.chain import GENESIS_HASH, format_time
+
+SEAL_ORIGIN = "kvgov.ledger.seal/v1"
+
+
+class SealKind(StrEnum):
+    GENESIS = "genesis"
+    OPEN = "open"
+    CLOSE = "close"
+    #: positions a live writer did not write (a build without it reads the row as a seal
+    #: whose signature does not verify: the chain fails, never passes)
+    FOREIGN = "foreign"
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _check_chain_id(chain_id: str) -> None:
+    if any(c in chain_id for c in "\n\r"):
+        raise LedgerError("chain id must not contain line breaks")
+
+
+def genesis_note(
+    chain_id: str, public_key: bytes, created_at: datetime, signed_at: datetime
+) -> bytes:
+    _check_chain_id(chain_id)
+    text = (
+        f"{SEAL_ORIGIN} {chain_id}\n{SealKind.GENESIS}\nkey {_b64(public_key)}\n"
+        f"created {format_time(created_at)}\nfirst 1\ntime {format_time(signed_at)}\n"
+    )
+    return text.encode("utf-8")
+
+
+def session_note(
+    chain_id: str,
+    kind: SealKind,
+    session: str,
+    *,
+    seq: int,
+    head_hash: str,
+    signed_at: datetime,
+    exclusive: bool,
+) -> bytes:
+    _check_chain_id(chain_id)
+    if kind not in (SealKind.OPEN, SealKind.CLOSE) or not _session_ok(session):
+        raise LedgerError("a session seal needs a session id without spaces")
+    flag = " exclusive" if exclusive else ""
+    head = _b64(bytes.fromhex(head_hash))
+    text = (
+        f"{SEAL_ORIGIN} {chain_id}\n{kind} {session}{flag}\n{seq}\n{head}\n"
+        f"time {format_time(signed_at)}\n"
+    )
+    return text.encode("utf-8")
+
+
+def _session_ok(session: str) -> bool:
+    return bool(session) and not any(c.isspace() or c == FOREIGN_SEP for c in session)
+
+
+#: separates a foreign seal's session from its first position in the ``session`` column
+FOREIGN_SEP = "@"
+
+
+def foreign_note(
+    chain_id: str, session: str, *, first: int, last: int, head_hash: str, signed_at: datetime
+) -> bytes:
+    """The note of a foreign seal: positions ``first..last`` of ``chain_id`` were not written by
+    the writer session ``session``, and the chain held ``head_hash`` at ``last``. Its second
+    and third lines (``foreign ...``, two numbers) are no other seal's and no checkpoint's."""
+    _check_chain_id(chain_id)
+    if not _session_ok(session):
+        raise LedgerError("a foreign seal needs a session id without spaces")
+    if not 1 <= first <= last:
+        raise LedgerError("a foreign seal names positions 1 <= first <= last")
+    head = _b64(bytes.fromhex(head_hash))
+    text = (
+        f"{SEAL_ORIGIN} {chain_id}\n{SealKind.FOREIGN} {session}\n{first} {last}\n{head}\n"
+        f"time {format_time(signed_at)}\n"
+    )
+    return text.encode("utf-8")
+
+
+@dataclass(frozen=True, slots=True)
+class Seal:
+    """One ``chain_seals`` row."""
+
+    chain_id: str
+    kind: str
+    session: str
+    seq: int
+    head_hash: str
+    exclusive: bool
+    signed_at: datetime
+    signature: bytes
+    public_key: bytes
+
+    @classmethod
+    def from_row(cls, row: Any) -> Seal:
+        m = row._mapping
+        return cls(
+            chain_id=m["chain_id"],
+            kind=m["kind"],
+            session=m["session"],
+            seq=int(m["seq"]),
+            head_hash=m["head_hash"],
+            exclusive=bool(m["exclusive"]),
+            signed_at=m["signed_at"],
+            signature=bytes(m["signature"]),
+            public_key=bytes(m["public_key"]),
+        )
+
+    @property
+    def name(self) -> str:
+        if self.kind == SealKind.GENESIS:
+            return "genesis"
+        return f"{self.kind} of session {self.signer[:8]}"
+
+    @property
+    def signer(self) -> str:
+        """The writer session that signed it (a foreign seal's ``session`` also holds its
+        first position)."""
+        if self.kind == SealKind.FOREIGN:
+            return self.session.rpartition(FOREIGN_SEP)[0]
+        return self.session
+
+    @property
+    def first(self) -> int | None:
+        """A foreign seal's first position (None: another kind, or a malformed row)."""
+        if self.kind != SealKind.FOREIGN:
+            return None
+        signer, sep, first = self.session.rpartition(FOREIGN_SEP)
+        if not sep or not signer or not first.isdigit() or first != str(int(first)):
+            return None
+        return int(first) if 1 <= int(first) <= self.seq else None
+
+    def note(self, created_at: datetime | None) -> bytes | None:
+        """The text the signature covers (None: a kind this build does not know)."""
+        if self.kind == SealKind.GENESIS:
+            if created_at is None:
+                return None
+            return genesis_note(self.chain_id, self.public_key, created_at, self.signed_at)
+        if self.kind == SealKind.FOREIGN:
+            first = self.first
+            if first is None or self.exclusive:
+                return None
+            return foreign_note(
+                self.chain_id,
+                self.signer,
+                first=first,
+                last=self.seq,
+                head_hash=self.head_hash,
+                signed_at=self.signed_at,
+            )
+        if self.kind not in (SealKind.OPEN, SealKind.CLOSE):
+            return None
+        return session_note(
+            self.chain_id,
+            SealKind(self.kind),
+            self.session,
+            seq=self.seq,
+            head_hash=self.head_hash,
+            signed_at=self.signed_at,
+            exclusive=self.exclusive,
+        )
+
+    def signature_ok(self, public_key: bytes, created_at: datetime | None) -> bool:
+        """Signed by ``public_key`` over this row's note (and the row names that key)."""
+        if self.public_key != public_key:
+            return False
+        if self.kind == SealKind.GENESIS and (self.seq != 0 or self.head_hash != GENESIS_HASH):
+            return False
+        try:
+            note = self.note(created_at)
+            if note is None:
+                return False
+            Ed25519PublicKey.from_public_bytes(public_key).verify(self.signature, note)
+        except (InvalidSignature, ValueError, LedgerError):
+            return False
+        return True
