@@ -477,6 +477,12 @@ class PurgeSettings(_Section):
     step_lease_s: float = Field(default=120.0, gt=0.0)
     #: a sidecar that reported within this many seconds gets its own purge steps
     sidecar_live_s: float = Field(default=60.0, gt=0.0)
+    #: key digests of the EVICTs a sidecar owes engines its purges could not reach, held in
+    #: memory (all engines together; ~120 bytes each) until their control channel is back;
+    #: past it the oldest are dropped, logged and counted (0: none are kept)
+    pending_evict_max_digests: int = Field(default=100_000, ge=0, le=10_000_000)
+    #: an owed EVICT not delivered this many seconds after its step is dropped (logged, counted)
+    pending_evict_ttl_s: float = Field(default=86_400.0, gt=0.0)
 
 
 def _read_setting_file(name: str, path: Path) -> str:

@@ -59,6 +59,8 @@ class EventKind(StrEnum):
     # right to be forgotten
     PURGE_REQUESTED = "purge:requested"
     PURGE_STEP = "purge:step"
+    #: an engine a purge's ``engines@S`` step could not reach acknowledged its EVICT later
+    PURGE_EVICT_LATE = "purge:evict:late"
     USER_DATA_PURGED = "user:data:purged"
     TENANT_DATA_PURGED = "tenant:data:purged"
     LEDGER_PAYLOAD_ERASED = "ledger:payload:erased"

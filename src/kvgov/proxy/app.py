@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from kvgov.ledger.writer import LedgerWriter
     from kvgov.proxy.api.app import ControlPlane
     from kvgov.proxy.dataplane.lm import LmServer
+    from kvgov.proxy.purge.late import LateEvictions
     from kvgov.services.keys import KeyEventRecorder
     from kvgov.services.purge.executor import PurgeExecutor
 
@@ -91,6 +92,8 @@ class Sidecar:
     ready: bool = False
     #: the purge executor, None without a ledger
     purge: PurgeExecutor | None = None
+    #: the EVICTs engines missed, sent when their control channel is back (with the purge)
+    late_evictions: LateEvictions | None = None
     #: records the keys the keyring creates itself
     key_events: KeyEventRecorder | None = None
     #: the loop's exception handler before :meth:`start` replaced it (restored at stop)
@@ -155,6 +158,7 @@ class Sidecar:
         if self.engine is not None and self.writer is not None and keyring is not None:
             from kvgov.proxy.purge.sidecar import PurgeWiring, attach_purge
 
+            self.late_evictions = self._late_evictions(self.writer)
             self.purge = await attach_purge(
                 PurgeWiring(
                     settings=self.settings,
@@ -167,6 +171,7 @@ class Sidecar:
                     pseudonymize=self.pipeline.pseudonymizer.user,
                     sidecar_id=self.sidecar_id,
                     fences=self.pipeline,
+                    late=self.late_evictions,
                 )
             )
         if self.purge is not None and self.purge.task is not None:
@@ -206,6 +211,23 @@ class Sidecar:
         await self._record_lifecycle(EventKind.SIDECAR_STARTED)
         self._started = True
         log.info("sidecar.started", extra={"addresses": self.addresses})
+
+    def _late_evictions(self, writer: LedgerWriter) -> LateEvictions:
+        """What keeps the EVICTs engines missed, told of every control connection."""
+        from kvgov.proxy.purge.late import LateEvictions
+
+        purge = self.settings.purge
+        late = LateEvictions(
+            max_digests=purge.pending_evict_max_digests,
+            ttl_s=purge.pending_evict_ttl_s,
+            ack_timeout_s=purge.engine_ack_timeout_s,
+            sink=writer,
+            controls=lambda: list(self.server.controls),
+            principal=f"sidecar:{self.sidecar_id}",
+            metrics=self.metrics,
+        )
+        self.server.on_control = late.connected
+        return late
 
     def control_plane(self) -> ControlPlane:
         """What the control plane may see of this sidecar (:func:`create_control_app`)."""
@@ -261,6 +283,8 @@ class Sidecar:
         """One pass of the TTL and retention sweeper: with a ledger, through the purge's
         deletion path (deleted from every tier, verified gone, recorded as ``kv:expired``);
         without one (benchmarks), dropped unrecorded."""
+        if self.late_evictions is not None:  # what is owed past its lifetime goes
+            self.late_evictions.prune()
         if self.writer is None or self.engine is None:
             await sweep(self.pipeline.index, self.pipeline.tiers, self.pipeline.clock())
             return
@@ -392,6 +416,9 @@ class Sidecar:
         if self.lm_server is not None:
             await self.lm_server.drain(grace_s)
         await self.pipeline.recorded()  # e.g. the denial summaries of the closed connections
+        if self.late_evictions is not None:  # (their connections are closed: nothing to send)
+            self.server.on_control = None
+            await self.late_evictions.aclose()
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

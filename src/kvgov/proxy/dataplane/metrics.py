@@ -103,6 +103,19 @@ class DataPlaneMetrics:
             ["tier", "outcome"],
             registry=r,
         )
+        self.late_evict = Counter(
+            "kvgov_purge_late_evict_digests",
+            "Key digests of EVICTs owed to engines a purge step could not reach, by outcome:"
+            " owed, delivered (acknowledged and recorded as purge:evict:late), failed (an"
+            " attempt not acknowledged; still owed), dropped_ttl, dropped_max",
+            ["outcome"],
+            registry=r,
+        )
+        self.late_evict_pending = Gauge(
+            "kvgov_purge_late_evict_pending_digests",
+            "Key digests of EVICTs owed to engines now (in memory; lost with a restart)",
+            registry=r,
+        )
         self.pool_bytes = Gauge(
             "kvgov_dataplane_buffer_pool_in_use_bytes", "Bytes of pooled buffers in use", registry=r
         )

@@ -14,7 +14,7 @@ import socket
 import stat
 import tempfile
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,9 @@ class WireServer:
         )
         self.connections: set[WireConnection] = set()
         self.controls: set[WireConnection] = set()
+        #: told of each control connection once it is authenticated (the sidecar's owed
+        #: evictions, :mod:`kvgov.proxy.purge.late`); None: nobody listens
+        self.on_control: Callable[[WireConnection], None] | None = None
         self._servers: list[asyncio.Server] = []
         self.draining = False
         self.addresses: list[str] = []
@@ -77,6 +80,17 @@ class WireServer:
     def token_current(self, tid: str, engine: str) -> bool:
         held = self._token_ids.get(tid)
         return held is not None and held[1] == engine
+
+    def control_opened(self, conn: WireConnection) -> None:
+        """An authenticated control connection: EVICT goes there from now on, and whoever
+        listens (:attr:`on_control`) may send what it owes that engine. Only at HELLO: the
+        data path never comes here."""
+        self.controls.add(conn)
+        if self.on_control is not None:
+            try:
+                self.on_control(conn)
+            except Exception:  # the listener's failure must not fail the engine's HELLO
+                log.exception("dataplane.control.listener_failed")
 
     def replace_tokens(self, tokens: Mapping[str, SecretStr]) -> int:
         """Take ``tokens`` (``{"token": "engine-id"}``, a non-empty set) from now on, and

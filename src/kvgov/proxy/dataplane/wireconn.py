@@ -104,6 +104,10 @@ class Hub(Protocol):
         connection is open: :meth:`~kvgov.proxy.dataplane.server.WireServer.replace_tokens`)."""
         ...
 
+    def control_opened(self, conn: WireConnection) -> None:
+        """``conn`` is an authenticated control connection from now on (EVICT goes there)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Challenge:
@@ -394,7 +398,7 @@ class WireConnection(StreamProtocol):
             reply["key_digest_key"] = cfg.digester.to_hex()
         self.send(FrameType.HELLO, sid, reply)
         if control:
-            self.server.controls.add(self)
+            self.server.control_opened(self)
         log.info("dataplane.engine.connected", extra={"engine": self.identity.engine})
 
     # -- operations ----------------------------------------------------------------------------
@@ -559,9 +563,12 @@ class WireConnection(StreamProtocol):
 
     # -- server -> engine ----------------------------------------------------------------------
 
-    async def evict(self, digests: Sequence[str], timeout_s: float) -> EngineEvictResult:
+    async def evict(
+        self, digests: Sequence[str], timeout_s: float, *, job: str | None = None
+    ) -> EngineEvictResult:
         """EVICT the entries with those key digests on this control connection, in frames of
-        at most ``MAX_EVICT_DIGESTS``; each frame waits up to ``timeout_s`` for its ACK."""
+        at most ``MAX_EVICT_DIGESTS``; each frame waits up to ``timeout_s`` for its ACK
+        (``job``: the purge job, named in the frames)."""
         engine = self.identity.engine if self.identity else "?"
         step = MAX_EVICT_DIGESTS
         frames = [digests[i : i + step] for i in range(0, len(digests), step)] or [[]]
@@ -569,7 +576,7 @@ class WireConnection(StreamProtocol):
         errors: list[str] = []
         for frame in frames:
             try:
-                ack = await self._evict_frame(frame, timeout_s)
+                ack = await self._evict_frame(frame, timeout_s, job)
             except (TimeoutError, ConnectionClosed) as exc:
                 return EngineEvictResult(engine, acked=False, error=type(exc).__name__)
             names = ack.get("removed")
@@ -581,13 +588,15 @@ class WireConnection(StreamProtocol):
             engine, acked=True, removed=removed, error=", ".join(errors) or None
         )
 
-    async def _evict_frame(self, digests: Sequence[str], timeout_s: float) -> dict[str, Any]:
+    async def _evict_frame(
+        self, digests: Sequence[str], timeout_s: float, job: str | None = None
+    ) -> dict[str, Any]:
         self._next_id = self._next_id + 1 if self._next_id < 0x7FFF_FFFF else 1
         sid = 0x8000_0000 | self._next_id  # server-initiated ids have the top bit set
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._acks[sid] = fut
         try:
-            self.send(FrameType.EVICT, sid, evict_meta(digests), flags=Flag.NONE)
+            self.send(FrameType.EVICT, sid, evict_meta(digests, job=job), flags=Flag.NONE)
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._acks.pop(sid, None)

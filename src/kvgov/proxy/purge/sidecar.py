@@ -14,7 +14,9 @@ it when it has a ledger; ``stop`` cancels the task). The sidecar's purge steps u
   the scope it reads;
 - ``WireServer.evict_on_engines`` to send EVICT to the connected engines that may hold the
   purged tenant's data (the policy admits them for it, or the ledger saw them store or read
-  it) and wait for their ACKs.
+  it) and wait for their ACKs;
+- its :class:`~kvgov.proxy.purge.late.LateEvictions`, which keeps the EVICT an engine the
+  step could not reach is owed and sends it once that engine's control channel is back.
 
 EVICT names entries by the ledger's key digests alone: each engine recognises them among its
 own local keys with the key-digest key it got on its control connection, so a purge reaches
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from kvgov.connectors.tiers.base import Tier
     from kvgov.keys.keyring import Keyring
     from kvgov.ledger.writer import LedgerWriter
+    from kvgov.proxy.purge.late import LateEvictions
 
 
 class _Index(Protocol):
@@ -68,9 +71,10 @@ class _Server(Protocol):
 
 
 class SidecarEngines:
-    """The sidecar's :class:`LocalIndex` and :class:`EngineEvictor` in one (``fences`` and
+    """The sidecar's :class:`LocalIndex` and :class:`LateEvictor` in one (``fences`` and
     ``settle``: its pipeline and its ledger writer's flush; without them, as for the TTL
-    sweeper, nothing is fenced)."""
+    sweeper, nothing is fenced; ``late``: what keeps missed EVICTs, without it none is
+    kept)."""
 
     def __init__(
         self,
@@ -79,11 +83,13 @@ class SidecarEngines:
         *,
         fences: _Fences | None = None,
         settle: Callable[[], Awaitable[None]] | None = None,
+        late: LateEvictions | None = None,
     ) -> None:
         self._index = index
         self._server = server
         self._fences = fences
         self._settle = settle
+        self._late = late
 
     def drop(self, key_digests: Sequence[str]) -> None:
         for digest in key_digests:
@@ -127,6 +133,12 @@ class SidecarEngines:
             for r in results
         ]
 
+    def owe(
+        self, job_id: str, tenant: str, engines: Collection[str], key_digests: Sequence[str]
+    ) -> None:
+        if self._late is not None:
+            self._late.owe(job_id, tenant, engines, key_digests)
+
 
 @dataclass(frozen=True, slots=True)
 class PurgeWiring:
@@ -144,6 +156,8 @@ class PurgeWiring:
     sidecar_id: str
     #: its pipeline: the purge's erasure fences (None: none raised)
     fences: _Fences | None = None
+    #: keeps the EVICTs engines missed until their control channel is back (None: none kept)
+    late: LateEvictions | None = None
 
 
 async def attach_purge(w: PurgeWiring) -> PurgeExecutor:
@@ -151,7 +165,7 @@ async def attach_purge(w: PurgeWiring) -> PurgeExecutor:
     from kvgov.db.engine import make_sessionmaker
     from kvgov.ledger.chain import load_signing_key
 
-    engines = SidecarEngines(w.index, w.server, fences=w.fences, settle=w.writer.flush)
+    engines = SidecarEngines(w.index, w.server, fences=w.fences, settle=w.writer.flush, late=w.late)
     service = make_service(
         w.settings,
         sessions=make_sessionmaker(w.engine),

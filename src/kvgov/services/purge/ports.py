@@ -7,7 +7,8 @@
   keyring, ``WrappedKeyStore.destroy``).
 * :class:`EngineEvictor` tells every connected engine connector to evict keys and waits for the
   acknowledgements; :class:`NoEngines` is the evictor of a process with no engine connections
-  (the CLI).
+  (the CLI). A :class:`LateEvictor` (the sidecar's) also keeps an EVICT an engine missed and
+  sends it when that engine's control channel is back.
 * :class:`Checkpointer` signs the ledger's chain head after the erasure event.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvgov.connectors.tiers.base import Tier
 from kvgov.types import KeyState
@@ -181,6 +182,20 @@ class EngineEvictor(Protocol):
         """Send EVICT for those entries of ``tenant`` to the connected engines that may hold
         its data (the policy admits them for it, or they are among ``holders``: engine ids
         the ledger saw store or read it); one result per engine connection."""
+        ...
+
+
+@runtime_checkable
+class LateEvictor(Protocol):
+    """An evictor that can send an EVICT later (the sidecar's): to an engine the step could
+    not reach, once that engine's control channel is back (``docs/purge.md``, "Engines not
+    reached"). An optional ability: the CLI's evictor has none."""
+
+    def owe(
+        self, job_id: str, tenant: str, engines: Collection[str], key_digests: Sequence[str]
+    ) -> None:
+        """Keep EVICT(``key_digests``) of purge ``job_id`` for each of ``engines`` until it
+        is acknowledged (bounded in number and time; never more than the digests)."""
         ...
 
 

@@ -36,7 +36,13 @@ from kvgov.services.purge.documents import (
     TiersDetail,
 )
 from kvgov.services.purge.gpu import reset_prefix_caches
-from kvgov.services.purge.ports import EngineEvictor, KeyShredder, LocalIndex, TierSet
+from kvgov.services.purge.ports import (
+    EngineEvictor,
+    KeyShredder,
+    LateEvictor,
+    LocalIndex,
+    TierSet,
+)
 from kvgov.types import EntryState, EventKind, Outcome, PurgeState
 
 log = logging.getLogger(__name__)
@@ -218,6 +224,10 @@ async def _engines(ctx: StepContext, job: JobView, step: StepView) -> StepOutcom
     removed: dict[str, int] = {}
     for a in acked:  # two connections of one engine id add up
         removed[a.engine] = removed.get(a.engine, 0) + a.removed
+    owed = owed_engines(missing)
+    if owed and isinstance(ctx.evictor, LateEvictor):
+        # the receipt names them; the EVICT still reaches them when their channel is back
+        ctx.evictor.owe(job.id, job.tenant, owed, [e.key_digest for e in entries])
     names = ", ".join(f"{a.engine} ({a.error})" for a in missing)
     detail = EnginesDetail(
         executed_by=ctx.principal,
@@ -228,6 +238,22 @@ async def _engines(ctx: StepContext, job: JobView, step: StepView) -> StepOutcom
         reason="no successful EVICT acknowledgement from " + names if missing else None,
     )
     return (PurgeState.INCOMPLETE if missing else PurgeState.COMPLETED), detail
+
+
+#: why a connected engine's EVICT got no ACK (``WireConnection.evict``)
+EVICT_TIMED_OUT = "TimeoutError"
+EVICT_CONNECTION_CLOSED = "ConnectionClosed"
+#: the answers whose engine may still hold the entries and may be reached later: no EVICT
+#: was sent, or it got no ACK (EVICT is idempotent: sending it again removes nothing twice).
+#: An ACK that reports an error is not among them: the engine answered that it cannot evict
+#: (no digest key, its handler failed), which the operator must look at; nor is the
+#: ``lm://`` engine, which has no control channel to come back on.
+UNANSWERED = frozenset({NO_CONTROL_CONNECTION, EVICT_TIMED_OUT, EVICT_CONNECTION_CLOSED})
+
+
+def owed_engines(missing: Sequence[EngineAnswer]) -> list[str]:
+    """The engines of ``missing`` that are owed the EVICT (:data:`UNANSWERED`)."""
+    return sorted({a.engine for a in missing if a.error in UNANSWERED})
 
 
 def _not_sent(holders: scope.Holders, answered: set[str]) -> list[EngineAnswer]:

@@ -1,0 +1,330 @@
+"""An engine a purge could not reach gets its EVICT when its control channel comes back.
+
+Attack (what review r10, F1 left open): an engine that stored the purged user's chunk, and
+keeps a copy in its local CPU/disk tier, has no control connection while ``engines@S`` runs
+(reconnecting, restarting, a network blip). Since F1 the receipt is ``incomplete`` and names it
+(``no_control_connection``), but nothing sent it the EVICT when its channel reconnected: its
+local tier kept, and served, the purged user's chunks until an operator ran the purge again or
+restarted the engine.
+
+Now the sidecar keeps the EVICT it owes that engine (the entries' key digests only, bounded:
+``purge.pending_evict_max_digests`` in all, ``purge.pending_evict_ttl_s`` each) and sends it
+once that engine's control channel is back and authenticated; each acknowledged one is a
+chained ``purge:evict:late`` event. The signed receipt stays as it was (``incomplete``). What
+is owed goes to the engine it is owed to only (an engine id is what its token stands for), is
+dropped with a log line and a metric past either bound, and is lost with a sidecar restart
+(the receipt said ``incomplete``: run the purge again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgov.config import PurgeSettings
+from kvgov.db.models import LedgerEvent
+from kvgov.db.purge_views import JobView, PurgeRequest
+from kvgov.proxy.app import Sidecar, build_sidecar
+from kvgov.types import PurgeState
+from kvgov.wire import EvictRequest, RequestContext, WireClient
+from tests.security import doors
+from tests.security.doors import engine, key, run
+
+pytestmark = pytest.mark.postgres
+
+#: the ledger kind of an EVICT delivered after its purge step
+LATE = "purge:evict:late"
+
+
+class LocalTier:
+    """The engine's local CPU tier: what its EVICT callback removes from."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+        self.asked: list[EvictRequest] = []
+
+    def on_evict(self, request: EvictRequest) -> list[str]:
+        with self.lock:
+            self.asked.append(request)
+            gone = request.matching(list(self.chunks))
+            for raw, _ in gone:
+                self.chunks.pop(raw)
+            return [d for _, d in gone]
+
+
+@asynccontextmanager
+async def _sidecar(tmp_path: Path, db: doors.ProdDatabase, **purge: Any) -> AsyncIterator[Sidecar]:
+    """:func:`doors.sidecar` with some ``[purge]`` settings."""
+    settings = doors.settings(tmp_path, db)
+    if purge:
+        merged = PurgeSettings(**{**settings.purge.model_dump(), **purge})
+        settings = settings.model_copy(update={"purge": merged})
+    sc = await build_sidecar(settings)
+    await sc.start()
+    try:
+        yield sc
+    finally:
+        await sc.stop()
+
+
+async def _store(acme: WireClient, local: LocalTier, chunk: int, user: str) -> str:
+    """The engine stores a chunk of ``user`` through the sidecar and keeps it locally too."""
+    ctx = RequestContext(request_id=f"r-{chunk:x}", tenant="acme", user=user)
+    raw = key(chunk, "acme", user=user)
+    value = os.urandom(4096)
+    assert (await run(acme.put, raw, value, ctx)).ok
+    local.chunks[raw] = value  # LMCache keeps the chunk in its local tier too
+    return raw
+
+
+async def _purge(sc: Sidecar, user: str | None) -> JobView:
+    assert sc.purge is not None
+    service = sc.purge.service
+    job = await service.create(PurgeRequest(tenant="acme", user=user, requested_by="test"))
+    return await asyncio.wait_for(service.wait(job.id), 60)
+
+
+def _late(sc: Sidecar, job_id: str | None = None) -> list[LedgerEvent]:
+    rows = doors.events(sc, LATE)  # type: ignore[arg-type]
+    return [r for r in rows if job_id is None or r.attrs.get("purge_id") == job_id]
+
+
+def _metric(sc: Sidecar, outcome: str) -> float:
+    value = sc.metrics.registry.get_sample_value(
+        "kvgov_purge_late_evict_digests_total", {"outcome": outcome}
+    )
+    return value or 0.0
+
+
+async def _down_during_purge(
+    sc: Sidecar, local: LocalTier, chunks: dict[int, str]
+) -> tuple[WireClient, dict[str, str], list[JobView]]:
+    """acme's engine stores the chunks (chunk number -> user) with its channel up, then its
+    channel goes down and each user is purged in turn: every job ends ``incomplete``."""
+    acme = engine(sc, "tok-acme")
+    channel = acme.control(local.on_evict, reconnect_delay=0.1)
+    try:
+        assert await run(channel.connected.wait, 10)
+        raws = {await _store(acme, local, c, u): u for c, u in chunks.items()}
+    finally:
+        await run(channel.close)  # the channel goes down (a restart, a network blip)
+    jobs = []
+    for user in dict.fromkeys(chunks.values()):
+        job = await _purge(sc, user)
+        assert job.state is PurgeState.INCOMPLETE, job.state
+        assert job.receipt is not None
+        unreachable = job.receipt["receipt"]["engines"]["unreachable"]
+        assert [u["engine"] for u in unreachable] == ["vllm-acme"]
+        jobs.append(job)
+    assert set(local.chunks) == set(raws)  # nothing reached the engine during the purges
+    return acme, raws, jobs
+
+
+async def test_an_engine_whose_channel_was_down_gets_its_evict_when_it_reconnects(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    async with _sidecar(tmp_path, prod_db) as sc:
+        local = LocalTier()
+        acme, raws, (job,) = await _down_during_purge(sc, local, {0x81: "alice"})
+        (raw,) = raws
+        signed = job.receipt
+        channel = acme.control(local.on_evict, reconnect_delay=0.1)  # the channel is back
+        try:
+            assert await run(channel.connected.wait, 10)
+            assert await doors.until(lambda: raw not in local.chunks, 10), (
+                f"engine vllm-acme reconnected its control channel after purge {job.id} "
+                f"({job.state}) and still holds alice's chunk: the EVICT it missed was never "
+                "sent"
+            )
+            assert await doors.until(lambda: bool(_late(sc, job.id)), 10), "no ledger event"
+            (event,) = _late(sc, job.id)
+            assert event.tenant == "acme"
+            assert event.principal == f"sidecar:{sc.sidecar_id}"
+            assert event.actor is None  # no user, not even a pseudonym
+            assert event.attrs["engine"] == "vllm-acme"
+            assert event.attrs["digests"] == 1
+            assert event.attrs["removed"] == 1
+            assert local.asked[-1].job == job.id
+            assert _metric(sc, "owed") == 1
+            assert _metric(sc, "delivered") == 1
+            # the signed receipt is history: it stays incomplete, as signed
+            assert sc.purge is not None
+            again = await sc.purge.service.get(job.id)
+            assert again.state is PurgeState.INCOMPLETE
+            assert again.receipt == signed
+            # delivered once: a later reconnect sends nothing more
+            await run(channel.close)
+            asked = len(local.asked)
+            channel = acme.control(local.on_evict, reconnect_delay=0.1)
+            assert await run(channel.connected.wait, 10)
+            await asyncio.sleep(0.5)
+            assert len(local.asked) == asked
+            assert len(_late(sc, job.id)) == 1
+        finally:
+            channel.close()
+            acme.close()
+
+
+async def test_owed_digests_go_only_to_the_engine_they_are_owed_to(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    """Another engine's control channel (its token stands for vllm-globex, whatever id its
+    HELLO claims) connecting first is sent nothing of what vllm-acme is owed."""
+    async with _sidecar(tmp_path, prod_db) as sc:
+        local = LocalTier()
+        acme, raws, (job,) = await _down_during_purge(sc, local, {0x91: "alice"})
+        (raw,) = raws
+        other = LocalTier()
+        other.chunks[raw] = b"a copy"  # it would remove it if it were sent the digest
+        globex = WireClient(
+            f"tcp://127.0.0.1:{sc.server.tcp_port}",
+            engine_id="vllm-acme",  # claimed; the token decides
+            token="tok-globex",
+            timeout=10,
+        )
+        theirs = globex.control(other.on_evict, reconnect_delay=0.1)
+        channel = None
+        try:
+            assert await run(theirs.connected.wait, 10)
+            await asyncio.sleep(0.5)
+            assert other.asked == [], "vllm-globex was sent the digests owed to vllm-acme"
+            assert raw in local.chunks and not _late(sc)
+            channel = acme.control(local.on_evict, reconnect_delay=0.1)
+            assert await run(channel.connected.wait, 10)
+            assert await doors.until(lambda: raw not in local.chunks, 10)
+            assert await doors.until(lambda: bool(_late(sc, job.id)), 10)
+            assert other.asked == [] and raw in other.chunks
+            assert [e.attrs["engine"] for e in _late(sc)] == ["vllm-acme"]
+        finally:
+            theirs.close()
+            globex.close()
+            if channel is not None:
+                channel.close()
+            acme.close()
+
+
+async def test_an_unacknowledged_late_evict_stays_owed(
+    tmp_path: Path, prod_db: doors.ProdDatabase, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine reconnects but its handler fails (an ACK with an error): nothing is
+    recorded, the digests stay owed, and the next reconnect delivers them."""
+    async with _sidecar(tmp_path, prod_db) as sc:
+        local = LocalTier()
+        acme, raws, (job,) = await _down_during_purge(sc, local, {0xA1: "alice"})
+        (raw,) = raws
+        failing = threading.Event()
+
+        def broken(request: EvictRequest) -> list[str]:
+            failing.set()
+            raise RuntimeError("the engine's handler failed")
+
+        with caplog.at_level(logging.INFO, logger="kvgov"):
+            channel = acme.control(broken, reconnect_delay=0.1)
+            try:
+                assert await run(failing.wait, 10)
+                assert await doors.until(lambda: _metric(sc, "failed") == 1, 10)
+                assert not _late(sc) and raw in local.chunks
+                await run(channel.close)
+                channel = acme.control(local.on_evict, reconnect_delay=0.1)
+                assert await doors.until(lambda: raw not in local.chunks, 10)
+                assert await doors.until(lambda: bool(_late(sc, job.id)), 10)
+                assert _metric(sc, "delivered") == 1
+            finally:
+                channel.close()
+                acme.close()
+        failed = [r for r in caplog.records if r.getMessage() == "purge.late_evict.failed"]
+        assert failed and failed[0].__dict__["engine"] == "vllm-acme"
+        assert failed[0].__dict__["purge_id"] == job.id
+        for r in caplog.records:  # digests and keys stay out of the logs
+            text = f"{r.getMessage()} {r.__dict__}"
+            assert raw not in text and "alice" not in text
+
+
+async def test_owed_evictions_past_their_lifetime_are_dropped_with_a_log(
+    tmp_path: Path, prod_db: doors.ProdDatabase, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with _sidecar(tmp_path, prod_db, pending_evict_ttl_s=0.5) as sc:
+        local = LocalTier()
+        with caplog.at_level(logging.INFO, logger="kvgov"):
+            acme, raws, (job,) = await _down_during_purge(sc, local, {0xB1: "alice"})
+            await asyncio.sleep(0.6)
+            channel = acme.control(local.on_evict, reconnect_delay=0.1)
+            try:
+                assert await run(channel.connected.wait, 10)
+                await asyncio.sleep(0.5)
+                assert local.asked == [] and set(raws) <= set(local.chunks)
+                assert not _late(sc)
+            finally:
+                channel.close()
+                acme.close()
+        dropped = [r for r in caplog.records if r.getMessage() == "purge.late_evict.dropped"]
+        assert [(r.__dict__["reason"], r.__dict__["purge_id"]) for r in dropped] == [
+            ("ttl", job.id)
+        ]
+        assert dropped[0].__dict__["engine"] == "vllm-acme"
+        assert dropped[0].__dict__["digests"] == 1
+        assert _metric(sc, "dropped_ttl") == 1
+
+
+async def test_past_the_digest_cap_the_oldest_owed_evictions_are_dropped(
+    tmp_path: Path, prod_db: doors.ProdDatabase, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At most two digests owed in all: alice's two, then bob's one; alice's (the oldest)
+    make room and are dropped, bob's is delivered."""
+    chunks = {0xC1: "alice", 0xC2: "alice", 0xC3: "bob"}
+    async with _sidecar(tmp_path, prod_db, pending_evict_max_digests=2) as sc:
+        local = LocalTier()
+        with caplog.at_level(logging.INFO, logger="kvgov"):
+            acme, raws, (alice, bob) = await _down_during_purge(sc, local, chunks)
+            channel = acme.control(local.on_evict, reconnect_delay=0.1)
+            try:
+                bobs = next(r for r, u in raws.items() if u == "bob")
+                assert await doors.until(lambda: bobs not in local.chunks, 10)
+                assert await doors.until(lambda: bool(_late(sc, bob.id)), 10)
+                assert {r for r, u in raws.items() if u == "alice"} <= set(local.chunks)
+                assert not _late(sc, alice.id)
+            finally:
+                channel.close()
+                acme.close()
+        dropped = [r for r in caplog.records if r.getMessage() == "purge.late_evict.dropped"]
+        assert [(r.__dict__["reason"], r.__dict__["purge_id"]) for r in dropped] == [
+            ("max_digests", alice.id)
+        ]
+        assert _metric(sc, "dropped_max") == 2
+        assert _metric(sc, "owed") == 3
+
+
+async def test_a_sidecar_restart_loses_what_it_owed(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    """What is owed lives in the sidecar's memory: a restarted sidecar sends nothing. The
+    receipt said ``incomplete``; running the purge again (the documented answer) reaches
+    the engine."""
+    local = LocalTier()
+    async with _sidecar(tmp_path, prod_db) as sc:
+        acme, raws, _ = await _down_during_purge(sc, local, {0xD1: "alice"})
+        acme.close()
+    (raw,) = raws
+    async with _sidecar(tmp_path, prod_db) as sc:
+        acme = engine(sc, "tok-acme")
+        channel = acme.control(local.on_evict, reconnect_delay=0.1)
+        try:
+            assert await run(channel.connected.wait, 10)
+            await asyncio.sleep(0.5)
+            assert local.asked == [] and raw in local.chunks
+            assert not _late(sc)
+            again = await _purge(sc, "alice")
+            assert again.state is PurgeState.COMPLETED, again.state
+            assert raw not in local.chunks
+        finally:
+            channel.close()
+            acme.close()
