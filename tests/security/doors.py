@@ -25,9 +25,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
-from kvgov.db.models import LedgerEvent
+from kvgov.db.models import CacheEntry, LedgerEvent
+from kvgov.db.purge_views import JobView, PurgeRequest
 from kvgov.proxy.app import Sidecar, build_sidecar
-from kvgov.types import EventKind
+from kvgov.types import EntryState, EventKind
 from kvgov.wire import WireClient
 from tests.integration.live import recv_exact
 
@@ -159,6 +160,41 @@ def engine(sc: Sidecar, token: str) -> WireClient:
 def events(sc: Sidecar, kind: EventKind) -> list[LedgerEvent]:
     with Session(sc.engine) as s:
         return list(s.scalars(select(LedgerEvent).where(LedgerEvent.kind == kind)).all())
+
+
+def entry_state(sc: Sidecar, digest: str) -> EntryState | None:
+    """The state of ``digest``'s ``cache_entries`` row (None: no row)."""
+    with Session(sc.engine) as s:
+        return s.scalar(select(CacheEntry.state).where(CacheEntry.key_digest == digest))
+
+
+async def purge(sc: Sidecar, tenant: str, user: str | None) -> JobView:
+    """A purge of ``user`` (None: the whole tenant) run by ``sc``'s own service, to its end."""
+    assert sc.purge is not None
+    service = sc.purge.service
+    job = await service.create(PurgeRequest(tenant=tenant, user=user, requested_by="test"))
+    return await asyncio.wait_for(service.wait(job.id), 60)
+
+
+def receipt(job: JobView) -> dict[str, Any]:
+    """The signed receipt's body of a finished job."""
+    assert job.receipt is not None, job.state
+    signed: dict[str, Any] = job.receipt["receipt"]
+    return signed
+
+
+@asynccontextmanager
+async def control_up(sc: Sidecar, token: str) -> AsyncIterator[None]:
+    """The engine of ``token`` keeps its control channel to ``sc`` up meanwhile (evicting
+    nothing), as a connector does: a purge names a holder without one unreachable."""
+    client = engine(sc, token)
+    channel = client.control(lambda request: [], reconnect_delay=0.1)
+    try:
+        assert await run(channel.connected.wait, 10), "the control channel did not connect"
+        yield
+    finally:
+        channel.close()
+        client.close()
 
 
 class LmClient:

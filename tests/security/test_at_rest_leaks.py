@@ -457,14 +457,8 @@ async def test_nothing_left_behind_names_a_user_a_key_or_kv_plaintext(
 
             # vllm-acme, which put bob's chunks, has its control channel up for his purge (a
             # holder without one is named unreachable and the purge is incomplete)
-            acme = engine(r.sc, "tok-acme")
-            channel = acme.control(lambda request: [], reconnect_delay=0.1)
-            try:
-                assert await run(channel.connected.wait, 10)
+            async with doors.control_up(r.sc, "tok-acme"):
                 replies = await _purge(r, BOB)
-            finally:
-                channel.close()
-                acme.close()
             assert not fs.path_of(digest(B1)).exists(), "bob's value outlived his purge"
             _at_rest(r, needles, stages["after purge"], db_dsn=dsn)
             metrics = await r.api.get("/metrics", headers=r.auditor)

@@ -165,14 +165,8 @@ async def test_the_fleets_key_on_two_sidecars_and_the_cli_purges_what_pod_a_reco
         digest = await _record_gus(a)
         # the engine that put gus's chunk through pod A keeps its control channel up for the
         # purge (a holder without one is named unreachable and the purge is incomplete)
-        globex = engine(a, "tok-globex")
-        channel = globex.control(lambda request: [], reconnect_delay=0.1)
-        try:
-            assert await run(channel.connected.wait, 10)
+        async with doors.control_up(a, "tok-globex"):
             done = await _purge_gus(doors.settings(tmp_path / "cli", prod_db))
-        finally:
-            channel.close()
-            globex.close()
     assert done.state is PurgeState.COMPLETED
     assert _entry_state(prod_db.url, digest) is not EntryState.LIVE
 

@@ -16,7 +16,6 @@ channel is up is still acknowledged and the purge ``completed`` (no false ``inco
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 from pathlib import Path
@@ -25,8 +24,6 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session
 
-from kvgov.db.purge_views import JobView, PurgeRequest
-from kvgov.proxy.app import Sidecar
 from kvgov.services.purge import scope
 from kvgov.types import PurgeState
 from kvgov.wire import EvictRequest, RequestContext
@@ -51,19 +48,6 @@ class LocalTier:
             return [d for _, d in gone]
 
 
-async def _purge(sc: Sidecar, tenant: str, user: str | None) -> JobView:
-    assert sc.purge is not None
-    service = sc.purge.service
-    job = await service.create(PurgeRequest(tenant=tenant, user=user, requested_by="test"))
-    return await asyncio.wait_for(service.wait(job.id), 60)
-
-
-def _receipt(job: JobView) -> dict[str, Any]:
-    assert job.receipt is not None, job.state
-    signed: dict[str, Any] = job.receipt["receipt"]
-    return signed
-
-
 def _unreachable(receipt: dict[str, Any]) -> dict[str, str | None]:
     return {u["engine"]: u["error"] for u in receipt["engines"]["unreachable"]}
 
@@ -86,8 +70,8 @@ async def test_an_engine_whose_control_channel_is_down_is_named_unreachable(
             local.chunks[raw] = value  # LMCache keeps the chunk in its local tier too
             # the channel goes down (the engine restarts it, a network blip, control: false)
             await run(channel.close)
-            job = await _purge(sc, "acme", "alice")
-            receipt = _receipt(job)
+            job = await doors.purge(sc, "acme", "alice")
+            receipt = doors.receipt(job)
             engines = receipt["engines"]
             named = set(engines["acknowledged"]) | {
                 u if isinstance(u, str) else u.get("engine") for u in engines["unreachable"]
@@ -125,8 +109,8 @@ async def test_an_engine_whose_channel_is_up_is_acknowledged_and_the_purge_compl
             value = os.urandom(4096)
             assert (await run(acme.put, raw, value, ctx)).ok
             local.chunks[raw] = value
-            job = await _purge(sc, "acme", "alice")
-            receipt = _receipt(job)
+            job = await doors.purge(sc, "acme", "alice")
+            receipt = doors.receipt(job)
             assert job.state is PurgeState.COMPLETED, receipt["incomplete"]
             assert receipt["engines"] == {"acknowledged": ["vllm-acme"], "unreachable": []}
             assert raw not in local.chunks  # the EVICT reached the local tier
@@ -158,10 +142,10 @@ async def test_the_lm_engine_that_held_the_tenants_data_is_named_unreachable(
         finally:
             lm.close()
         # no false incomplete: bob's purge has nothing the lm:// engine stored or read
-        bob = await _purge(sc, "acme", "bob")
-        assert bob.state is PurgeState.COMPLETED, _receipt(bob)["incomplete"]
-        job = await _purge(sc, "acme", None)
-        receipt = _receipt(job)
+        bob = await doors.purge(sc, "acme", "bob")
+        assert bob.state is PurgeState.COMPLETED, doors.receipt(bob)["incomplete"]
+        job = await doors.purge(sc, "acme", None)
+        receipt = doors.receipt(job)
         assert job.state is PurgeState.INCOMPLETE, receipt
         assert _unreachable(receipt) == {"lm:lm-acme": "no_control_channel"}
         assert any("lm:lm-acme" in line for line in receipt["incomplete"])

@@ -26,11 +26,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 
-from kvgov.db.models import CacheEntry
-from kvgov.db.purge_views import JobView, PurgeRequest, StepName
+from kvgov.db.purge_views import PurgeRequest, StepName
 from kvgov.proxy.app import Sidecar
 from kvgov.types import EntryState, EventKind, PurgeState
 from kvgov.wire import RequestContext
@@ -39,18 +36,6 @@ from tests.security import doors
 from tests.security.doors import RawWire, engine, key, run, value_of
 
 pytestmark = pytest.mark.postgres
-
-
-async def _purge(sc: Sidecar, tenant: str, user: str) -> JobView:
-    assert sc.purge is not None
-    service = sc.purge.service
-    job = await service.create(PurgeRequest(tenant=tenant, user=user, requested_by="test"))
-    return await asyncio.wait_for(service.wait(job.id), 60)
-
-
-def _entry_state(sc: Sidecar, digest: str) -> EntryState | None:
-    with Session(sc.engine) as s:
-        return s.scalar(select(CacheEntry.state).where(CacheEntry.key_digest == digest))
 
 
 def _denials(sc: Sidecar, reason: str) -> int:
@@ -100,7 +85,7 @@ async def test_a_put_in_flight_during_the_purge_is_not_stored_after_it(
         reader = engine(sc, "tok-acme")
         try:
             await put.start()
-            purge = asyncio.create_task(_purge(sc, "acme", "alice"))
+            purge = asyncio.create_task(doors.purge(sc, "acme", "alice"))
             await asyncio.wait([purge], timeout=2)
             result = await put.finish()  # stored, or refused by a fixed sidecar
             job = await purge
@@ -108,7 +93,7 @@ async def test_a_put_in_flight_during_the_purge_is_not_stored_after_it(
             await sc.writer.flush()  # a kv:put would reach Postgres (acked from the journal)
             bob = RequestContext(request_id="r-3", tenant="acme", user="bob")
             served = value_of(await run(reader.get, raw, bob))
-            state = _entry_state(sc, digest)
+            state = doors.entry_state(sc, digest)
             assert served is None and state is not EntryState.LIVE, (
                 f"after a {job.state} purge of alice, her chunk is {state} and "
                 f"{'served' if served == value else 'not served'} to another user"
@@ -146,7 +131,7 @@ async def test_a_put_acknowledged_from_the_journal_but_not_committed_is_purged(
         slow.execute("LOCK TABLE cache_entries IN SHARE MODE")  # reads go on, writes wait
         alice = RequestContext(request_id="r-8", tenant="acme", user="alice")
         assert (await run(acme.put, raw, value, alice)).ok  # acknowledged from the journal
-        assert _entry_state(sc, digest) is None  # ... and not in Postgres
+        assert doors.entry_state(sc, digest) is None  # ... and not in Postgres
         async with cli_service(base) as cli:  # polls as configured by default
             job = await cli.create(PurgeRequest(tenant="acme", user="alice", requested_by="test"))
             await cli.run_until_idle(job.id)  # keys, tiers (its shared tiers); ledger waits
@@ -164,7 +149,7 @@ async def test_a_put_acknowledged_from_the_journal_but_not_committed_is_purged(
             job = await asyncio.wait_for(cli.wait(job.id), 60)
         bob = RequestContext(request_id="r-9", tenant="acme", user="bob")
         served = value_of(await run(acme.get, raw, bob))
-        state = _entry_state(sc, digest)
+        state = doors.entry_state(sc, digest)
         assert served is None and state is not EntryState.LIVE, (
             f"after a {job.state} purge of alice, her chunk acknowledged before it is "
             f"{state} and {'served' if served == value else 'not served'} to another user"
@@ -188,7 +173,7 @@ async def test_another_users_put_in_flight_during_the_purge_is_stored(
         try:
             for put in puts:
                 await put.start()
-            job = await _purge(sc, "acme", "alice")
+            job = await doors.purge(sc, "acme", "alice")
             assert job.state is PurgeState.COMPLETED
             for put in puts:
                 assert await put.finish() == {"code": 0}
@@ -247,7 +232,7 @@ async def test_the_fence_is_lifted_when_the_purge_is_finished(
     async with doors.sidecar(tmp_path, prod_db) as sc:
         acme = engine(sc, "tok-acme")
         try:
-            job = await _purge(sc, "acme", "alice")
+            job = await doors.purge(sc, "acme", "alice")
             assert job.state is PurgeState.COMPLETED
             assert sc.pipeline.fenced_jobs == []
             alice = RequestContext(request_id="r-13", tenant="acme", user="alice")

@@ -16,45 +16,21 @@ user ever put; the receipt records what was acknowledged and what was not).
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
 from psycopg import errors as pg_errors
-from sqlalchemy import create_engine, select, text
+from sqlalchemy import create_engine, text
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import Session
 
-from kvgov.db.models import CacheEntry
-from kvgov.db.purge_views import JobView, PurgeRequest
-from kvgov.proxy.app import Sidecar
 from kvgov.types import EntryState, PurgeState
 from kvgov.wire import RequestContext
 from tests.security import doors
 from tests.security.doors import engine, key, run, value_of
 
 pytestmark = pytest.mark.postgres
-
-
-async def _purge(sc: Sidecar, tenant: str, user: str) -> JobView:
-    assert sc.purge is not None
-    service = sc.purge.service
-    job = await service.create(PurgeRequest(tenant=tenant, user=user, requested_by="test"))
-    return await asyncio.wait_for(service.wait(job.id), 60)
-
-
-def _receipt(job: JobView) -> dict[str, Any]:
-    assert job.receipt is not None, job.state
-    signed: dict[str, Any] = job.receipt["receipt"]
-    return signed
-
-
-def _entry_state(sc: Sidecar, digest: str) -> EntryState | None:
-    with Session(sc.engine) as s:
-        return s.scalar(select(CacheEntry.state).where(CacheEntry.key_digest == digest))
 
 
 def _as_superuser_without_triggers(db: doors.ProdDatabase, statement: str, digest: str) -> int:
@@ -82,18 +58,14 @@ async def test_f3_a_re_put_by_the_purged_user_is_not_in_scope(
             assert (await run(acme.put, raw, value, alice)).ok  # acknowledged as cached
             # vllm-acme holds alice's re-put: its control channel is up for her purge (a holder
             # without one is named unreachable and the purge is incomplete)
-            channel = acme.control(lambda request: [], reconnect_delay=0.1)
-            try:
-                assert await run(channel.connected.wait, 10)
-                job = await _purge(sc, "acme", "alice")
-            finally:
-                channel.close()
+            async with doors.control_up(sc, "tok-acme"):
+                job = await doors.purge(sc, "acme", "alice")
             assert job.state is PurgeState.COMPLETED
-            receipt = _receipt(job)
+            receipt = doors.receipt(job)
             digest = sc.pipeline.pseudonymizer.key_digest(raw)
             served = value_of(await run(acme.get, raw, bob))
             assert served is None, (
-                f"a chunk alice put is {_entry_state(sc, digest)} and served after her purge "
+                f"a chunk alice put is {doors.entry_state(sc, digest)} and served after her purge "
                 f"(entries_in_scope={receipt['entries_in_scope']})"
             )
         finally:
@@ -123,8 +95,8 @@ async def test_f4_the_runtime_role_hides_an_entry_from_a_purge_by_editing_its_ro
                 c.exec_driver_sql(move, {"d": digest})  # the runtime role, as a sidecar connects
             moved = _as_superuser_without_triggers(prod_db, move, digest)
             assert moved == 1
-            job = await _purge(sc, "acme", "alice")
-            receipt = _receipt(job)
+            job = await doors.purge(sc, "acme", "alice")
+            receipt = doors.receipt(job)
             bob = RequestContext(request_id="r-7", tenant="acme", user="bob")
             served = value_of(await run(acme.get, raw, bob))
             assert served is None, (
@@ -158,9 +130,9 @@ async def test_a_re_keyed_row_leaves_the_put_digest_in_scope(
             ):
                 conn.execute(rekey, {"d": digest})  # the runtime role: refused
             assert _as_superuser_without_triggers(prod_db, rekey, digest) == 1
-            assert _entry_state(sc, digest) is None
-            job = await _purge(sc, "acme", "alice")
-            receipt = _receipt(job)
+            assert doors.entry_state(sc, digest) is None
+            job = await doors.purge(sc, "acme", "alice")
+            receipt = doors.receipt(job)
             bob = RequestContext(request_id="r-9", tenant="acme", user="bob")
             served = value_of(await run(acme.get, raw, bob))
             assert served is None, (
@@ -168,7 +140,7 @@ async def test_a_re_keyed_row_leaves_the_put_digest_in_scope(
                 "and alice's re-keyed chunk is still served"
             )
             await sc.writer.flush()
-            assert _entry_state(sc, digest) is EntryState.PURGED  # the purge recorded it
+            assert doors.entry_state(sc, digest) is EntryState.PURGED  # the purge recorded it
         finally:
             acme.close()
 
@@ -198,8 +170,8 @@ async def test_an_owner_the_runtime_role_edits_does_not_hide_the_entry(
                     {"d": digest},
                 ).rowcount
             assert changed == 1
-            job = await _purge(sc, "acme", "alice")
-            receipt = _receipt(job)
+            job = await doors.purge(sc, "acme", "alice")
+            receipt = doors.receipt(job)
             bob = RequestContext(request_id="r-11", tenant="acme", user="bob")
             served = value_of(await run(acme.get, raw, bob))
             assert served is None, (
