@@ -51,6 +51,13 @@ class LedgerBackpressureError(LedgerError):
     code = "ledger_backpressure"
 
 
+class LedgerSealError(LedgerError):
+    """A live writer could not write a seal of its own (a foreign seal, a resumed open): its
+    own failure to retry and alert on, never a refusal of the events it was about to write."""
+
+    code = "ledger_seal"
+
+
 class IntegrityError(LedgerError):
     """The ledger's hash chain or a checkpoint signature does not verify."""
 

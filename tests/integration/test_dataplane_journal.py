@@ -98,6 +98,9 @@ async def test_puts_are_acknowledged_from_the_journal_while_postgres_cannot_comm
             assert 1 <= (reg.get_sample_value("kvgov_ledger_journal_syncs") or 0) <= 10
             # nothing but this sidecar wrote its chain (tests/security/test_foreign_append.py)
             assert reg.get_sample_value("kvgov_ledger_foreign_appends") == 0
+            # and nobody took a key of its own seals (tests/security/test_seal_squatting.py)
+            assert reg.get_sample_value("kvgov_ledger_seal_keys_taken") == 0
+            assert reg.get_sample_value("kvgov_ledger_seal_failures") == 0
         finally:
             holder.rollback()
             holder.close()

@@ -501,8 +501,9 @@ def test_a_live_writer_whose_session_was_ended_resumes_it(
     prod_db: ProdDatabase, runtime: sa.Engine
 ) -> None:
     """Another writer claiming the chain (its lock lost with a database restart, say) ends the
-    live writer's session; the live writer opens a new one from there at its next checkpoint,
-    so its own events stay covered."""
+    live writer's session; the live writer opens a new one from there in its next transaction
+    that finds the head moved (before its own rows: review r11, F2), or else at its next
+    checkpoint, so its own events stay covered."""
 
     async def run() -> None:
         engine = make_engine(prod_db.url)
@@ -514,11 +515,17 @@ def test_a_live_writer_whose_session_was_ended_resumes_it(
             await other.start()
             await other.append(_put(2))
             await other.close()
-            await live.append(_put(3))  # not covered: the other writer's open ended it
+            await live.append(_put(3))  # the head moved: it re-opens in that transaction
+            assert _chain(_verify(runtime), "node-f").first_bad is None
+            # a claim that writes nothing moves no head: the next row is not covered ...
+            other = LedgerWriter(engine, chain_id="node-f", signing_key=NODE_KEY, exclusive=True)
+            await other.start()
+            await other.close()
+            await live.append(_put(4))
             gap = _chain(_verify(runtime), "node-f")
             assert gap.first_bad is not None and gap.first_bad.problem is Problem.AFTER_CLOSE
-            assert await live.write_checkpoint() is not None  # resumes, then signs
-            await live.append(_put(4))
+            assert await live.write_checkpoint() is not None  # ... until it resumes, then signs
+            await live.append(_put(5))
         finally:
             await live.close()
             engine.dispose()

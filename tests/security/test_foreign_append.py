@@ -481,3 +481,74 @@ def test_rows_after_a_cli_command_closed_are_foreign(ledger: Ledger) -> None:
     assert chain.first_bad is not None, chain.to_dict()
     assert (chain.first_bad.problem, chain.first_bad.seq) == ("foreign_append", 3)
     assert len(_seals(ledger.attacker, "node-after-cli", "foreign")) == 1
+
+
+# -- a CLI session a starting sidecar ends (review r11, F2) ---------------------------------
+#
+# Not an attack but a false alarm: a ``kvgov token``/``kvgov tenant`` command (``append_events``)
+# writes to the node's chain while the sidecar starts. The sidecar's open is exclusive (it holds
+# its journal's lock), so it ends every session opened before it, the command's included. The
+# command, alive, goes on appending its own rows; they were covered only once its close resumed,
+# and the sidecar's next batch sealed them ``foreign`` before that, for ever. Now a writer
+# re-opens its session (``seals.keep_open``) in the very transaction that writes: whenever that
+# transaction finds the head moved, and, for the CLI's writer (``every_transaction``), always.
+
+
+def test_a_cli_session_ended_by_the_sidecars_start_is_not_sealed_foreign(ledger: Ledger) -> None:
+    """Review r11's demonstration (its assertions kept): the sidecar writes between the
+    command's rows."""
+    chain_id = "node-r11-start"
+
+    async def run() -> None:
+        # the command starts first (no sidecar serving yet: on Postgres it even takes the lock)
+        cli, cli_engine = await _writer(ledger.url, chain_id)
+        await cli.append(Event(kind=EventKind.TOKEN_CREATED, principal="cli-0"))
+        # the sidecar starts beside it: a journaled sidecar's open is exclusive
+        sidecar, engine = await _writer(ledger.url, chain_id, exclusive=True)
+        try:
+            await sidecar.append(_put(0))
+            # the command goes on with its own rows, then the sidecar serves a put
+            await cli.append(Event(kind=EventKind.TOKEN_CREATED, principal="cli-1"))
+            await sidecar.append(_put(1))
+            await cli.close(checkpoint=True)
+        finally:
+            await sidecar.close(checkpoint=True)
+            engine.dispose()
+            cli_engine.dispose()
+
+    asyncio.run(run())
+    chain = _chain(ledger.attacker, chain_id)
+    foreign = _seals(ledger.attacker, chain_id, "foreign")
+    assert chain.first_bad is None and foreign == [], (chain.to_dict(), len(foreign))
+
+
+def test_a_cli_row_written_right_after_the_sidecars_open_is_not_sealed_foreign(
+    ledger: Ledger,
+) -> None:
+    """The command writes after the sidecar's open and before the sidecar's first row: its
+    transaction finds no head moved (an open moves none), so only the CLI's writer checking
+    its session in every transaction (``append_events``: ``every_transaction``) re-opens it
+    before that row."""
+    chain_id = "node-cli-race"
+
+    async def run() -> None:
+        cli, cli_engine = await _writer(ledger.url, chain_id, every_transaction=True)
+        await cli.append(Event(kind=EventKind.TOKEN_CREATED, principal="cli-0"))
+        sidecar, engine = await _writer(ledger.url, chain_id, exclusive=True)
+        try:
+            await cli.append(Event(kind=EventKind.TOKEN_CREATED, principal="cli-1"))
+            await sidecar.append(_put(0))  # finds the command's row (2)
+            await cli.append(Event(kind=EventKind.TOKEN_CREATED, principal="cli-2"))
+            await sidecar.append(_put(1))
+            assert sidecar.stats.foreign_appends == 0  # type: ignore[attr-defined]
+            await cli.close(checkpoint=True)
+        finally:
+            await sidecar.close(checkpoint=True)
+            engine.dispose()
+            cli_engine.dispose()
+
+    asyncio.run(run())
+    foreign = _seals(ledger.attacker, chain_id, "foreign")
+    chain = _chain(ledger.attacker, chain_id)
+    assert chain.first_bad is None and foreign == [], (chain.to_dict(), len(foreign))
+    assert chain.events == 5 and chain.closed

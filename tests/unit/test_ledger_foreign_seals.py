@@ -149,3 +149,34 @@ def test_what_the_live_writer_counts_as_explained() -> None:
     # nor what that session's own foreign seal disclaims
     disclaimed = _foreign("cli-b", 12, 13, 5)
     assert unexplained([*seals, disclaimed], PUB, mine, 10, 14) == [(12, 13)]
+
+
+# -- seal keys with a random part (review r11, F1; ``docs/ledger.md``, "Seal keys") ---------
+
+
+def test_a_foreign_seals_random_key_part_is_signed() -> None:
+    """The key ``<session>.<random>@<first>``: the random part is in the note (the signer
+    token), so a copy under another random part does not verify; the writer session is the
+    part before it."""
+    seal = _foreign("s1.0a1b2c3d", 4, 6, 10)
+    assert seal.signature_ok(PUB, None)
+    assert (seal.signer, seal.writer_session, seal.first) == ("s1.0a1b2c3d", "s1", 4)
+    assert seal.name == "foreign of session s1"
+    for session in ("s1.deadbeef@4", "s1@4", "s1.0a1b2c3d@5"):
+        assert not dataclasses.replace(seal, session=session).signature_ok(PUB, None), session
+
+
+def test_a_close_under_a_key_with_a_random_part_ends_its_session() -> None:
+    """A close whose plain key was taken goes under ``<session>.<random>``, signed so: it
+    still ends the session it names; the junk row under the plain key counts for nothing."""
+    opened = _session(SealKind.OPEN, "s1", 0, 0)
+    closed = _session(SealKind.CLOSE, "s1.0a1b2c3d", 3, 5)
+    assert closed.signature_ok(PUB, None) and closed.writer_session == "s1"
+    assert covered([opened, closed]) == [(0, 0), (0, 3)]
+    assert first_gap(covered([opened, closed]), 4) is not None
+    # the random part is signed: the same signature under another does not verify
+    swapped = dataclasses.replace(closed, session="s1.deadbeef")
+    assert not swapped.signature_ok(PUB, None)
+    # an open's session is never split: a valid open ``s1.x`` is its own session
+    other = _session(SealKind.OPEN, "s1.0a1b2c3d", 3, 6)
+    assert other.writer_session == "s1.0a1b2c3d"

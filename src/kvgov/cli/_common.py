@@ -69,8 +69,13 @@ async def append_events(s: Settings, engine: Engine, *events: Event) -> None:
     from kvgov.ledger.chain import load_signing_key
     from kvgov.ledger.writer import LedgerWriter
 
+    # the node's own chain, beside its sidecar: a sidecar starting meanwhile ends this
+    # session, which then re-opens in the very transaction that writes (never sealed foreign)
     writer = LedgerWriter(
-        engine, chain_id=s.chain_id, signing_key=load_signing_key(s.signing_key_path)
+        engine,
+        chain_id=s.chain_id,
+        signing_key=load_signing_key(s.signing_key_path),
+        every_transaction=True,
     )
     await writer.start()
     try:

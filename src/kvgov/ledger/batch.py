@@ -230,9 +230,26 @@ class HeadCheck(Protocol):
         """The head the writer last wrote or accounted for."""
         ...
 
+    @property
+    def every_transaction(self) -> bool:
+        """Check every transaction, not only those that find the head moved (no pre-chained
+        fast path): a short-lived writer beside a live one (``kvgov token``)."""
+        ...
+
+    @property
+    def session(self) -> str | None:
+        """The writer session the transaction's rows go under (after :meth:`check`: one it
+        resumed in that transaction, until it rolls back)."""
+        ...
+
     def check(self, conn: Connection, head: Head) -> Disclaimed: ...
 
     def settle(self, head: Head, disclaimed: Disclaimed) -> None: ...
+
+    def key_taken(self) -> None:
+        """A key of the writer's own seal was found taken (counted; the seal went under
+        another)."""
+        ...
 
 
 #: the journal mark moved by a small batch (a data-modifying CTE of its one statement)
@@ -282,7 +299,11 @@ def apply_batch(
     round trip, if the head is the expected one. It is not tried when the batch was chained on
     another head than the one the writer knows it left (a re-chain after a refused event, or
     someone else's rows): the head would not match, and the general path reads it anyway."""
-    fast = check is None or chained is None or chained[0] == check.known
+    fast = (
+        check is None
+        or chained is None
+        or (chained[0] == check.known and not check.every_transaction)
+    )
     if fast and chained is not None and copy is not None and conn.dialect.name == "postgresql":
         applied = _apply_small(
             conn,

@@ -91,6 +91,7 @@ class LedgerWriter:
         journal_lazy_events: bool = True,
         journal_sync_interval_ms: float = 0.0,
         exclusive: bool | None = None,
+        every_transaction: bool = False,
     ) -> None:
         if not chain_id or any(c in chain_id for c in "\r\n") or len(chain_id) > 255:
             raise LedgerError("chain id must be 1..255 characters without line breaks")
@@ -117,7 +118,12 @@ class LedgerWriter:
         )
         self._sequencer = Sequencer(chain_id, copy=engine.dialect.name == "postgresql")
         #: the head this writer left, and its sessions: rows it did not write are sealed
-        self._watch = ForeignWatch(chain_id, signing_key, self.stats)
+        #: ``every_transaction``: a short-lived writer beside a live one (``kvgov token``)
+        #: checks in every transaction that its session still covers the chain (a sidecar
+        #: starting beside it ends it), not only when the head moved
+        self._watch = ForeignWatch(
+            chain_id, signing_key, self.stats, every_transaction=every_transaction
+        )
         self._committer = Committer(
             engine,
             chain_id,
@@ -248,6 +254,7 @@ class LedgerWriter:
         loop = asyncio.get_running_loop()
         session, self._session = self._session, None
         if session is not None:
+            session = self._watch.session or session  # the current one (it may have resumed)
             # the session's signed close: whatever is appended after it fails verification
             try:
                 await loop.run_in_executor(
@@ -357,8 +364,11 @@ class LedgerWriter:
         session = self._session
         if session is None:  # not started, or closed: nothing of its own to watch
             return write_checkpoint(self.engine, self.chain_id, self._key)
-        # still covering the chain (another writer may have claimed it)
-        self._session = resume(self.engine, self.chain_id, self._key, session)
+        # still covering the chain (another writer may have claimed it); the current session
+        # is the watch's (a batch may have resumed it)
+        self._session = resume(
+            self.engine, self.chain_id, self._key, self._watch.session or session
+        )
         self._watch.adopt(self._session)
         # rows someone else appended since the last batch are sealed before it signs
         return write_checkpoint(self.engine, self.chain_id, self._key, check=self._watch)

@@ -739,6 +739,10 @@ async def _build_sidecar(
         lambda: float(pipeline.pool.in_use_bytes),
         lambda: float(writer.queue_depth if writer is not None else 0),
         lambda: float(writer.stats.foreign_appends if writer is not None else 0),
+        (
+            lambda: float(writer.stats.seal_keys_taken if writer is not None else 0),
+            lambda: float(writer.stats.seal_failures if writer is not None else 0),
+        ),
     )
     journal = writer.journal if writer is not None else None
     if writer is not None and journal is not None:

@@ -41,7 +41,11 @@ def session_end(seals: Sequence[Seal], opened: Seal) -> int | None:
         and s.session != opened.session
         and s.signed_at > opened.signed_at
     ]
-    ends += [s.seq for s in seals if s.kind == SealKind.CLOSE and s.session == opened.session]
+    # a close names its session, with a random part when its plain key was taken (the
+    # runtime role can read the session id from the open and insert a row under that key)
+    ends += [
+        s.seq for s in seals if s.kind == SealKind.CLOSE and s.writer_session == opened.session
+    ]
     return max(min(ends), opened.seq) if ends else None
 
 

@@ -76,6 +76,12 @@ def _session_ok(session: str) -> bool:
 
 #: separates a foreign seal's session from its first position in the ``session`` column
 FOREIGN_SEP = "@"
+#: separates a writer session's id from the random part a seal's key carries (``<session>.<hex>``:
+#: every foreign seal; a close only when its plain key was taken): signed as part of the session
+#: in the note, so the key cannot be swapped; it keeps the runtime role, which can read the
+#: session from the open and INSERT into ``chain_seals``, from taking the key first
+#: (``docs/ledger.md``, "Seal keys")
+KEY_SEP = "."
 
 
 def foreign_note(
@@ -130,14 +136,22 @@ class Seal:
     def name(self) -> str:
         if self.kind == SealKind.GENESIS:
             return "genesis"
-        return f"{self.kind} of session {self.signer[:8]}"
+        return f"{self.kind} of session {self.writer_session[:8]}"
 
     @property
     def signer(self) -> str:
-        """The writer session that signed it (a foreign seal's ``session`` also holds its
-        first position)."""
+        """The session token the note signs (a foreign seal's ``session`` also holds its first
+        position): the writer session's id, with the key's random part when there is one."""
         if self.kind == SealKind.FOREIGN:
             return self.session.rpartition(FOREIGN_SEP)[0]
+        return self.session
+
+    @property
+    def writer_session(self) -> str:
+        """The writer session that signed it: :attr:`signer` less the key's random part (a
+        close or foreign seal written under a key of its own, ``<session>.<hex>``)."""
+        if self.kind in (SealKind.CLOSE, SealKind.FOREIGN):
+            return self.signer.partition(KEY_SEP)[0]
         return self.session
 
     @property

@@ -15,7 +15,7 @@ from sqlalchemy import Connection, Engine, select
 from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE
 from kvgov.db.models import Chain, LedgerEvent, table
 from kvgov.errors import LedgerError
-from kvgov.ledger.batch import HeadCheck, read_head
+from kvgov.ledger.batch import Disclaimed, HeadCheck, read_head
 from kvgov.ledger.chain import GENESIS_HASH, public_key_bytes
 from kvgov.ledger.seals.coverage import Standing, session_end
 from kvgov.ledger.seals.notes import Seal, SealKind
@@ -152,15 +152,26 @@ def close_session(
 ) -> Seal:
     """At a writer's clean close: sign the session's close at the chain's head. With the live
     writer's ``check``, rows it did not write are sealed as foreign first (same transaction),
-    so the close never signs over them silently."""
+    so the close never signs over them silently. A close whose plain key someone took goes
+    under a key with a random part (:func:`~.store.write_session_seal`): the session still
+    ends here."""
     with engine.connect() as plain:
         conn = plain.execution_options(**{SQLITE_BEGIN_IMMEDIATE: True})
         with conn.begin():
             head = read_head(conn, chain_id)
-            disclaimed = check.check(conn, head) if check is not None else []
+            disclaimed: Disclaimed = []
+            if check is not None:
+                disclaimed = check.check(conn, head)
+                session = check.session or session  # the check may have resumed it
             session = keep_open(conn, chain_id, key, session)
             seal = write_session_seal(
-                conn, chain_id, key, SealKind.CLOSE, session=session, head=head
+                conn,
+                chain_id,
+                key,
+                SealKind.CLOSE,
+                session=session,
+                head=head,
+                on_taken=check.key_taken if check is not None else None,
             )
     if check is not None:
         check.settle(head, disclaimed)

@@ -1,32 +1,71 @@
 """The ``chain_seals`` rows: sign and store a genesis, an open or close, or a foreign seal (in
-the caller's transaction), read a chain's seals back, and read its :class:`Standing`."""
+the caller's transaction), read a chain's seals back, and read its :class:`Standing`.
+
+A seal's primary key is ``(chain_id, kind, session)``, and the runtime database role may INSERT
+into ``chain_seals``: a key the writer computes from what that role can read (the session id in
+the signed open, the head) could be taken first by a junk row, and the writer's INSERT then
+fail for good (review r11). So every seal is inserted with ``ON CONFLICT DO NOTHING``, and a
+key found taken is replaced by one with a random part (:data:`~.notes.KEY_SEP`), logged
+(``ledger.seal.key_taken``): a foreign seal always carries one; a close only when its plain key
+(the session id) was taken; a genesis falls back to a random ``session`` (its note does not name
+it). An open's key is its own fresh random session id, unknown to anyone before it commits."""
 
 from __future__ import annotations
 
+import secrets
+from collections.abc import Callable
 from datetime import datetime
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import Connection, select
+from sqlalchemy.dialects import postgresql, sqlite
 
 from kvgov.db.engine import utcnow
 from kvgov.db.models import Chain, ChainSeal, Checkpoint, table
+from kvgov.errors import LedgerSealError
 from kvgov.ledger.chain import GENESIS_HASH, public_key_bytes
 from kvgov.ledger.seals.coverage import Standing, standing
 from kvgov.ledger.seals.notes import (
     FOREIGN_SEP,
+    KEY_SEP,
     Seal,
     SealKind,
     foreign_note,
     genesis_note,
     session_note,
 )
+from kvgov.logging import get_logger
+
+log = get_logger(__name__)
+
+#: keys tried for one seal before giving up (each after the first with a fresh random part: a
+#: second collision means someone guessed 32 random bits, or the table refuses every row)
+KEY_TRIES = 4
+
+#: told each time a seal's key was found taken (the writer counts them)
+OnTaken = Callable[[], None] | None
 
 
-def _insert(conn: Connection, seal: Seal) -> None:
-    conn.execute(
-        table(ChainSeal)
-        .insert()
-        .values(
+def key_part() -> str:
+    """The random part of a seal's key: 8 hex characters (a foreign seal's ``session`` is then
+    at most 32 + 1 + 8 + 1 + 19 = 61 characters, within the column's 64)."""
+    return secrets.token_hex(4)
+
+
+def _insert(conn: Connection, seal: Seal) -> bool:
+    """INSERT ``seal`` unless its key is taken (nothing written, False). Only INSERT (and
+    SELECT, for RETURNING: the driver's rowcount is not told) is needed, which the runtime role
+    has."""
+    stmt: postgresql.Insert | sqlite.Insert
+    if conn.dialect.name == "postgresql":
+        stmt = postgresql.insert(table(ChainSeal)).on_conflict_do_nothing()
+    elif conn.dialect.name == "sqlite":
+        stmt = sqlite.insert(table(ChainSeal)).on_conflict_do_nothing()
+    else:
+        raise LedgerSealError(f"no seal insert for {conn.dialect.name}")
+    t = table(ChainSeal)
+    written = conn.execute(
+        stmt.returning(t.c.kind).values(
             chain_id=seal.chain_id,
             kind=seal.kind,
             session=seal.session,
@@ -37,29 +76,62 @@ def _insert(conn: Connection, seal: Seal) -> None:
             signature=seal.signature,
             public_key=seal.public_key,
         )
+    ).first()
+    return written is not None
+
+
+def _store(
+    conn: Connection, make: Callable[[int], Seal], on_taken: OnTaken, *, tries: int = KEY_TRIES
+) -> Seal:
+    """Insert ``make(attempt)``, a seal under a fresh key each attempt, until one key is free."""
+    seal = make(0)
+    for attempt in range(tries):
+        if attempt:
+            seal = make(attempt)
+        if _insert(conn, seal):
+            return seal
+        # nothing of the writer's own holds that key: someone inserted it (an alert)
+        log.error(
+            "ledger.seal.key_taken",
+            extra={"chain_id": seal.chain_id, "kind": seal.kind, "attempt": attempt + 1},
+        )
+        if on_taken is not None:
+            on_taken()
+    raise LedgerSealError(
+        f"could not store a {seal.kind} seal of chain {seal.chain_id!r}: {tries} keys were taken",
+        hint="someone with the runtime database role is inserting into chain_seals",
     )
 
 
 def write_genesis(
-    conn: Connection, chain_id: str, key: Ed25519PrivateKey, created_at: datetime
+    conn: Connection,
+    chain_id: str,
+    key: Ed25519PrivateKey,
+    created_at: datetime,
+    *,
+    on_taken: OnTaken = None,
 ) -> Seal:
     """Sign and store the genesis of ``chain_id`` (in the caller's transaction)."""
     public = public_key_bytes(key)
     signed_at = utcnow()
     signature = key.sign(genesis_note(chain_id, public, created_at, signed_at))
-    seal = Seal(
-        chain_id=chain_id,
-        kind=SealKind.GENESIS,
-        session="",
-        seq=0,
-        head_hash=GENESIS_HASH,
-        exclusive=False,
-        signed_at=signed_at,
-        signature=signature,
-        public_key=public,
-    )
-    _insert(conn, seal)
-    return seal
+
+    def make(attempt: int) -> Seal:
+        # the note does not name the session: a random one when ``''`` is taken (a copy of a
+        # valid genesis under another key says the same, so it need not be signed)
+        return Seal(
+            chain_id=chain_id,
+            kind=SealKind.GENESIS,
+            session="" if attempt == 0 else key_part(),
+            seq=0,
+            head_hash=GENESIS_HASH,
+            exclusive=False,
+            signed_at=signed_at,
+            signature=signature,
+            public_key=public,
+        )
+
+    return _store(conn, make, on_taken)
 
 
 def write_session_seal(
@@ -71,34 +143,40 @@ def write_session_seal(
     session: str,
     head: tuple[int, str],
     exclusive: bool = False,
+    on_taken: OnTaken = None,
 ) -> Seal:
     """Sign and store an open or close of ``session`` at ``head`` (caller's transaction, the
-    chain locked)."""
+    chain locked). A close whose key (the session id, public since the open) is taken goes
+    under ``<session>.<random>``, signed so; an open's key is a fresh random id nobody saw, so
+    a taken one is refused (:class:`~kvgov.errors.LedgerSealError`)."""
     public = public_key_bytes(key)
     signed_at = utcnow()
     seq, head_hash = head
-    note = session_note(
-        chain_id,
-        kind,
-        session,
-        seq=seq,
-        head_hash=head_hash,
-        signed_at=signed_at,
-        exclusive=exclusive,
-    )
-    seal = Seal(
-        chain_id=chain_id,
-        kind=kind,
-        session=session,
-        seq=seq,
-        head_hash=head_hash,
-        exclusive=exclusive,
-        signed_at=signed_at,
-        signature=key.sign(note),
-        public_key=public,
-    )
-    _insert(conn, seal)
-    return seal
+
+    def make(attempt: int) -> Seal:
+        token = session if attempt == 0 else f"{session}{KEY_SEP}{key_part()}"
+        note = session_note(
+            chain_id,
+            kind,
+            token,
+            seq=seq,
+            head_hash=head_hash,
+            signed_at=signed_at,
+            exclusive=exclusive,
+        )
+        return Seal(
+            chain_id=chain_id,
+            kind=kind,
+            session=token,
+            seq=seq,
+            head_hash=head_hash,
+            exclusive=exclusive,
+            signed_at=signed_at,
+            signature=key.sign(note),
+            public_key=public,
+        )
+
+    return _store(conn, make, on_taken, tries=KEY_TRIES if kind == SealKind.CLOSE else 1)
 
 
 def write_foreign_seal(
@@ -109,27 +187,35 @@ def write_foreign_seal(
     session: str,
     first: int,
     head: tuple[int, str],
+    on_taken: OnTaken = None,
 ) -> Seal:
     """Sign and store that positions ``first..head[0]`` were not written by ``session``
-    (caller's transaction, the chain locked; ``head``: the last of them and its hash)."""
+    (caller's transaction, the chain locked; ``head``: the last of them and its hash). Its key,
+    ``<session>.<random>@<first>``, is not computable from what the runtime role can read; the
+    random part is signed (the note names ``<session>.<random>``), and a taken key is retried
+    with a fresh one."""
     last, head_hash = head
     signed_at = utcnow()
-    note = foreign_note(
-        chain_id, session, first=first, last=last, head_hash=head_hash, signed_at=signed_at
-    )
-    seal = Seal(
-        chain_id=chain_id,
-        kind=SealKind.FOREIGN,
-        session=f"{session}{FOREIGN_SEP}{first}",
-        seq=last,
-        head_hash=head_hash,
-        exclusive=False,
-        signed_at=signed_at,
-        signature=key.sign(note),
-        public_key=public_key_bytes(key),
-    )
-    _insert(conn, seal)
-    return seal
+    public = public_key_bytes(key)
+
+    def make(attempt: int) -> Seal:
+        signer = f"{session}{KEY_SEP}{key_part()}"
+        note = foreign_note(
+            chain_id, signer, first=first, last=last, head_hash=head_hash, signed_at=signed_at
+        )
+        return Seal(
+            chain_id=chain_id,
+            kind=SealKind.FOREIGN,
+            session=f"{signer}{FOREIGN_SEP}{first}",
+            seq=last,
+            head_hash=head_hash,
+            exclusive=False,
+            signed_at=signed_at,
+            signature=key.sign(note),
+            public_key=public,
+        )
+
+    return _store(conn, make, on_taken)
 
 
 def read_seals(conn: Connection, chain_id: str) -> list[Seal]:

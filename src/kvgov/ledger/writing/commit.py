@@ -17,7 +17,11 @@ chained with :func:`~kvgov.ledger.batch.apply_batch` (Postgres fast paths:
 - with the live writer's :class:`~kvgov.ledger.writing.foreign.ForeignWatch`, a head that is
   not the one the writer last left has the rows it did not write sealed as foreign, in the
   same transaction and before the batch (the fast path's own head check, or the head the
-  general path reads anyway: nothing more per batch).
+  general path reads anyway: nothing more per batch);
+- a failure to write such a seal of the writer's own (:class:`~kvgov.errors.LedgerSealError`)
+  is the writer's, not the events': the batch is retried with backoff and the failure logged
+  (``ledger.chain.seal_failed``) and counted (``stats.seal_failures``); its events are never
+  refused for it (review r11, F1).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from collections.abc import Callable
 from sqlalchemy import Connection, Engine, exc
 
 from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE
-from kvgov.errors import LedgerError
+from kvgov.errors import LedgerError, LedgerSealError
 from kvgov.ledger.batch import (
     Applied,
     Head,
@@ -123,6 +127,20 @@ class Committer:
                 log.warning(
                     "ledger.batch.retry",
                     extra={"chain_id": self.chain_id, "error": type(err).__name__},
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+                continue
+            except LedgerSealError as err:
+                # the writer's own seal (a foreign seal, a resumed open), not the events: retry
+                # (a taken key gets a fresh random part) and alert, never refuse them
+                self.stats.seal_failures += 1
+                log.error(
+                    "ledger.chain.seal_failed",
+                    extra={
+                        "chain_id": self.chain_id,
+                        "error": type(err.__cause__ or err).__name__,
+                    },
                 )
                 time.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_S)

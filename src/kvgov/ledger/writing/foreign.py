@@ -27,20 +27,34 @@ covers (``docs/ledger.md``, "Chain seals").
 
 The comparison uses the head the transaction reads anyway: a batch whose head is the known one
 costs nothing more; the seals are read only when it moved.
+
+A transaction that finds the head moved also keeps the writer's own session covering the
+chain (:func:`kvgov.ledger.seals.keep_open`, in that transaction, before the writer's rows): a
+``kvgov token`` command whose session a starting sidecar's exclusive open ended re-opens
+before it writes, so the sidecar's watch finds its rows explained (review r11, F2). A writer
+created with ``every_transaction`` (the CLI's :func:`kvgov.cli._common.append_events`) does so
+in every transaction, not only when the head moved: the sidecar's open moves no head.
+
+The watch's own seals never cost the writer its events: a foreign seal's key has a random part
+(the runtime role cannot take it first, review r11, F1), and a seal that still cannot be written
+raises :class:`~kvgov.errors.LedgerSealError`, which the committer retries and alerts on
+(``ledger.chain.seal_failed``, ``stats.seal_failures``) instead of refusing the batch.
 """
 
 from __future__ import annotations
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, exc, select
 
 from kvgov.db.models import LedgerEvent, table
+from kvgov.errors import LedgerSealError
 from kvgov.ledger.batch import Disclaimed, Head
 from kvgov.ledger.chain import GENESIS_HASH, public_key_bytes
 from kvgov.ledger.seals import (
     Seal,
     SealKind,
     foreign_ranges,
+    keep_open,
     read_seals,
     session_end,
     subtract,
@@ -79,25 +93,56 @@ class ForeignWatch:
     """A live writer's watch on its chain's head (a :class:`~kvgov.ledger.batch.HeadCheck`).
 
     Used on the writer's database thread only (its committer, checkpoints and close share
-    it). ``known`` moves only once a transaction committed (:meth:`settle`): a batch rolled
-    back leaves it, and its retry checks (and seals) again."""
+    it). ``known`` and a session resumed in a transaction are taken only once it committed
+    (:meth:`settle`): a batch rolled back leaves them, and its retry checks (and seals) again."""
 
-    def __init__(self, chain_id: str, key: Ed25519PrivateKey, stats: WriterStats) -> None:
+    #: errors of the watch's own writes that are not the events' (the transaction is retried)
+    _TRANSIENT = (
+        exc.OperationalError,
+        exc.InterfaceError,
+        exc.DisconnectionError,
+        exc.TimeoutError,
+    )
+
+    def __init__(
+        self,
+        chain_id: str,
+        key: Ed25519PrivateKey,
+        stats: WriterStats,
+        *,
+        every_transaction: bool = False,
+    ) -> None:
         self.chain_id = chain_id
         self._key = key
         self._public = public_key_bytes(key)
         self.stats = stats
+        self._every = every_transaction
         self._known: Head = (0, GENESIS_HASH)
         #: this writer's sessions, the current one last (a resumed session is a new one)
         self._sessions: list[str] = []
+        #: the session the last :meth:`check` resumed, until its transaction commits
+        self._pending: str | None = None
 
     @property
     def known(self) -> Head:
         return self._known
 
+    @property
+    def every_transaction(self) -> bool:
+        return self._every
+
+    @property
+    def session(self) -> str | None:
+        """The session the writer's rows go under: the one resumed in the current
+        transaction, or the current one (None before :meth:`start`)."""
+        if self._pending is not None:
+            return self._pending
+        return self._sessions[-1] if self._sessions else None
+
     def start(self, session: str, head: Head) -> None:
         """The writer opened ``session`` on ``head``."""
         self._sessions = [session]
+        self._pending = None
         self._known = head
 
     def adopt(self, session: str) -> None:
@@ -107,25 +152,57 @@ class ForeignWatch:
 
     def check(self, conn: Connection, head: Head) -> Disclaimed:
         """Under the chain lock, before the writer writes or signs anything in this
-        transaction: seal the rows after the known head that no other session explains."""
+        transaction: seal the rows after the known head that no other session explains, then
+        keep the writer's own session covering the chain (when the head moved, or always with
+        ``every_transaction``). A failure of these writes of its own is a
+        :class:`~kvgov.errors.LedgerSealError` (the caller retries; never the events' fault)."""
+        self._pending = None
         known = self._known
-        if head[0] <= known[0] or not self._sessions:
+        if not self._sessions:
+            return []
+        moved = head[0] > known[0]
+        if not moved and not self._every:
             return []  # nothing new: the head it left (or a re-chain after a refusal)
+        try:
+            runs = self._seal_foreign(conn, known, head) if moved else []
+            current = self._sessions[-1]
+            resumed = keep_open(conn, self.chain_id, self._key, current)
+        except self._TRANSIENT:
+            raise
+        except (exc.SQLAlchemyError, LedgerSealError) as err:
+            raise LedgerSealError(
+                f"the writer of chain {self.chain_id!r} could not write its own seal: "
+                f"{type(err).__name__}"
+            ) from err
+        if resumed != current:
+            self._pending = resumed
+        return runs
+
+    def _seal_foreign(self, conn: Connection, known: Head, head: Head) -> Disclaimed:
         runs = unexplained(
             read_seals(conn, self.chain_id), self._public, set(self._sessions), known[0], head[0]
         )
         for first, last in runs:
             at = head if last == head[0] else (last, self._hash_at(conn, last))
             write_foreign_seal(
-                conn, self.chain_id, self._key, session=self._sessions[-1], first=first, head=at
+                conn,
+                self.chain_id,
+                self._key,
+                session=self._sessions[-1],
+                first=first,
+                head=at,
+                on_taken=self.key_taken,
             )
         return runs
 
     def settle(self, head: Head, disclaimed: Disclaimed) -> None:
         """The transaction that read ``head`` (and sealed ``disclaimed``) committed: every row
-        up to ``head`` is accounted for."""
+        up to ``head`` is accounted for, and a session it resumed is the writer's."""
         if head[0] >= self._known[0]:
             self._known = head
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.adopt(pending)
         for first, last in disclaimed:
             self.stats.foreign_appends += last - first + 1
             self.stats.foreign_seals += 1
@@ -133,6 +210,9 @@ class ForeignWatch:
                 "ledger.chain.foreign_append",
                 extra={"chain_id": self.chain_id, "first_seq": first, "last_seq": last},
             )
+
+    def key_taken(self) -> None:
+        self.stats.seal_keys_taken += 1
 
     def _hash_at(self, conn: Connection, seq: int) -> str:
         events = table(LedgerEvent)

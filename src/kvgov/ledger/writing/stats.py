@@ -24,6 +24,11 @@ class WriterStats:
     #: the foreign seals that name them (:mod:`~kvgov.ledger.writing.foreign`)
     foreign_appends: int = 0
     foreign_seals: int = 0
+    #: keys of the writer's own seals found taken by a row it did not write (the seal went
+    #: under a fresh key), and transactions retried because a seal of its own could not be
+    #: written (``kvgov.errors.LedgerSealError``): each an alert, never a refused event
+    seal_keys_taken: int = 0
+    seal_failures: int = 0
 
     def summary(self) -> dict[str, float | int]:
         """What the writer logs when it closes."""
@@ -33,4 +38,6 @@ class WriterStats:
             "batches_committed": self.batches_committed,
             "batch_retries": self.batch_retries,
             "foreign_appends": self.foreign_appends,
+            "seal_keys_taken": self.seal_keys_taken,
+            "seal_failures": self.seal_failures,
         }

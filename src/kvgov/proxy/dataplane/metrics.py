@@ -128,6 +128,19 @@ class DataPlaneMetrics:
             " chain, since start (each named by a signed foreign seal: audit verify fails them)",
             registry=r,
         )
+        self.ledger_seal_keys_taken = Gauge(
+            "kvgov_ledger_seal_keys_taken",
+            "Keys of this sidecar's own chain seals found taken by a row it did not write, since"
+            " start (someone with the runtime database role inserting into chain_seals; each"
+            " seal went under a fresh random key)",
+            registry=r,
+        )
+        self.ledger_seal_failures = Gauge(
+            "kvgov_ledger_seal_failures",
+            "Ledger transactions retried because a seal of this sidecar's own could not be"
+            " written, since start (its events wait, never refused)",
+            registry=r,
+        )
         self.journal_unapplied = Gauge(
             "kvgov_ledger_journal_unapplied_events",
             "Events in the local ledger journal that the database does not hold yet",
@@ -161,12 +174,17 @@ class DataPlaneMetrics:
         pool_in_use: Callable[[], float],
         ledger_depth: Callable[[], float],
         ledger_foreign: Callable[[], float] | None = None,
+        ledger_seals: tuple[Callable[[], float], Callable[[], float]] | None = None,
     ) -> None:
-        """Sample gauges at scrape time."""
+        """Sample gauges at scrape time (``ledger_seals``: the writer's own seal keys found
+        taken, and its seal failures)."""
         self.pool_bytes.set_function(pool_in_use)
         self.ledger_queue.set_function(ledger_depth)
         if ledger_foreign is not None:
             self.ledger_foreign.set_function(ledger_foreign)
+        if ledger_seals is not None:
+            self.ledger_seal_keys_taken.set_function(ledger_seals[0])
+            self.ledger_seal_failures.set_function(ledger_seals[1])
 
     def watch_journal(
         self,
