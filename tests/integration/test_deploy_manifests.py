@@ -650,3 +650,44 @@ def test_the_egress_checks_catch_an_open_policy() -> None:
     for change in changes:
         with pytest.raises(AssertionError):
             egress(spoilt(change))
+
+
+def test_the_ledger_database_example_admits_only_kvgovs_pods() -> None:
+    """The example policy for the ledger's Postgres (deploy/kubernetes/examples): before it, the
+    manifests limited only where the inference pods connect, and any pod of the cluster holding
+    a stolen role password reached the ledger. It admits the production sidecars and the
+    migration Job, from namespace kvgov, on 5432, and nothing else."""
+    path = KUSTOMIZE / "examples" / "ledger-database-networkpolicy.yaml"
+    (policy,) = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    assert policy["kind"] == "NetworkPolicy"
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"] and "egress" not in spec
+    assert selects(spec["podSelector"], {"kvgov.io/ledger-database": "true"})
+    docs = render("production")
+    namespace = {"kubernetes.io/metadata.name": "kvgov"}
+    deployment, job_object = one(docs, "Deployment", "kvgov-inference"), one(docs, "Job", "kvgov-")
+    assert deployment["metadata"]["namespace"] == job_object["metadata"]["namespace"] == "kvgov"
+    sidecar = deployment["spec"]["template"]["metadata"]
+    job = job_object["spec"]["template"]["metadata"]
+
+    def admitted(ns: dict[str, str], pod: dict[str, str], port: int) -> bool:
+        return any(
+            any(p["port"] == port and p.get("protocol", "TCP") == "TCP" for p in rule["ports"])
+            and any(
+                selects(peer["namespaceSelector"], ns) and selects(peer["podSelector"], pod)
+                for peer in rule["from"]
+            )
+            for rule in spec["ingress"]
+        )
+
+    for rule in spec["ingress"]:  # every peer names both its namespace and its pods
+        assert rule.get("ports") and rule.get("from"), rule
+        for peer in rule["from"]:
+            assert set(peer) == {"namespaceSelector", "podSelector"}, peer
+    assert admitted(namespace, sidecar["labels"], 5432)
+    assert admitted(namespace, job["labels"], 5432)
+    assert not admitted(namespace, sidecar["labels"], 5433)
+    gateway = {"kvgov.io/inference-gateway": "true"}
+    assert not admitted(namespace, gateway, 5432), "another pod of namespace kvgov"
+    compliance = {"kubernetes.io/metadata.name": "compliance"}
+    assert not admitted(compliance, sidecar["labels"], 5432), "kvgov's labels in another namespace"
