@@ -581,7 +581,10 @@ class WireConnection(StreamProtocol):
                 return EngineEvictResult(engine, acked=False, error=type(exc).__name__)
             names = ack.get("removed")
             error = ack.get("error")
-            removed += len(names) if isinstance(names, list) else 0
+            if isinstance(names, list):
+                # only names this frame asked for count: an engine's own ACK could name any
+                # number, and the count goes into a receipt and a chained event (review r12)
+                removed += len(set(frame).intersection(n for n in names if isinstance(n, str)))
             if isinstance(error, str) and error not in errors:
                 errors.append(error)
         return EngineEvictResult(
