@@ -188,6 +188,7 @@ def test_two_rendered_pods_share_the_ledger_and_a_purge_reaches_both(
                 "KVGOV_DATABASE__RUNTIME_ROLE": db.runtime,
                 "KVGOV_POLICY__ENGINE": "embedded",  # no OPA image here
                 "KVGOV_PURGE__VLLM_ENGINES": "[]",  # nor vLLM
+                "KVGOV_PURGE__NO_GPU_PREFIX_CACHE": "true",
                 "KVGOV_PURGE__POLL_INTERVAL_S": "0.1",
                 "KVGOV_PURGE__JOB_TIMEOUT_S": "60",
                 "KVGOV_TIERS__FILESYSTEM_FSYNC": "false",
