@@ -19,21 +19,29 @@ dropped with a log line and a metric past either bound, and is lost with a sidec
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from sqlalchemy.orm import Session
+from typer.testing import CliRunner, Result
 
+from kvgov.cli.main import build_app
 from kvgov.config import PurgeSettings
 from kvgov.db.models import LedgerEvent
 from kvgov.db.purge_views import JobView, PurgeRequest
+from kvgov.db.tokens import TokenRepository
+from kvgov.proxy.api.app import create_control_app
 from kvgov.proxy.app import Sidecar, build_sidecar
-from kvgov.types import PurgeState
+from kvgov.types import PurgeState, Role
 from kvgov.wire import EvictRequest, RequestContext, WireClient
 from tests.security import doors
 from tests.security.doors import engine, key, run
@@ -328,3 +336,84 @@ async def test_a_sidecar_restart_loses_what_it_owed(
         finally:
             channel.close()
             acme.close()
+
+
+def _token(sc: Sidecar, tenant: str | None) -> dict[str, str]:
+    """A bearer auditor token (``tenant``: scoped to it)."""
+    with Session(sc.engine) as s:
+        _, raw = TokenRepository(s).create(Role.AUDITOR, tenant=tenant)
+        s.commit()
+    return {"Authorization": f"Bearer {raw}"}
+
+
+async def _status(tmp_path: Path, db: doors.ProdDatabase, job_id: str, *flags: str) -> Result:
+    """``kvgov purge status ID [FLAGS]`` on the sidecar's database and data directory (in a
+    thread: the command runs its own event loop)."""
+    env = {"KVGOV_DATABASE_URL": db.url, "KVGOV_DATA_DIR": str(tmp_path / "data")}
+    args = ["purge", "status", job_id, *flags]
+    return await asyncio.to_thread(CliRunner().invoke, build_app(), args, env=env)
+
+
+async def _status_json(
+    tmp_path: Path, db: doors.ProdDatabase, job_id: str, code: int
+) -> dict[str, Any]:
+    """``kvgov purge status ID --json``'s document (``code``: its exit code)."""
+    result = await _status(tmp_path, db, job_id, "--json")
+    assert result.exit_code == code, result.output  # 1: the job is incomplete
+    body: dict[str, Any] = json.loads(result.stdout)
+    return body
+
+
+async def test_the_job_document_shows_the_late_eviction_in_the_api_and_the_cli(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    """After a late delivery, ``GET /v1/purges/{id}`` and ``kvgov purge status ID --json`` name
+    the engine reached late (the same document); a job with none shows an empty list. A token
+    scoped to another tenant is refused before anything of the job is read."""
+    async with _sidecar(tmp_path, prod_db) as sc:
+        local = LocalTier()
+        acme, _, (reached,) = await _down_during_purge(sc, local, {0xE1: "alice"})
+        channel = acme.control(local.on_evict, reconnect_delay=0.1)  # the channel is back
+        try:
+            assert await run(channel.connected.wait, 10)
+            assert await doors.until(lambda: bool(_late(sc, reached.id)), 10)
+            none = await _purge(sc, "bob")  # with the channel up: nothing to deliver late
+            assert none.state is PurgeState.COMPLETED, none.state
+        finally:
+            channel.close()
+            acme.close()
+        assert sc.writer is not None
+        await sc.writer.flush()
+        (event,) = _late(sc, reached.id)
+
+        transport = httpx.ASGITransport(app=create_control_app(sc.control_plane()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvgov.test") as c:
+            r = await c.get(f"/v1/purges/{reached.id}", headers=_token(sc, "acme"))
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["state"] == "incomplete"  # the receipt is history
+            assert body["late_evictions"] == [
+                {
+                    "engine": "vllm-acme",
+                    "removed": 1,
+                    "digests": 1,
+                    "recorded_at": body["late_evictions"][0]["recorded_at"],
+                }
+            ]
+            recorded = datetime.fromisoformat(body["late_evictions"][0]["recorded_at"])
+            assert recorded == event.occurred_at
+            empty = (await c.get(f"/v1/purges/{none.id}", headers=_token(sc, None))).json()
+            assert empty["late_evictions"] == []
+            other = await c.get(f"/v1/purges/{reached.id}", headers=_token(sc, "globex"))
+            assert other.status_code == 403
+            assert "vllm-acme" not in other.text
+
+        assert await _status_json(tmp_path, prod_db, reached.id, 1) == body
+        assert await _status_json(tmp_path, prod_db, none.id, 0) == empty
+        # in words: one line under the job's engines for the engine reached late
+        lines = (await _status(tmp_path, prod_db, reached.id)).stdout.splitlines()
+        late = [line for line in lines if "reached late" in line]
+        assert len(late) == 1 and late[0].startswith("  engine reached late: vllm-acme removed 1")
+        assert "engines acknowledged" in lines[lines.index(late[0]) - 1]
+        lines = (await _status(tmp_path, prod_db, none.id)).stdout.splitlines()
+        assert not [line for line in lines if "reached late" in line]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -29,6 +30,7 @@ from kvgov.cli.userid import UserFileOpt, user_id
 if TYPE_CHECKING:
     from kvgov.config import Settings
     from kvgov.db.purge_views import JobView, PurgeRequest
+    from kvgov.ledger.purge_trail import ChainedLateEviction
     from kvgov.services.purge.documents import PurgePlan
 
 
@@ -180,7 +182,8 @@ async def _purge(
                 typer.echo(f"purge {job.id} created ({job.state}); `kvgov purge status {job.id}`")
             return EXIT_OK
         job = await service.wait(job.id)
-    return _report(job, as_json=as_json, out=out, trusted=_trusted(cfg))
+        late = await service.late_evictions(job)
+    return _report(job, late, as_json=as_json, out=out, trusted=_trusted(cfg))
 
 
 async def _status(cfg: Settings, purge_id: str, *, as_json: bool) -> int:
@@ -188,7 +191,8 @@ async def _status(cfg: Settings, purge_id: str, *, as_json: bool) -> int:
 
     async with cli_service(cfg, writer=False) as service:
         job = await service.get(purge_id)
-    return _report(job, as_json=as_json, out=None, trusted=_trusted(cfg))
+        late = await service.late_evictions(job)
+    return _report(job, late, as_json=as_json, out=None, trusted=_trusted(cfg))
 
 
 def _trusted(cfg: Settings) -> tuple[bytes, ...]:
@@ -199,10 +203,18 @@ def _trusted(cfg: Settings) -> tuple[bytes, ...]:
     return (load_public_key(path),) if path.exists() else ()
 
 
-def _report(job: JobView, *, as_json: bool, out: Path | None, trusted: tuple[bytes, ...]) -> int:
+def _report(
+    job: JobView,
+    late: Sequence[ChainedLateEviction],
+    *,
+    as_json: bool,
+    out: Path | None,
+    trusted: tuple[bytes, ...],
+) -> int:
     """Print the job: with ``--json`` its :class:`PurgeJobDocument` (what ``GET /v1/purges/{id}``
     answers), else its receipt in words with whether it verifies as this job's (signed by the
-    ledger's key, naming this purge)."""
+    ledger's key, naming this purge), and the EVICTs engines acknowledged late (``late``: the
+    receipt, signed before them, still names those engines unreachable)."""
     from kvgov.services.purge.documents import job_document
     from kvgov.services.purge.receipts import ReceiptFor, verify_receipt
     from kvgov.types import PurgeState
@@ -210,7 +222,7 @@ def _report(job: JobView, *, as_json: bool, out: Path | None, trusted: tuple[byt
     if out is not None and job.receipt is not None:
         out.write_text(json.dumps(job.receipt, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if as_json:
-        emit_json(job_document(job).model_dump(mode="json"))
+        emit_json(job_document(job, late).model_dump(mode="json"))
     else:
         typer.echo(f"purge {job.id}: {job.state}")
         from kvgov.services.purge.documents import Receipt
@@ -223,6 +235,7 @@ def _report(job: JobView, *, as_json: bool, out: Path | None, trusted: tuple[byt
             typer.echo(f"  deleted per tier: {receipt.tiers}")
             typer.echo(f"  keys destroyed: {len(receipt.keys_destroyed)}")
             typer.echo(f"  engines acknowledged: {list(receipt.engines.acknowledged)}")
+            _print_late(late)
             for line in receipt.incomplete:
                 typer.echo(f"  NOT DONE: {line}")
             erasure = receipt.ledger.erasure_event if receipt.ledger else None
@@ -233,11 +246,21 @@ def _report(job: JobView, *, as_json: bool, out: Path | None, trusted: tuple[byt
         else:
             for step in job.steps:
                 typer.echo(f"  {step.label}: {step.state}")
+            _print_late(late)
         if out is not None and job.receipt is not None:
             typer.echo(f"  receipt written to {out}")
     if job.state in (PurgeState.INCOMPLETE, PurgeState.FAILED):
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _print_late(late: Sequence[ChainedLateEviction]) -> None:
+    """One line per EVICT an engine acknowledged after the job's step (chained)."""
+    for e in late:
+        typer.echo(
+            f"  engine reached late: {e.engine} removed {e.removed} of {e.digests} digest(s)"
+            f" at {e.recorded_at.isoformat()} (ledger {e.chain_id}#{e.seq})"
+        )
 
 
 def _unknown_subject(req: PurgeRequest, variants: int) -> str:

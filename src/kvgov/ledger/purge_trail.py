@@ -14,12 +14,17 @@ at a position a writer session of that key covered (:mod:`kvgov.ledger.seals`): 
 live writer named in a foreign seal (appended to its chain by someone else, found at the
 writer's next batch, checkpoint or close). Linking to the rest of the chain, and events
 appended after a live writer's latest head-reading transaction, stay ``audit verify``'s job.
+
+A purge's ``purge:evict:late`` events (an EVICT an ``engines@S`` step could not deliver, sent
+once the engine's control channel was back: :mod:`kvgov.proxy.purge.late`) are read the same
+way, for the job's document (:func:`late_evictions`): only rows that prove themselves count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, Select, select
@@ -30,6 +35,7 @@ from kvgov.db.purge_index import is_purge_step, purge_id_of
 from kvgov.ledger.chain import link
 from kvgov.ledger.seals import Standing, read_standing
 from kvgov.ledger.verify import row_fields
+from kvgov.types import EventKind
 
 #: a step of one job: its name and its sidecar (None: a global step)
 StepKey = tuple[str, str | None]
@@ -58,6 +64,19 @@ def _vouched(conn: Connection, chain_id: str, trusted: Collection[bytes]) -> Sta
     return standing if standing.vouched else None
 
 
+@dataclass(frozen=True, slots=True)
+class ChainedLateEviction:
+    """What the chain says a late EVICT did: the engine that acknowledged it, how many digests
+    it was sent and how many entries it removed, and when the sidecar recorded it."""
+
+    engine: str
+    digests: int
+    removed: int
+    recorded_at: datetime
+    chain_id: str
+    seq: int
+
+
 def steps_query(purge_id: str, tenant: str) -> Select[Any]:
     """The ``purge:step`` events of purge ``purge_id`` in ``tenant``, oldest first: found
     through ``ix_ledger_events_purge_id`` (:mod:`kvgov.db.purge_index`), whose expression and
@@ -75,6 +94,67 @@ def steps_query(purge_id: str, tenant: str) -> Select[Any]:
     )
 
 
+def late_query(purge_id: str, tenant: str) -> Select[Any]:
+    """The ``purge:evict:late`` events of purge ``purge_id`` in ``tenant``, oldest first:
+    found through ``ix_ledger_events_tenant_kind`` (a job has a few at most; the tenant has
+    one per engine per purge that missed it), the job id compared on the remaining rows."""
+    t = table(LedgerEvent)
+    return (
+        select(t)
+        .where(
+            t.c.tenant == tenant,
+            t.c.kind == EventKind.PURGE_EVICT_LATE.value,
+            purge_id_of(t.c.attrs) == purge_id,
+        )
+        .order_by(t.c.occurred_at, t.c.chain_id, t.c.seq)
+    )
+
+
+def _proven(
+    session: Session, query: Select[Any], purge_id: str, trusted: Collection[bytes]
+) -> Iterator[tuple[Any, Mapping[str, Any]]]:
+    """The rows of ``query`` that name ``purge_id`` in their parsed ``attrs``, whose own hash
+    covers their columns, on a chain a ``trusted`` key vouches for, at a position a writer
+    session of that key covered (see the module docstring); with their ``attrs``."""
+    conn = session.connection()
+    chains: dict[str, Standing | None] = {}
+    for row in session.execute(query):
+        attrs = row.attrs if isinstance(row.attrs, Mapping) else {}
+        if attrs.get("purge_id") != purge_id or link(row_fields(row)) != row.hash:
+            continue
+        if row.chain_id not in chains:
+            chains[row.chain_id] = _vouched(conn, row.chain_id, trusted)
+        standing = chains[row.chain_id]
+        if standing is None or not standing.covers(row.seq):
+            continue  # a chain no trusted key vouches for, or written while none held it
+        yield row, attrs
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def late_evictions(
+    session: Session, purge_id: str, tenant: str, trusted: Collection[bytes]
+) -> list[ChainedLateEviction]:
+    """The chained late EVICTs of purge ``purge_id``, oldest first, on chains ``trusted`` keys
+    vouch for. Each is one engine's acknowledgement; the receipt is not changed by them."""
+    found = []
+    for row, attrs in _proven(session, late_query(purge_id, tenant), purge_id, trusted):
+        engine = attrs.get("engine")
+        found.append(
+            ChainedLateEviction(
+                engine=engine if isinstance(engine, str) else "?",
+                digests=_count(attrs.get("digests")),
+                removed=_count(attrs.get("removed")),
+                recorded_at=row.occurred_at,
+                chain_id=row.chain_id,
+                seq=row.seq,
+            )
+        )
+    return found
+
+
 def chained_steps(
     session: Session, purge_id: str, tenant: str, trusted: Collection[bytes]
 ) -> dict[StepKey, ChainedStep]:
@@ -84,18 +164,8 @@ def chained_steps(
     A step retried after its event was chained (its row could not be written) has several;
     the row holds the last attempt's detail, so the last attempt's event is the one to match.
     """
-    conn = session.connection()
-    chains: dict[str, Standing | None] = {}
     found: dict[StepKey, ChainedStep] = {}
-    for row in session.execute(steps_query(purge_id, tenant)):
-        attrs = row.attrs if isinstance(row.attrs, Mapping) else {}
-        if attrs.get("purge_id") != purge_id or link(row_fields(row)) != row.hash:
-            continue
-        if row.chain_id not in chains:
-            chains[row.chain_id] = _vouched(conn, row.chain_id, trusted)
-        standing = chains[row.chain_id]
-        if standing is None or not standing.covers(row.seq):
-            continue  # a chain no trusted key vouches for, or written while none held it
+    for row, attrs in _proven(session, steps_query(purge_id, tenant), purge_id, trusted):
         sidecar = attrs.get("sidecar_id")
         attempt = attrs.get("attempt")
         summary = attrs.get("summary")

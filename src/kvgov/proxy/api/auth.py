@@ -90,10 +90,16 @@ class ApiContext:
 
     def verify_ledger(self) -> VerifyReport:
         """``audit verify`` against the trusted keys, never the ones stored in the ledger."""
-        from kvgov.ledger.trust import trusted_keys, verify_trusted
+        from kvgov.ledger.trust import verify_trusted
 
-        keys = self.chain_keys if self.chain_keys is not None else trusted_keys(self.settings)
-        return verify_trusted(self.engine, keys, expect_chains=self.expected_chains)
+        return verify_trusted(self.engine, self.ledger_keys(), expect_chains=self.expected_chains)
+
+    def ledger_keys(self) -> frozenset[bytes]:
+        """The keys a ledger chain must be signed by for its events to count (see
+        :attr:`chain_keys`)."""
+        from kvgov.ledger.trust import trusted_keys
+
+        return self.chain_keys if self.chain_keys is not None else trusted_keys(self.settings)
 
     def trusted_receipt_keys(self) -> tuple[bytes, ...]:
         """The keys a receipt must be signed by to show as verified (none: nothing verifies)."""

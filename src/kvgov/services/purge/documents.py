@@ -15,12 +15,13 @@ before). A stored detail is read back with :func:`read_detail`: the step's model
 executor finished it (``executed_by`` is there), else a bare :class:`StepDetail` (pending
 ``{}``, a retried ``error``, ``not_taken`` with its ``reason``). :class:`PurgeJobDocument` is one
 job with its typed steps, the one shape ``GET /v1/purges/{id}`` and ``kvgov purge status --json``
-print.
+print, with the job's chained late evictions (:class:`LateEviction`, read-only: never in the
+receipt).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Annotated, Any, Final, Literal
 
@@ -28,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvgov.db.purge_views import JobView, StepName
 from kvgov.ledger.events import JSONValue
+from kvgov.ledger.purge_trail import ChainedLateEviction
 from kvgov.types import PurgeKind, PurgeState
 
 RECEIPT_FORMAT: Final = "kvgov-purge-receipt/1"
@@ -321,6 +323,18 @@ class PurgeStepDocument(_Document):
     finished_at: datetime | None
 
 
+class LateEviction(_Document):
+    """An EVICT of this job an engine acknowledged after its ``engines@S`` step, once its
+    control channel was back: a chained ``purge:evict:late`` event. The signed receipt is not
+    changed by it (it still names the engine unreachable); this is the record that the engine
+    was reached afterwards."""
+
+    engine: str = Field(description="the engine that acknowledged the EVICT")
+    removed: int = Field(description="entries the engine removed from its local tiers")
+    digests: int = Field(description="key digests it was sent")
+    recorded_at: datetime = Field(description="when the sidecar chained the acknowledgement")
+
+
 class PurgeJobDocument(_Document):
     """A purge job with its steps and, once finished, its signed receipt."""
 
@@ -359,6 +373,7 @@ class PurgeJobDocument(_Document):
                         }
                     ],
                     "receipt": None,
+                    "late_evictions": [],
                 }
             ]
         }
@@ -377,10 +392,18 @@ class PurgeJobDocument(_Document):
     result: dict[str, Any] | None
     steps: tuple[PurgeStepDocument, ...]
     receipt: dict[str, Any] | None = Field(description="the signed receipt once finished")
+    late_evictions: tuple[LateEviction, ...] = Field(
+        default=(),
+        description=(
+            "EVICTs engines acknowledged after their step (chained purge:evict:late events), "
+            "oldest first; the receipt is not changed by them"
+        ),
+    )
 
 
-def job_document(job: JobView) -> PurgeJobDocument:
-    """The job as the API and the CLI show it, each step's detail read through its model."""
+def job_document(job: JobView, late: Iterable[ChainedLateEviction] = ()) -> PurgeJobDocument:
+    """The job as the API and the CLI show it, each step's detail read through its model, with
+    its chained late evictions (:func:`kvgov.ledger.purge_trail.late_evictions`)."""
     return PurgeJobDocument(
         id=job.id,
         kind=job.kind,
@@ -406,4 +429,10 @@ def job_document(job: JobView) -> PurgeJobDocument:
             for s in job.steps
         ),
         receipt=job.receipt,
+        late_evictions=tuple(
+            LateEviction(
+                engine=e.engine, removed=e.removed, digests=e.digests, recorded_at=e.recorded_at
+            )
+            for e in late
+        ),
     )

@@ -38,7 +38,7 @@ from kvgov.db.purge_views import (
 from kvgov.errors import KvgovError, PurgeError
 from kvgov.ledger.chain import public_key_bytes
 from kvgov.ledger.events import Event
-from kvgov.ledger.purge_trail import chained_steps
+from kvgov.ledger.purge_trail import ChainedLateEviction, chained_steps, late_evictions
 from kvgov.services.purge import scope
 from kvgov.services.purge.documents import (
     CheckpointRef,
@@ -186,6 +186,10 @@ class PurgeService:
 
     async def get(self, job_id: str) -> JobView:
         return await self.ctx.db(lambda s: jobs.load_job(s, job_id))
+
+    async def late_evictions(self, job: JobView) -> list[ChainedLateEviction]:
+        """The job's chained late EVICTs (``purge:evict:late``), on chains this node trusts."""
+        return await self.ctx.db(lambda s: late_evictions(s, job.id, job.tenant, self._trusted))
 
     # -- execution -------------------------------------------------------------------------
 

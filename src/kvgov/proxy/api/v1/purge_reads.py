@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvgov.db import purge_jobs as jobs
 from kvgov.db import queries_admin as qa
 from kvgov.errors import NotFoundError
+from kvgov.ledger.purge_trail import late_evictions
 from kvgov.proxy.api.auth import Context, DbSession, Reader
 from kvgov.proxy.api.pagination import (
     DEFAULT_LIMIT,
@@ -281,16 +282,22 @@ def list_purges(
     summary="A purge job",
     description=(
         "The job, its steps (each step's `detail` says what it did, or why it did not) and, "
-        "once finished, its signed receipt; `kvgov purge status ID --json` prints the same "
+        "once finished, its signed receipt, and `late_evictions`: the EVICTs engines the "
+        "step could not reach acknowledged afterwards (chained `purge:evict:late` events; the "
+        "receipt is not changed by them). `kvgov purge status ID --json` prints the same "
         "document. Auditors and admins."
     ),
     response_model=PurgeJobDocument,
     responses=problem_responses(401, 403, 404, 422),
 )
-def get_purge(*, purge_id: PurgeIdPath, principal: Reader, session: DbSession) -> PurgeJobDocument:
+def get_purge(
+    *, purge_id: PurgeIdPath, principal: Reader, ctx: Context, session: DbSession
+) -> PurgeJobDocument:
     job = jobs.load_job(session, purge_id)
-    principal.check_tenant(job.tenant)
-    return job_document(job)
+    principal.check_tenant(job.tenant)  # before anything of the job is read
+    # the job's own tenant only: another tenant's events never match
+    late = late_evictions(session, job.id, job.tenant, ctx.ledger_keys())
+    return job_document(job, late)
 
 
 @router.get(
