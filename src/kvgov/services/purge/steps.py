@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -188,18 +188,10 @@ NO_CONTROL_CONNECTION = "no_control_connection"
 NO_CONTROL_CHANNEL = "no_control_channel"
 
 
-@runtime_checkable
-class _Flushing(Protocol):
-    """A sink that can commit what it holds back now (the ledger writer)."""
-
-    async def flush(self) -> None: ...
-
-
 async def _engines(ctx: StepContext, job: JobView, step: StepView) -> StepOutcome:
-    if isinstance(ctx.sink, _Flushing):
-        # puts are acknowledged from the journal before Postgres has their events: the
-        # holders read below must include an engine that stored the data a moment ago
-        await ctx.sink.flush()
+    # puts are acknowledged from the journal before Postgres has their events: the holders
+    # read below must include an engine that stored the data a moment ago (as ``_tiers``)
+    await ctx.local_index.settle()
     entries = await ctx.db(lambda s: scope.scoped_entries(s, job.tenant, job.subject))
     # the engines that stored or read an entry in scope through this sidecar are this step's
     # to reach (each other sidecar's engines@S answers for its own chain)
