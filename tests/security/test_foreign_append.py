@@ -38,7 +38,7 @@ from kvgov.cli.main import build_app
 from kvgov.config import Settings
 from kvgov.db.engine import make_engine, upgrade, utcnow
 from kvgov.db.models import ChainSeal, table
-from kvgov.db.purge_views import PurgeRequest, StepName
+from kvgov.db.purge_views import StepName
 from kvgov.errors import LedgerError
 from kvgov.ledger.chain import public_key_bytes
 from kvgov.ledger.checkpoint import write_checkpoint
@@ -53,7 +53,7 @@ from tests.integration.test_purge_service import CHAIN, Env
 from tests.security import test_receipt_forgery as forgery
 from tests.security.doors import ProdDatabase
 from tests.security.test_chain_forgery import FRAMED, NODE_KEY, PEM, TRUSTED, _forge, _head, _put
-from tests.security.test_receipt_forgery import _receipt, _run_until_ledger, _step, _tamper
+from tests.security.test_receipt_forgery import _inflate_tiers_step, _receipt
 
 # the purge world of the receipt attacks, and its runtime role (their fixtures)
 env = forgery.env
@@ -273,18 +273,7 @@ def _forge_step_on_live_chain(env: Env, role: str | None, job: Any, detail: dict
 
 
 async def _forged_receipt(env: Env, role: str | None) -> tuple[dict[str, Any], int]:
-    await env.seed("acme", "alice")
-    service = env.service()
-    job = await service.create(PurgeRequest(tenant="acme", user="alice"))
-    await _run_until_ledger(service, job.id)
-    honest = _step(await service.get(job.id), "tiers").detail
-    forged = {
-        **honest,
-        "deleted": {"memory": 120, "filesystem": 120},
-        "entries_in_scope": 120,
-        "newly_purged": 120,
-    }
-    _tamper(env, role, job.id, "tiers", detail=forged)
+    service, job, _, forged = await _inflate_tiers_step(env, role)
     seq = _forge_step_on_live_chain(env, role, job, forged)
     job = await asyncio.wait_for(service.wait(job.id), 30)
     return _receipt(env, job), seq

@@ -31,7 +31,10 @@ from kvgov.ledger.chain import ENCODING_VERSION, ChainedFields, link
 from kvgov.services.purge.documents import read_detail
 from tests.integration.test_purge_service import Env
 from tests.security import test_receipt_forgery as forgery
-from tests.security.test_receipt_forgery import _receipt, _run_until_ledger, _step, _tamper
+from tests.security.test_receipt_forgery import (
+    _inflate_tiers_step,
+    _receipt,
+)
 
 # the purge world and the runtime role of the receipt's other attacks (their fixtures)
 env = forgery.env
@@ -99,18 +102,7 @@ def _forge_step_event(env: Env, role: str, job: Any, step: str, detail: dict[str
 async def test_a_forged_step_event_makes_an_inflated_row_signed_completed(
     env: Env, runtime_role: str
 ) -> None:
-    await env.seed("acme", "alice")
-    service = env.service()
-    job = await service.create(PurgeRequest(tenant="acme", user="alice"))
-    await _run_until_ledger(service, job.id)
-    honest = _step(await service.get(job.id), "tiers").detail
-    forged = {
-        **honest,
-        "deleted": {"memory": 120, "filesystem": 120},
-        "entries_in_scope": 120,
-        "newly_purged": 120,
-    }
-    _tamper(env, runtime_role, job.id, "tiers", detail=forged)
+    service, job, _, forged = await _inflate_tiers_step(env, runtime_role)
     _forge_step_event(env, runtime_role, job, "tiers", forged)
     job = await asyncio.wait_for(service.wait(job.id), 30)
     r = _receipt(env, job)  # a genuine signature of the fleet's key

@@ -99,6 +99,27 @@ def _step(job: Any, name: str) -> Any:
     return next(s for s in job.steps if s.name == name)
 
 
+async def _inflate_tiers_step(
+    env: Env, role: str | None
+) -> tuple[PurgeService, Any, dict[str, Any], dict[str, Any]]:
+    """Seed alice, run her purge up to its ledger step, and UPDATE its ``tiers`` step's row as
+    ``role`` to claim 120 entries deleted; return the service, the job, the honest detail and the
+    forged one (for the forgery tests that go on from there)."""
+    await env.seed("acme", "alice")
+    service = env.service()
+    job = await service.create(PurgeRequest(tenant="acme", user="alice"))
+    await _run_until_ledger(service, job.id)
+    honest = _step(await service.get(job.id), "tiers").detail
+    forged = {
+        **honest,
+        "deleted": {"memory": 120, "filesystem": 120},
+        "entries_in_scope": 120,
+        "newly_purged": 120,
+    }
+    _tamper(env, role, job.id, "tiers", detail=forged)
+    return service, job, honest, forged
+
+
 def _receipt(env: Env, job: Any) -> dict[str, Any]:
     assert job.receipt is not None
     check = verify_receipt(job.receipt, [public_key_bytes(env.key)])
@@ -110,19 +131,8 @@ def _receipt(env: Env, job: Any) -> dict[str, Any]:
 async def test_inflated_count_is_not_signed_as_completed(
     env: Env, runtime_role: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    await env.seed("acme", "alice")
-    service = env.service()
-    job = await service.create(PurgeRequest(tenant="acme", user="alice"))
-    await _run_until_ledger(service, job.id)
-    honest = _step(await service.get(job.id), "tiers").detail
+    service, job, honest, _ = await _inflate_tiers_step(env, runtime_role)
     assert honest["newly_purged"] == N
-    forged = {
-        **honest,
-        "deleted": {"memory": 120, "filesystem": 120},
-        "entries_in_scope": 120,
-        "newly_purged": 120,
-    }
-    _tamper(env, runtime_role, job.id, "tiers", detail=forged)
 
     with caplog.at_level(logging.ERROR):
         job = await asyncio.wait_for(service.wait(job.id), 30)
