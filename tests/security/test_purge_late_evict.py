@@ -12,8 +12,9 @@ Now the sidecar keeps the EVICT it owes that engine (the entries' key digests on
 once that engine's control channel is back and authenticated; each acknowledged one is a
 chained ``purge:evict:late`` event. The signed receipt stays as it was (``incomplete``). What
 is owed goes to the engine it is owed to only (an engine id is what its token stands for), is
-dropped with a log line and a metric past either bound, and is lost with a sidecar restart
-(the receipt said ``incomplete``: run the purge again).
+dropped with a log line and a metric past either bound, and survives a sidecar restart: the
+restarted sidecar rebuilds it from the chained record of the purge (never from the mutable
+rows alone) and sends it when the engine is back.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner, Result
 
@@ -162,8 +164,9 @@ async def test_an_engine_whose_channel_was_down_gets_its_evict_when_it_reconnect
             assert event.attrs["digests"] == 1
             assert event.attrs["removed"] == 1
             assert local.asked[-1].job == job.id
+            # (counted once the event is durable: the row may be read a moment before)
+            assert await doors.until(lambda: _metric(sc, "delivered") == 1, 10)
             assert _metric(sc, "owed") == 1
-            assert _metric(sc, "delivered") == 1
             # the signed receipt is history: it stays incomplete, as signed
             assert sc.purge is not None
             again = await sc.purge.service.get(job.id)
@@ -245,7 +248,7 @@ async def test_an_unacknowledged_late_evict_stays_owed(
                 channel = acme.control(local.on_evict, reconnect_delay=0.1)
                 assert await doors.until(lambda: raw not in local.chunks, 10)
                 assert await doors.until(lambda: bool(_late(sc, job.id)), 10)
-                assert _metric(sc, "delivered") == 1
+                assert await doors.until(lambda: _metric(sc, "delivered") == 1, 10)
             finally:
                 channel.close()
                 acme.close()
@@ -311,28 +314,157 @@ async def test_past_the_digest_cap_the_oldest_owed_evictions_are_dropped(
         assert _metric(sc, "owed") == 3
 
 
-async def test_a_sidecar_restart_loses_what_it_owed(
+def _digest(sc: Sidecar, user: str) -> str:
+    """The key digest of ``user``'s one stored chunk (from its chained ``kv:put``)."""
+    who = sc.pipeline.pseudonymizer.user("acme", user)
+    (digest,) = {e.key_digest for e in doors.events(sc, "kv:put") if e.actor == who}  # type: ignore[arg-type]
+    assert digest is not None
+    return digest
+
+
+async def test_a_restarted_sidecar_still_sends_what_it_owed(
     tmp_path: Path, prod_db: doors.ProdDatabase
 ) -> None:
-    """What is owed lives in the sidecar's memory: a restarted sidecar sends nothing. The
-    receipt said ``incomplete``; running the purge again (the documented answer) reaches
-    the engine."""
+    """Attack (no attacker needed): the sidecar restarts (a rollout, an OOM kill) between the
+    purge that could not reach vllm-acme and that engine's reconnection. What it owed lived in
+    its memory only, so the restarted sidecar sent nothing and the engine's local tier kept
+    alice's chunk. Now the restarted sidecar rebuilds the debt from the chained record (the
+    ``engines@S`` step's ``purge:step`` event names the engine, the purge's ``kv:delete``
+    events the digests) and sends it once; a second restart sends nothing more."""
     local = LocalTier()
     async with _sidecar(tmp_path, prod_db) as sc:
-        acme, raws, _ = await _down_during_purge(sc, local, {0xD1: "alice"})
+        acme, raws, (job,) = await _down_during_purge(sc, local, {0xD1: "alice"})
         acme.close()
+        digest = _digest(sc, "alice")
     (raw,) = raws
-    async with _sidecar(tmp_path, prod_db) as sc:
+    async with _sidecar(tmp_path, prod_db) as sc:  # the same sidecar (data dir, DB, config)
         acme = engine(sc, "tok-acme")
         channel = acme.control(local.on_evict, reconnect_delay=0.1)
         try:
             assert await run(channel.connected.wait, 10)
+            assert await doors.until(lambda: raw not in local.chunks, 10), (
+                f"engine vllm-acme reconnected after its sidecar restarted and still holds "
+                f"alice's chunk: the EVICT purge {job.id} owed it was lost with the restart"
+            )
+            assert await doors.until(lambda: bool(_late(sc, job.id)), 10), "no ledger event"
+            (event,) = _late(sc, job.id)
+            assert event.principal == f"sidecar:{sc.sidecar_id}"
+            assert (event.attrs["engine"], event.attrs["digests"], event.attrs["removed"]) == (
+                "vllm-acme",
+                1,
+                1,
+            )
+            assert local.asked[-1].digests == {digest} and local.asked[-1].job == job.id
+            assert await doors.until(lambda: _metric(sc, "delivered") == 1, 10)
+            assert _metric(sc, "owed") == 1
+        finally:
+            channel.close()
+            acme.close()
+    asked = len(local.asked)
+    async with _sidecar(tmp_path, prod_db) as sc:  # delivered: nothing is owed any more
+        acme = engine(sc, "tok-acme")
+        channel = acme.control(local.on_evict, reconnect_delay=0.1)
+        try:
+            assert await run(channel.connected.wait, 10)
+            await asyncio.sleep(1.0)
+            assert len(local.asked) == asked and len(_late(sc, job.id)) == 1
+            assert _metric(sc, "owed") == 0
+        finally:
+            channel.close()
+            acme.close()
+
+
+async def test_a_restored_debt_is_what_the_chain_proves_not_what_the_rows_say(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    """The runtime role (every sidecar's) edits the ``engines@S`` row while the sidecar is
+    down: it names vllm-globex unreachable too. The restarted sidecar owes only what the
+    chained ``purge:step`` event names (vllm-acme) and only the digests of the purge's
+    chained ``kv:delete`` events: globex's engine is sent nothing."""
+    local = LocalTier()
+    async with _sidecar(tmp_path, prod_db) as sc:
+        acme, raws, (job,) = await _down_during_purge(sc, local, {0xD9: "alice"})
+        acme.close()
+        digest = _digest(sc, "alice")
+        assert sc.engine is not None
+        with sc.engine.begin() as conn:  # the sidecar's own connection: the runtime role
+            (detail,) = conn.execute(
+                text("SELECT detail FROM purge_steps WHERE job_id = :j AND name = 'engines'"),
+                {"j": job.id},
+            ).one()
+            forged = detail if isinstance(detail, dict) else json.loads(detail)
+            down = {"acked": False, "removed": 0, "error": "no_control_connection"}
+            forged["unreachable"].append({"engine": "vllm-globex", **down})
+            conn.execute(
+                text("UPDATE purge_steps SET detail = :d WHERE job_id = :j AND name = 'engines'"),
+                {"d": json.dumps(forged), "j": job.id},
+            )
+    (raw,) = raws
+    async with _sidecar(tmp_path, prod_db) as sc:
+        other = LocalTier()
+        globex = engine(sc, "tok-globex")
+        theirs = globex.control(other.on_evict, reconnect_delay=0.1)
+        acme = engine(sc, "tok-acme")
+        channel = None
+        try:
+            assert await run(theirs.connected.wait, 10)
+            channel = acme.control(local.on_evict, reconnect_delay=0.1)
+            assert await run(channel.connected.wait, 10)
+            assert await doors.until(lambda: raw not in local.chunks, 10), "nothing delivered"
+            assert await doors.until(lambda: bool(_late(sc, job.id)), 10)
             await asyncio.sleep(0.5)
-            assert local.asked == [] and raw in local.chunks
-            assert not _late(sc)
-            again = await _purge(sc, "alice")
-            assert again.state is PurgeState.COMPLETED, again.state
-            assert raw not in local.chunks
+            assert other.asked == [], "vllm-globex was sent EVICT on the strength of a row"
+            assert [r.digests for r in local.asked] == [frozenset({digest})]
+            assert [e.attrs["engine"] for e in _late(sc)] == ["vllm-acme"]
+        finally:
+            theirs.close()
+            globex.close()
+            if channel is not None:
+                channel.close()
+            acme.close()
+
+
+async def test_a_restored_debt_past_its_lifetime_is_not_sent(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    """``purge.pending_evict_ttl_s`` counts from the step, across the restart."""
+    local = LocalTier()
+    async with _sidecar(tmp_path, prod_db) as sc:
+        acme, raws, _ = await _down_during_purge(sc, local, {0xDA: "alice"})
+        acme.close()
+    await asyncio.sleep(1.2)
+    async with _sidecar(tmp_path, prod_db, pending_evict_ttl_s=1.0) as sc:
+        acme = engine(sc, "tok-acme")
+        channel = acme.control(local.on_evict, reconnect_delay=0.1)
+        try:
+            assert await run(channel.connected.wait, 10)
+            await asyncio.sleep(1.0)
+            assert local.asked == [] and set(raws) <= set(local.chunks)
+            assert not _late(sc) and _metric(sc, "owed") == 0
+        finally:
+            channel.close()
+            acme.close()
+
+
+async def test_restored_debts_keep_the_digest_cap(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    """At most two digests owed: alice's two (the older job) make room for bob's one."""
+    chunks = {0xDB: "alice", 0xDC: "alice", 0xDD: "bob"}
+    local = LocalTier()
+    async with _sidecar(tmp_path, prod_db) as sc:
+        acme, raws, (alice, bob) = await _down_during_purge(sc, local, chunks)
+        acme.close()
+    async with _sidecar(tmp_path, prod_db, pending_evict_max_digests=2) as sc:
+        acme = engine(sc, "tok-acme")
+        channel = acme.control(local.on_evict, reconnect_delay=0.1)
+        try:
+            bobs = next(r for r, u in raws.items() if u == "bob")
+            assert await doors.until(lambda: bobs not in local.chunks, 10)
+            assert await doors.until(lambda: bool(_late(sc, bob.id)), 10)
+            assert {r for r, u in raws.items() if u == "alice"} <= set(local.chunks)
+            assert not _late(sc, alice.id)
+            assert _metric(sc, "dropped_max") == 2
         finally:
             channel.close()
             acme.close()

@@ -142,3 +142,18 @@ def test_a_debt_is_held_until_settled_replaced_or_dropped(clock: Clock) -> None:
     assert not q.holds(a) and q.holds(b) and q.holds(c)
     assert q.settle(b) and not q.holds(b)
     assert not q.settle(b)  # once
+
+
+def test_a_restored_debt_is_as_old_as_its_step_and_keeps_a_newer_one(clock: Clock) -> None:
+    """What a restarted sidecar restores (``replace=False``) counts its lifetime from its
+    step, and never replaces what this process's own step owes already."""
+    dropped: list[tuple[Debt, str]] = []
+    q = _queue(clock, dropped)
+    (mine,) = q.owe("job-1", "acme", ["vllm-a"], _digests(1))
+    kept = q.owe("job-1", "acme", ["vllm-a", "vllm-b"], _digests(2, "r"), age_s=50, replace=False)
+    assert [d.engine for d in kept] == ["vllm-b"]
+    assert q.holds(mine)
+    clock.now += 11  # vllm-b's step ran 61 s ago: past its 60 s
+    assert [d.job_id for d in q.due("vllm-b")] == []
+    assert [(d.engine, why) for d, why in dropped] == [("vllm-b", DROPPED_TTL)]
+    assert q.due("vllm-a") == [mine]

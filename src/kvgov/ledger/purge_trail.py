@@ -18,6 +18,8 @@ appended after a live writer's latest head-reading transaction, stay ``audit ver
 A purge's ``purge:evict:late`` events (an EVICT an ``engines@S`` step could not deliver, sent
 once the engine's control channel was back: :mod:`kvgov.proxy.purge.late`) are read the same
 way, for the job's document (:func:`late_evictions`): only rows that prove themselves count.
+So are its ``kv:delete`` events (:func:`purged_digests`): the key digests of the entries the
+purge deleted, from which a restarted sidecar rebuilds the EVICTs it still owes engines.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class ChainedStep:
     attempt: int
     chain_id: str
     seq: int
+    #: when the step's executor chained it (after the step ran)
+    occurred_at: datetime | None = None
 
 
 def _vouched(conn: Connection, chain_id: str, trusted: Collection[bytes]) -> Standing | None:
@@ -110,6 +114,22 @@ def late_query(purge_id: str, tenant: str) -> Select[Any]:
     )
 
 
+def deletes_query(purge_id: str, tenant: str) -> Select[Any]:
+    """The ``kv:delete`` events of purge ``purge_id`` in ``tenant`` (one per entry its tier
+    steps deleted): found through ``ix_ledger_events_tenant_kind``, the job id compared on the
+    remaining rows (and again, parsed, by :func:`_proven`)."""
+    t = table(LedgerEvent)
+    return (
+        select(t)
+        .where(
+            t.c.tenant == tenant,
+            t.c.kind == EventKind.KV_DELETE.value,
+            purge_id_of(t.c.attrs) == purge_id,
+        )
+        .order_by(t.c.chain_id, t.c.seq)
+    )
+
+
 def _proven(
     session: Session, query: Select[Any], purge_id: str, trusted: Collection[bytes]
 ) -> Iterator[tuple[Any, Mapping[str, Any]]]:
@@ -155,6 +175,20 @@ def late_evictions(
     return found
 
 
+def purged_digests(
+    session: Session, purge_id: str, tenant: str, trusted: Collection[bytes]
+) -> list[str]:
+    """The key digests of the entries purge ``purge_id`` deleted (its chained ``kv:delete``
+    events, on chains ``trusted`` keys vouch for), sorted, each once. What a row the runtime
+    role wrote (``cache_entries``, ``purge_steps``) says is not read: a restarted sidecar owes
+    engines these digests and no others."""
+    found: set[str] = set()
+    for row, _ in _proven(session, deletes_query(purge_id, tenant), purge_id, trusted):
+        if isinstance(row.key_digest, str) and row.key_digest:
+            found.add(row.key_digest)
+    return sorted(found)
+
+
 def chained_steps(
     session: Session, purge_id: str, tenant: str, trusted: Collection[bytes]
 ) -> dict[StepKey, ChainedStep]:
@@ -177,6 +211,7 @@ def chained_steps(
             attempt=attempt if isinstance(attempt, int) else 0,
             chain_id=row.chain_id,
             seq=row.seq,
+            occurred_at=row.occurred_at,
         )
         key = (event.step, event.sidecar_id)
         earlier = found.get(key)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -117,6 +118,7 @@ class Sidecar:
             raise
 
     async def _start(self) -> None:
+        started = utcnow()  # the purge steps of this process owe in memory from here on
         dp = self.settings.dataplane
         self._watch_accept_errors()
         _descriptor_headroom(self.settings)
@@ -176,6 +178,10 @@ class Sidecar:
             )
         if self.purge is not None and self.purge.task is not None:
             self._tasks.append(self.purge.task)
+        if self.purge is not None and self.late_evictions is not None:
+            self._tasks.append(
+                asyncio.create_task(self._restore_owed(started), name="kvgov-late-evict-restore")
+            )
         if self.engine is not None:  # after the purge executor has registered the row
             self._tasks.append(asyncio.create_task(self._heartbeat(), name="kvgov-heartbeat"))
         if self.pipeline.keyring is not None:
@@ -228,6 +234,23 @@ class Sidecar:
         )
         self.server.on_control = late.connected
         return late
+
+    async def _restore_owed(self, started: datetime) -> None:
+        """Owe engines again what this sidecar's purge steps before ``started`` still owe
+        them, as the ledger proves it (a restart no longer loses it: ``docs/purge.md``, "Late
+        evictions"). In the background: an engine that connects meanwhile is sent its debt
+        once restored. A ledger that cannot be read is tried again every sweep interval."""
+        assert self.purge is not None and self.late_evictions is not None
+        service, late = self.purge.service, self.late_evictions
+        while True:
+            try:
+                debts = await service.owed_evictions(self.sidecar_id, before=started)
+            except (SQLAlchemyError, OSError, KvgovError) as exc:
+                log.warning("purge.late_evict.restore_failed", extra={"error": type(exc).__name__})
+                await asyncio.sleep(self.settings.tiers.sweep_interval_s)
+                continue
+            late.restore(debts, now=utcnow())
+            return
 
     def control_plane(self) -> ControlPlane:
         """What the control plane may see of this sidecar (:func:`create_control_app`)."""

@@ -15,6 +15,12 @@ with an error, the event not recorded) stays owed for the engine's next connecti
 The engine id is what the connection's token stands for (or, without tokens, what the HELLO
 named on a trusted Unix socket): another engine's connection is never sent the digests. A debt
 is settled by the first connection of the engine id that acknowledges it.
+
+The queue is memory; a sidecar that restarts owes again, through :meth:`LateEvictions.restore`,
+what the ledger proves its earlier steps still owe (:func:`kvgov.services.purge.debts.
+proven_debts`: the chained ``purge:step`` event names the engines, the purge's chained
+``kv:delete`` events the digests; a chained ``purge:evict:late`` event settles a debt), each as
+old as its step and within the same bounds.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
+from datetime import datetime
 from typing import Protocol
 
 from kvgov.ledger.events import Event, EventSink
@@ -46,6 +53,25 @@ class _Answer(Protocol):
 
     @property
     def error(self) -> str | None: ...
+
+
+class Restored(Protocol):
+    """A debt the ledger proves (:class:`~kvgov.services.purge.debts.ProvenDebt`)."""
+
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def engines(self) -> tuple[str, ...]: ...
+
+    @property
+    def digests(self) -> tuple[str, ...]: ...
+
+    @property
+    def stepped_at(self) -> datetime: ...
 
 
 class Control(Protocol):
@@ -86,6 +112,7 @@ class LateEvictions:
         self._metrics = metrics
         #: the delivery task of each engine now (one at a time per engine)
         self._runs: dict[str, asyncio.Task[None]] = {}
+        self._closed = False
         if metrics is not None:
             metrics.late_evict_pending.set_function(lambda: self.owed.total)
 
@@ -106,6 +133,32 @@ class LateEvictions:
             if self._live(engine, ()):
                 self._deliver(engine)
 
+    def restore(self, debts: Iterable[Restored], *, now: datetime) -> None:
+        """Owe again what a restarted sidecar's earlier steps still owe (oldest first), each
+        as old as its step at ``now``; a debt this process owes already stands. Engines
+        connected already are sent theirs now."""
+        engines: set[str] = set()
+        for restored in debts:
+            age = (now - restored.stepped_at).total_seconds()
+            kept = self.owed.owe(
+                restored.job_id,
+                restored.tenant,
+                restored.engines,
+                restored.digests,
+                age_s=age,
+                replace=False,
+            )
+            for debt in kept:
+                engines.add(debt.engine)
+                self._count("owed", debt.size)
+                log.info(
+                    "purge.late_evict.restored",
+                    extra={"purge_id": debt.job_id, "engine": debt.engine, "digests": debt.size},
+                )
+        for engine in sorted(engines):
+            if self._live(engine, ()):
+                self._deliver(engine)
+
     def connected(self, conn: Control) -> None:
         """A control connection was authenticated: send its engine what it is owed."""
         if conn.identity is not None and self.owed.due(conn.identity.engine):
@@ -116,7 +169,9 @@ class LateEvictions:
         self.owed.prune()
 
     async def aclose(self) -> None:
-        """Stop delivering (the sidecar stops); what is owed is lost with the process."""
+        """Stop delivering (the sidecar stops); what is owed is rebuilt from the ledger by the
+        next start (:meth:`restore`)."""
+        self._closed = True
         runs = list(self._runs.values())
         for task in runs:
             task.cancel()
@@ -126,6 +181,8 @@ class LateEvictions:
     # -- delivery ------------------------------------------------------------------------------
 
     def _deliver(self, engine: str) -> None:
+        if self._closed:
+            return  # stopping: the connections are closed, the next start restores the debt
         running = self._runs.get(engine)
         if running is not None and not running.done():
             return  # it takes the new connection or debt on its next turn

@@ -10,8 +10,10 @@ or key.
 Memory is bounded twice: ``purge.pending_evict_max_digests`` digests in all (a debt that would
 pass it makes the oldest ones go first; one larger than the whole bound is not kept) and
 ``purge.pending_evict_ttl_s`` per debt, counted from its step. Whatever goes is handed to
-``on_drop`` (the caller logs and counts it). Nothing here survives a restart: the job's receipt
-already says ``incomplete``, naming the engine.
+``on_drop`` (the caller logs and counts it). The queue itself is memory only; a restarted
+sidecar owes again what the ledger proves its steps still owe
+(:func:`kvgov.services.purge.debts.proven_debts`, :meth:`LateEvictions.restore
+<kvgov.proxy.purge.late.LateEvictions.restore>`), each debt as old as its step.
 """
 
 from __future__ import annotations
@@ -67,15 +69,26 @@ class OwedEvictions:
         return self._total
 
     def owe(
-        self, job_id: str, tenant: str, engines: Collection[str], digests: Sequence[str]
+        self,
+        job_id: str,
+        tenant: str,
+        engines: Collection[str],
+        digests: Sequence[str],
+        *,
+        age_s: float = 0.0,
+        replace: bool = True,
     ) -> list[Debt]:
         """Owe each of ``engines`` EVICT(``digests``) for ``job_id`` (replacing what the same
-        job owed it before: a step run again read its scope again); the debts kept."""
+        job owed it before: a step run again read its scope again; with ``replace`` false,
+        what a restarted sidecar restores, keeping it); the debts kept. ``age_s``: how long
+        ago the step ran (its lifetime counts from then)."""
         shared = tuple(sorted(set(digests)))  # one tuple for every engine of the step
         kept = []
         for engine in sorted(set(engines)):
+            if not replace and (engine, job_id) in self._debts:
+                continue  # owed already (this process's own step): that debt stands
             self._remove(self._debts.get((engine, job_id)))
-            debt = Debt(engine, job_id, tenant, shared, self._clock())
+            debt = Debt(engine, job_id, tenant, shared, self._clock() - max(age_s, 0.0))
             if not shared:
                 continue  # nothing to evict: nothing owed
             if debt.size > self.max_digests:

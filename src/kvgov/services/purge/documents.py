@@ -21,6 +21,7 @@ receipt).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Annotated, Any, Final, Literal
@@ -252,12 +253,30 @@ class EnginesDetail(StepDetail):
     unreachable: tuple[EngineAnswer, ...] = Field(
         description="engines that did not answer, or answered with an error"
     )
+    #: rows written before it (an ACK elsewhere cannot be matched to them) have none
+    digests_hash: str | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="SHA-256 of the sorted key digests sent (digest_set_hash): two steps of "
+        "a job with the same hash sent the same EVICT",
+    )
 
     def summary(self) -> dict[str, JSONValue]:
-        return {
+        out: dict[str, JSONValue] = {
             "acknowledged": list(self.acknowledged),
             "unreachable": [u.engine for u in self.unreachable],
         }
+        if self.digests_hash is not None:  # chained: an ACK counts elsewhere on its strength
+            out["digests_hash"] = self.digests_hash
+        return out
+
+
+def digest_set_hash(key_digests: Iterable[str]) -> str:
+    """What an ``engines`` step records of the digests it sent (:attr:`EnginesDetail.
+    digests_hash`): the SHA-256 of the distinct digests, sorted, one per line. It names no
+    digest; equal hashes mean the same EVICT."""
+    joined = "\n".join(sorted(set(key_digests)))
+    return hashlib.sha256(joined.encode()).hexdigest()
 
 
 class GpuDetail(StepDetail):

@@ -17,6 +17,7 @@ import base64
 import logging
 import uuid
 from collections.abc import Callable, Collection
+from datetime import datetime
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -40,6 +41,7 @@ from kvgov.ledger.chain import public_key_bytes
 from kvgov.ledger.events import Event
 from kvgov.ledger.purge_trail import ChainedLateEviction, chained_steps, late_evictions
 from kvgov.services.purge import scope
+from kvgov.services.purge.debts import ProvenDebt, proven_debts
 from kvgov.services.purge.documents import (
     CheckpointRef,
     EngineFailure,
@@ -59,6 +61,7 @@ from kvgov.services.purge.documents import (
     read_detail,
 )
 from kvgov.services.purge.ports import Checkpointer
+from kvgov.services.purge.reached import count_acks_elsewhere
 from kvgov.services.purge.receipts import sign_receipt
 from kvgov.services.purge.steps import StepContext, run_step
 from kvgov.services.purge.trail import cross_check
@@ -191,6 +194,25 @@ class PurgeService:
         """The job's chained late EVICTs (``purge:evict:late``), on chains this node trusts."""
         return await self.ctx.db(lambda s: late_evictions(s, job.id, job.tenant, self._trusted))
 
+    async def owed_evictions(self, sidecar_id: str, *, before: datetime) -> list[ProvenDebt]:
+        """What ``sidecar_id``'s ``engines`` steps that ran before ``before`` still owe engines,
+        as the chain proves it (:func:`~kvgov.services.purge.debts.proven_debts`): a
+        restarted sidecar's late EVICTs."""
+        purge = self.settings.purge
+
+        def read(s: Session) -> list[ProvenDebt]:
+            return proven_debts(
+                s,
+                sidecar_id=sidecar_id,
+                trusted=self._trusted,
+                now=utcnow(),
+                max_age_s=purge.pending_evict_ttl_s,
+                job_window_s=purge.job_timeout_s + purge.step_lease_s,
+                before=before,
+            )
+
+        return await self.ctx.db(read)
+
     # -- execution -------------------------------------------------------------------------
 
     async def run_one(self, job_id: str | None = None) -> StepView | None:
@@ -302,6 +324,9 @@ class PurgeService:
             # the rows are mutable, the chained purge:step events are not: a step the chain does
             # not bear out is not done, and none of its stored figures is signed
             job, _ = cross_check(job, chained_steps(s, job.id, job.tenant, self._trusted))
+            # an engine that moved between sidecars: unreachable on one, acknowledged with the
+            # same EVICT on another, is reached (the rows keep what each step saw)
+            job = count_acks_elsewhere(job)
             final = final_state(job.steps) if outcome is not None else PurgeState.FAILED
             receipt = build_receipt(job, final, finished_at=now.isoformat())
             signed = sign_receipt(receipt, self._signing_key)

@@ -34,6 +34,7 @@ from kvgov.services.purge.documents import (
     LedgerDetail,
     StepDetail,
     TiersDetail,
+    digest_set_hash,
 )
 from kvgov.services.purge.gpu import reset_prefix_caches
 from kvgov.services.purge.ports import (
@@ -220,14 +221,15 @@ async def _engines(ctx: StepContext, job: JobView, step: StepView) -> StepOutcom
     if owed and isinstance(ctx.evictor, LateEvictor):
         # the receipt names them; the EVICT still reaches them when their channel is back
         ctx.evictor.owe(job.id, job.tenant, owed, [e.key_digest for e in entries])
-    names = ", ".join(f"{a.engine} ({a.error})" for a in missing)
+    sent = {e.key_digest for e in entries}
     detail = EnginesDetail(
         executed_by=ctx.principal,
-        digests_sent=len({e.key_digest for e in entries}),
+        digests_sent=len(sent),
         acknowledged=tuple(sorted({a.engine for a in acked})),
         removed=removed,
         unreachable=missing,
-        reason="no successful EVICT acknowledgement from " + names if missing else None,
+        reason=not_acknowledged(missing),
+        digests_hash=digest_set_hash(sent),
     )
     return (PurgeState.INCOMPLETE if missing else PurgeState.COMPLETED), detail
 
@@ -241,6 +243,15 @@ EVICT_CONNECTION_CLOSED = "ConnectionClosed"
 #: (no digest key, its handler failed), which the operator must look at; nor is the
 #: ``lm://`` engine, which has no control channel to come back on.
 UNANSWERED = frozenset({NO_CONTROL_CONNECTION, EVICT_TIMED_OUT, EVICT_CONNECTION_CLOSED})
+
+
+def not_acknowledged(missing: Sequence[EngineAnswer]) -> str | None:
+    """An ``engines`` step's ``reason``: the engines of ``missing`` with their errors."""
+    if not missing:
+        return None
+    return "no successful EVICT acknowledgement from " + ", ".join(
+        f"{a.engine} ({a.error})" for a in missing
+    )
 
 
 def owed_engines(missing: Sequence[EngineAnswer]) -> list[str]:
