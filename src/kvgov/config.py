@@ -41,6 +41,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from kvgov.engine_ids import ENGINE_ID_MAX, engine_id_problem, id_text_problem
 from kvgov.errors import ConfigError
 from kvgov.types import Environment
 from kvgov.wire.codec import utf8
@@ -291,6 +292,13 @@ class TierSettings(_Section):
         return self
 
 
+#: what an engine id must be, as errors state it (:mod:`kvgov.engine_ids`)
+ENGINE_ID_RULE = (
+    f"1-{ENGINE_ID_MAX} printable characters, no surrounding blanks, not beginning with"
+    ' "lm:", which names the lm:// listener\'s engine in receipts'
+)
+
+
 class DataPlaneSettings(_Section):
     #: kvgov wire protocol on TCP; empty host disables the TCP listener. The wire has no
     #: transport encryption (engine tokens, and values the sidecar opened for a get, cross it
@@ -371,6 +379,27 @@ class DataPlaneSettings(_Section):
     #: where the data plane's events go: ``"unsafe-null"`` records none (benchmarks only:
     #: refused in production and outside development)
     events: Literal["ledger", "unsafe-null"] = "ledger"
+
+    @field_validator("engine_tokens")
+    @classmethod
+    def _engine_ids_named(cls, tokens: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        """Every token names an engine id a receipt cannot mistake for another engine's
+        (:func:`kvgov.engine_ids.engine_id_problem`); the error names neither token nor id."""
+        for token, engine in tokens.items():
+            if not token:
+                raise ValueError("an engine token is empty")
+            problem = engine_id_problem(engine.get_secret_value())
+            if problem is not None:
+                raise ValueError(f"an engine id {problem} ({ENGINE_ID_RULE})")
+        return tokens
+
+    @field_validator("lm_engine_id")
+    @classmethod
+    def _lm_engine_id_text(cls, engine: str) -> str:
+        problem = id_text_problem(engine) if engine else None  # empty: the listener is off
+        if problem is not None:
+            raise ValueError(f"the lm:// engine id {problem}")
+        return engine
 
     @model_validator(mode="after")
     def _one_token_source(self) -> DataPlaneSettings:
@@ -747,12 +776,29 @@ class Settings(BaseSettings):
     @property
     def engine_tokens(self) -> dict[str, SecretStr]:
         """The engine tokens (``{"token": "engine-id"}``): ``dataplane.engine_tokens``, or the
-        JSON object in ``dataplane.engine_tokens_file`` (read now). Errors name the file and
-        what is wrong with it, never a token."""
+        JSON object in ``dataplane.engine_tokens_file`` (read now), every entry of which must
+        name a valid engine id (:mod:`kvgov.engine_ids`): start-up refuses a file with one
+        that does not. Errors name the file and what is wrong with it, never a token."""
+        tokens, refused = self.read_engine_tokens()
+        if refused:
+            raise ConfigError(
+                f"dataplane.engine_tokens_file {self.dataplane.engine_tokens_file}:"
+                f" {len(refused)} engine id(s) refused: {'; '.join(sorted(set(refused)))}",
+                hint=f"an engine id is {ENGINE_ID_RULE}",
+            )
+        return tokens
+
+    def read_engine_tokens(self) -> tuple[dict[str, SecretStr], list[str]]:
+        """The engine tokens whose engine id is valid, and why each other entry was refused
+        (its id's problem, never the token or the id). A running sidecar takes the valid ones
+        of a changed file and keeps serving them (:meth:`kvgov.proxy.app.Sidecar`); start-up
+        refuses any (:attr:`engine_tokens`). A file that does not parse, or holds no valid
+        entry, raises :class:`ConfigError` naming the file: an empty token map would accept
+        any engine id."""
         dp = self.dataplane
         path = dp.engine_tokens_file
         if path is None:
-            return dict(dp.engine_tokens)
+            return dict(dp.engine_tokens), []  # checked when the settings were validated
         name = "dataplane.engine_tokens_file"
         text = _read_setting_file(name, path)
         hint = 'it must hold a JSON object {"<token>": "<engine-id>", ...}'
@@ -763,19 +809,28 @@ class Settings(BaseSettings):
         if not isinstance(data, dict) or not data:
             raise ConfigError(f"{name} {path} holds no tokens", hint=hint)
         tokens: dict[str, SecretStr] = {}
+        refused: list[str] = []
         for token, engine in data.items():
-            if not token or not isinstance(engine, str) or not 0 < len(engine) <= 128:
+            if not token or not isinstance(engine, str) or not engine:
                 raise ConfigError(
-                    f"{name} {path}: every token must map to an engine id (1-128 characters)",
+                    f"{name} {path}: every token must map to an engine id (a string)",
                     hint=hint,
                 )
-            if utf8(token) is None or utf8(engine) is None:  # a lone surrogate escape
+            if utf8(token) is None:  # a lone surrogate escape
                 raise ConfigError(
-                    f"{name} {path}: a token or engine id is not text (a lone surrogate)",
-                    hint=hint,
+                    f"{name} {path}: a token is not text (a lone surrogate)", hint=hint
                 )
+            problem = engine_id_problem(engine)
+            if problem is not None:
+                refused.append(f"an engine id {problem}")
+                continue
             tokens[token] = SecretStr(engine)
-        return tokens
+        if not tokens:
+            raise ConfigError(
+                f"{name} {path} holds no valid engine id: {'; '.join(sorted(set(refused)))}",
+                hint=f"an engine id is {ENGINE_ID_RULE}",
+            )
+        return tokens, refused
 
     @property
     def opa_token(self) -> str | None:

@@ -549,3 +549,48 @@ async def test_the_job_document_shows_the_late_eviction_in_the_api_and_the_cli(
         assert "engines acknowledged" in lines[lines.index(late[0]) - 1]
         lines = (await _status(tmp_path, prod_db, none.id)).stdout.splitlines()
         assert not [line for line in lines if "reached late" in line]
+
+
+async def test_the_purge_list_and_the_dashboard_count_the_late_evictions(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    """``GET /v1/purges`` and the dashboard's erasure requests showed the receipt's
+    ``incomplete`` and nothing of the engine reached afterwards: each job now counts its late
+    evictions, read by the job document's reader (only events that prove themselves); a job
+    with none counts 0, and a tenant-scoped reader sees its own tenant's jobs only."""
+    async with _sidecar(tmp_path, prod_db) as sc:
+        local = LocalTier()
+        acme, _, (reached,) = await _down_during_purge(sc, local, {0xE2: "alice"})
+        channel = acme.control(local.on_evict, reconnect_delay=0.1)  # the channel is back
+        try:
+            assert await run(channel.connected.wait, 10)
+            assert await doors.until(lambda: bool(_late(sc, reached.id)), 10)
+            none = await _purge(sc, "bob")
+            assert none.state is PurgeState.COMPLETED, none.state
+        finally:
+            channel.close()
+            acme.close()
+        assert sc.writer is not None
+        await sc.writer.flush()
+
+        transport = httpx.ASGITransport(app=create_control_app(sc.control_plane()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvgov.test") as c:
+            r = await c.get("/v1/purges", headers=_token(sc, "acme"))
+            assert r.status_code == 200, r.text
+            listed = {p["id"]: p for p in r.json()["items"]}
+            assert listed[reached.id]["state"] == "incomplete"  # the receipt is history
+            assert listed[reached.id].get("late_evictions") == 1, listed[reached.id]
+            assert listed[none.id]["late_evictions"] == 0
+            assert (await c.get("/v1/purges", headers=_token(sc, "globex"))).json()["items"] == []
+
+            page = await c.get("/dashboard", headers=_token(sc, None))
+            assert page.status_code == 200, page.text
+            row = next(
+                line for line in page.text.splitlines() if f'data-purge-id="{reached.id}"' in line
+            )
+            assert 'data-late-evictions="1"' in row, row
+            assert "1 EVICT acknowledged late" in page.text
+            other = next(
+                line for line in page.text.splitlines() if f'data-purge-id="{none.id}"' in line
+            )
+            assert 'data-late-evictions="0"' in other

@@ -271,3 +271,35 @@ def test_database_passwords_stay_out_of_reprs_and_errors(tmp_path: Path) -> None
 def test_runtime_role_must_be_a_plain_role_name(role: str) -> None:
     with pytest.raises(ConfigError, match=r"database\.runtime_role"):
         load_settings(database={"runtime_role": role})
+
+
+def test_an_engine_id_a_receipt_would_show_as_the_lm_engine_is_refused() -> None:
+    """A receipt names the lm:// engine ``lm:<id>``: no wire engine id may begin so; the error
+    says which setting and why, never the token."""
+    with pytest.raises(ConfigError, match=r'dataplane\.engine_tokens.*begins with "lm:"') as exc:
+        load_settings(dataplane={"engine_tokens": {"t0ken-value": "lm:10.0.0.5"}})
+    assert "t0ken-value" not in exc.value.diagnostics()
+    assert load_settings(dataplane={"engine_tokens": {"t0ken-value": "vllm-lm:0"}})
+
+
+@pytest.mark.parametrize("engine", ["lm\n2", "lm\u202e", " lm", "x" * 129])
+def test_the_lm_engine_id_is_printable_text(engine: str) -> None:
+    with pytest.raises(ConfigError, match=r"dataplane\.lm_engine_id"):
+        load_settings(dataplane={"lm_engine_id": engine})
+    assert load_settings(dataplane={"lm_engine_id": "lm-demo"}).dataplane.lm_engine_id
+
+
+def test_a_token_file_read_again_leaves_out_only_the_refused_entries(tmp_path: Path) -> None:
+    """What a running sidecar takes from a changed file: the valid entries, and why the others
+    were left out (never the token or the id); start-up refuses the same file."""
+    import json
+
+    path = tmp_path / "engine-tokens.json"
+    path.write_text(json.dumps({"t0k-a": "vllm-a", "t0k-b": "LM:b", "t0k-c": "c\u200b"}))
+    s = load_settings(dataplane={"engine_tokens_file": path})
+    tokens, refused = s.read_engine_tokens()
+    assert {t: e.get_secret_value() for t, e in tokens.items()} == {"t0k-a": "vllm-a"}
+    assert len(refused) == 2
+    assert not any("t0k" in r or "LM:b" in r for r in refused)
+    with pytest.raises(ConfigError, match="2 engine id"):
+        _ = s.engine_tokens

@@ -65,7 +65,9 @@ def test_tokens_and_a_token_file_together_are_refused(tmp_path: Path) -> None:
         (json.dumps({SECRET: 7}), "engine id"),
         (json.dumps({SECRET: ""}), "engine id"),
         (json.dumps({SECRET: "vllm-0"})[:-1] + ', "\\ud83d": "x"}', "not text"),
-        (json.dumps({SECRET: "\ud800"}), "not text"),
+        (json.dumps({SECRET: "\ud800"}), "surrogate"),
+        (json.dumps({SECRET: "lm:10.0.0.5"}), 'begins with "lm:"'),
+        (json.dumps({SECRET: "vllm-0", "other": "lm:vllm-1"}), 'engine id.*begins with "lm:"'),
         ("[" * 100_000, "not JSON"),
     ],
 )

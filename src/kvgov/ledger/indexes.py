@@ -9,7 +9,11 @@ refreshes its tiers, size, key, expiry and decision but keeps its life: owner, s
 creation time, creating request and chain. A put of an entry that expired, was deleted or purged
 starts a new life with the new put's values. Whether the row is live is decided by the UPDATE
 itself (a CASE on the row's state), so a concurrent chain's change is not overwritten blindly.
-No change rewrites a row's tenant (only fills an empty one) or key digest.
+No change rewrites a row's key digest, nor a tenant the chain names: a change only fills an
+empty tenant, except that on Postgres a put claims a row whose tenant differs from its own and
+no chained event names (a row the runtime role inserted under another tenant before the first
+put: nothing else writes one), which then starts a new life with the put's values
+(:data:`_CLAIMED`; migration 0012's trigger allows exactly that change).
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ class _Mode(Enum):
     FILL = "fill"
     #: KEEP_IF_LIVE, filling an empty value (scope_user: err on covering more in a purge)
     FILL_IF_LIVE = "fill_if_live"
+    #: a put's tenant: FILL, except that it replaces a tenant no chained event names (a
+    #: squatted row, :data:`_CLAIMED`; Postgres only: SQLite has no other role to squat)
+    CLAIM = "claim"
 
 
 @dataclass(slots=True)
@@ -78,6 +85,8 @@ class _Plan:
     modes: dict[str, _Mode] = field(default_factory=dict)
     #: the entry's state after the last change folded (None: as in the database)
     state: EntryState | None = None
+    #: a put of the entry is among the changes (its tenant may claim a squatted row)
+    put: bool = False
 
 
 class _Item(Protocol):
@@ -192,6 +201,7 @@ def _merge_entry(
         entries[change.key_digest] = plan
     values, modes = plan.values, plan.modes
     is_put = event.kind == EventKind.KV_PUT and change.state is EntryState.LIVE
+    plan.put = plan.put or is_put
     if is_put and plan.state is not EntryState.LIVE:
         life = {
             "owner": change.owner,
@@ -255,12 +265,13 @@ def _write_entries(conn: Connection, entries: dict[str, _Plan]) -> None:
 
 def _update_columns(plan: _Plan) -> tuple[tuple[str, _Mode], ...]:
     """The columns an UPDATE of the key's existing row writes, each with its mode, sorted (one
-    statement per distinct tuple); :data:`FIXED_ENTRY_COLUMNS` are only filled."""
+    statement per distinct tuple); :data:`FIXED_ENTRY_COLUMNS` are only filled, or claimed by
+    a put (:attr:`_Mode.CLAIM`)."""
     modes = plan.modes
+    fixed = _Mode.CLAIM if plan.put else _Mode.FILL
     return tuple(
         sorted(
-            (c, _Mode.FILL if c in FIXED_ENTRY_COLUMNS else modes.get(c, _Mode.SET))
-            for c in plan.values
+            (c, fixed if c in FIXED_ENTRY_COLUMNS else modes.get(c, _Mode.SET)) for c in plan.values
         )
     )
 
@@ -271,7 +282,7 @@ def _column_value(entries_t: Table, name: str, mode: _Mode) -> ColumnElement[Any
     live = entries_t.c.state == EntryState.LIVE
     if mode is _Mode.KEEP_IF_LIVE:
         return case((live, column), else_=new)
-    if mode is _Mode.FILL:
+    if mode in (_Mode.FILL, _Mode.CLAIM):  # SQLite: no role but the owner writes the file
         return func.coalesce(column, new)
     if mode is _Mode.FILL_IF_LIVE:
         return case((live, func.coalesce(column, new)), else_=new)
@@ -369,13 +380,29 @@ _DECISIONS_SQL = (
 _ENTRY_SELECT = ", ".join(
     "COALESCE(tiers, '[]'::jsonb)" if c == "tiers" else c for c in _ENTRY_COLS
 )
-_LIVE = f"t.state = '{EntryState.LIVE.value}'"
+#: whether a put claims the row: its tenant differs from the put's, and no chained event
+#: names the row's key digest with the row's tenant. The writer inserts a row in the
+#: transaction that chains its first event, under that event's tenant, so such a row is one
+#: the runtime role inserted under another tenant before the first put (review: squatted
+#: rows); the put's tenant takes it, and the put starts a new life there. The CASE looks at
+#: the chain only for a row whose tenant differs (never on the common path: a re-put of the
+#: tenant's own row). Migration 0012's trigger allows this change, and no other
+_CLAIMED = (
+    "(CASE WHEN t.tenant IS NULL OR excluded.tenant IS NULL OR t.tenant = excluded.tenant"
+    " THEN false ELSE NOT EXISTS (SELECT 1 FROM ledger_events e"
+    " WHERE e.key_digest = t.key_digest AND e.tenant = t.tenant) END)"
+)
+#: a put finds the row live, and its own (not claimed): it keeps the row's life
+_LIVE = f"(t.state = '{EntryState.LIVE.value}' AND NOT {_CLAIMED})"
 _MODE_SQL = {
     _Mode.SET: "excluded.{c}",
     _Mode.KEEP_IF_LIVE: "CASE WHEN " + _LIVE + " THEN t.{c} ELSE excluded.{c} END",
     _Mode.FILL: "COALESCE(t.{c}, excluded.{c})",
     _Mode.FILL_IF_LIVE: (
         "CASE WHEN " + _LIVE + " THEN COALESCE(t.{c}, excluded.{c}) ELSE excluded.{c} END"
+    ),
+    _Mode.CLAIM: (
+        "CASE WHEN " + _CLAIMED + " THEN excluded.{c} ELSE COALESCE(t.{c}, excluded.{c}) END"
     ),
 }
 _entry_sql_cache: dict[tuple[tuple[str, _Mode], ...], str] = {}

@@ -17,14 +17,15 @@ appended after a live writer's latest head-reading transaction, stay ``audit ver
 
 A purge's ``purge:evict:late`` events (an EVICT an ``engines@S`` step could not deliver, sent
 once the engine's control channel was back: :mod:`kvgov.proxy.purge.late`) are read the same
-way, for the job's document (:func:`late_evictions`): only rows that prove themselves count.
+way, for the job's document (:func:`late_evictions`) and, many jobs at once, for the purge list
+and the dashboard (:func:`late_evictions_of`): only rows that prove themselves count.
 So are its ``kv:delete`` events (:func:`purged_digests`): the key digests of the entries the
 purge deleted, from which a restarted sidecar rebuilds the EVICTs it still owes engines.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -98,17 +99,18 @@ def steps_query(purge_id: str, tenant: str) -> Select[Any]:
     )
 
 
-def late_query(purge_id: str, tenant: str) -> Select[Any]:
-    """The ``purge:evict:late`` events of purge ``purge_id`` in ``tenant``, oldest first:
-    found through ``ix_ledger_events_tenant_kind`` (a job has a few at most; the tenant has
-    one per engine per purge that missed it), the job id compared on the remaining rows."""
+def late_query(jobs: Collection[tuple[str, str]]) -> Select[Any]:
+    """The ``purge:evict:late`` events of the purges ``jobs`` (``(purge id, tenant)``), oldest
+    first: found through ``ix_ledger_events_tenant_kind`` (a job has a few at most; a tenant
+    has one per engine per purge that missed it), the job ids compared on the remaining rows.
+    A selection only: :func:`late_evictions_of` keeps a row for its own job's tenant alone."""
     t = table(LedgerEvent)
     return (
         select(t)
         .where(
-            t.c.tenant == tenant,
+            t.c.tenant.in_(sorted({tenant for _, tenant in jobs})),
             t.c.kind == EventKind.PURGE_EVICT_LATE.value,
-            purge_id_of(t.c.attrs) == purge_id,
+            purge_id_of(t.c.attrs).in_(sorted({job for job, _ in jobs})),
         )
         .order_by(t.c.occurred_at, t.c.chain_id, t.c.seq)
     )
@@ -131,16 +133,20 @@ def deletes_query(purge_id: str, tenant: str) -> Select[Any]:
 
 
 def _proven(
-    session: Session, query: Select[Any], purge_id: str, trusted: Collection[bytes]
+    session: Session,
+    query: Select[Any],
+    wanted: Callable[[Any, Mapping[str, Any]], bool],
+    trusted: Collection[bytes],
 ) -> Iterator[tuple[Any, Mapping[str, Any]]]:
-    """The rows of ``query`` that name ``purge_id`` in their parsed ``attrs``, whose own hash
-    covers their columns, on a chain a ``trusted`` key vouches for, at a position a writer
-    session of that key covered (see the module docstring); with their ``attrs``."""
+    """The rows of ``query`` that are ``wanted`` (by the row and its parsed ``attrs``: the
+    purge they name), whose own hash covers their columns, on a chain a ``trusted`` key
+    vouches for, at a position a writer session of that key covered (see the module
+    docstring); with their ``attrs``."""
     conn = session.connection()
     chains: dict[str, Standing | None] = {}
     for row in session.execute(query):
         attrs = row.attrs if isinstance(row.attrs, Mapping) else {}
-        if attrs.get("purge_id") != purge_id or link(row_fields(row)) != row.hash:
+        if not wanted(row, attrs) or link(row_fields(row)) != row.hash:
             continue
         if row.chain_id not in chains:
             chains[row.chain_id] = _vouched(conn, row.chain_id, trusted)
@@ -148,6 +154,15 @@ def _proven(
         if standing is None or not standing.covers(row.seq):
             continue  # a chain no trusted key vouches for, or written while none held it
         yield row, attrs
+
+
+def _of_purge(purge_id: str) -> Callable[[Any, Mapping[str, Any]], bool]:
+    """:func:`_proven`'s ``wanted`` for the events of one purge (by their parsed ``attrs``)."""
+
+    def wanted(_row: Any, attrs: Mapping[str, Any]) -> bool:
+        return attrs.get("purge_id") == purge_id
+
+    return wanted
 
 
 def _count(value: object) -> int:
@@ -159,10 +174,26 @@ def late_evictions(
 ) -> list[ChainedLateEviction]:
     """The chained late EVICTs of purge ``purge_id``, oldest first, on chains ``trusted`` keys
     vouch for. Each is one engine's acknowledgement; the receipt is not changed by them."""
-    found = []
-    for row, attrs in _proven(session, late_query(purge_id, tenant), purge_id, trusted):
+    return late_evictions_of(session, [(purge_id, tenant)], trusted).get(purge_id, [])
+
+
+def late_evictions_of(
+    session: Session, jobs: Collection[tuple[str, str]], trusted: Collection[bytes]
+) -> dict[str, list[ChainedLateEviction]]:
+    """:func:`late_evictions` of each of ``jobs`` (``(purge id, tenant)``), in one query: by
+    purge id, oldest first; a job with none is absent. An event counts for a job only in the
+    job's own tenant (another tenant's events never match)."""
+    pairs = set(jobs)
+    if not pairs:
+        return {}
+
+    def wanted(row: Any, attrs: Mapping[str, Any]) -> bool:
+        return (attrs.get("purge_id"), row.tenant) in pairs
+
+    found: dict[str, list[ChainedLateEviction]] = {}
+    for row, attrs in _proven(session, late_query(pairs), wanted, trusted):
         engine = attrs.get("engine")
-        found.append(
+        found.setdefault(str(attrs["purge_id"]), []).append(
             ChainedLateEviction(
                 engine=engine if isinstance(engine, str) else "?",
                 digests=_count(attrs.get("digests")),
@@ -182,8 +213,9 @@ def purged_digests(
     events, on chains ``trusted`` keys vouch for), sorted, each once. What a row the runtime
     role wrote (``cache_entries``, ``purge_steps``) says is not read: a restarted sidecar owes
     engines these digests and no others."""
+
     found: set[str] = set()
-    for row, _ in _proven(session, deletes_query(purge_id, tenant), purge_id, trusted):
+    for row, _ in _proven(session, deletes_query(purge_id, tenant), _of_purge(purge_id), trusted):
         if isinstance(row.key_digest, str) and row.key_digest:
             found.add(row.key_digest)
     return sorted(found)
@@ -198,8 +230,9 @@ def chained_steps(
     A step retried after its event was chained (its row could not be written) has several;
     the row holds the last attempt's detail, so the last attempt's event is the one to match.
     """
+
     found: dict[StepKey, ChainedStep] = {}
-    for row, attrs in _proven(session, steps_query(purge_id, tenant), purge_id, trusted):
+    for row, attrs in _proven(session, steps_query(purge_id, tenant), _of_purge(purge_id), trusted):
         sidecar = attrs.get("sidecar_id")
         attempt = attrs.get("attempt")
         summary = attrs.get("summary")

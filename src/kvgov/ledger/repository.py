@@ -9,7 +9,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import ColumnElement, Select, func, or_, select, tuple_, union, update
+from sqlalchemy import (
+    ColumnElement,
+    CompoundSelect,
+    Select,
+    func,
+    or_,
+    select,
+    tuple_,
+    union,
+    update,
+)
 from sqlalchemy.orm import Session, aliased
 
 from kvgov.db.engine import utcnow
@@ -51,13 +61,21 @@ def user_entries(user: str, tenant: str | None = None) -> ColumnElement[bool]:
     tenant (or re-keyed) must not leave the user's purge. The one definition used by purge
     scope, the footprint and the entry filters, so they never disagree.
     """
+    # one IN over a UNION (not an OR of three): Postgres plans it as a semi-join through the
+    # owner, scope user and actor indexes and the primary key, not a scan of cache_entries
+    return CacheEntry.key_digest.in_(user_digests(user, tenant))
+
+
+def user_digests(user: str, tenant: str | None = None) -> CompoundSelect[str | None]:
+    """The key digests of :func:`user_entries`, rows or not: those of the rows the user owns
+    or is scoped to, and every digest a chained put by the user names (a digest whose row is
+    gone or was never written included). What a query of chained events about the user's
+    entries selects on (:func:`kvgov.services.purge.scope.engines_that_held`)."""
     row = aliased(CacheEntry)  # not correlated with the caller's CacheEntry
     held = select(row.key_digest).where(or_(row.owner == user, row.scope_user == user))
     if tenant is not None:
         held = held.where(row.tenant == tenant)
-    # one IN over a UNION (not an OR of three): Postgres plans it as a semi-join through the
-    # owner, scope user and actor indexes and the primary key, not a scan of cache_entries
-    return CacheEntry.key_digest.in_(union(held, put_digests(tenant, user)))
+    return union(held, put_digests(tenant, user))
 
 
 def tenant_entries(tenant: str) -> ColumnElement[bool]:

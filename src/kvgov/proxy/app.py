@@ -402,13 +402,22 @@ class Sidecar:
         """Every ``dataplane.engine_tokens_reload_interval_s``, look at the engine token file
         (a mounted Secret); when it changed, read it and hand the tokens to the server, which
         closes the connections of removed ones. A file that does not read (half written,
-        invalid) is refused and logged once, never its content; the tokens in force stay
-        (:func:`kvgov.follow.follow`)."""
+        invalid, no valid entry) is refused and logged once, never its content; the tokens in
+        force stay (:func:`kvgov.follow.follow`). An entry whose engine id is refused
+        (:mod:`kvgov.engine_ids`: ``lm:...``, control characters) is left out, logged and
+        counted (``kvgov_dataplane_engine_tokens_refused``), and the file's other tokens are
+        taken: the left-out token opens nothing, and its connections are closed."""
         path = self.settings.dataplane.engine_tokens_file
         assert path is not None
 
         async def apply() -> None:
-            tokens = await asyncio.to_thread(lambda: self.settings.engine_tokens)
+            tokens, refused = await asyncio.to_thread(self.settings.read_engine_tokens)
+            if refused:
+                self.metrics.engine_tokens_refused.inc(len(refused))
+                log.warning(
+                    "dataplane.tokens.entries_refused",
+                    extra={"refused": len(refused), "reasons": sorted(set(refused))},
+                )
             closed = self.server.replace_tokens(tokens)
             log.info(
                 "dataplane.tokens.reloaded",

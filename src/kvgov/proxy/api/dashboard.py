@@ -60,7 +60,7 @@ from kvgov.proxy.api.auth import (
     verify_token,
 )
 from kvgov.proxy.api.v1.audit import report_out, scoped_report_out, stats_out
-from kvgov.proxy.api.v1.purge_reads import purge_summary
+from kvgov.proxy.api.v1.purge_reads import purge_summaries
 from kvgov.types import Environment as KvgovEnvironment
 from kvgov.types import Role
 
@@ -199,8 +199,10 @@ def _load(ctx: ApiContext, principal: Principal) -> dict[str, Any]:
         )
         denials = q.recent_denials(session, tenant=principal.tenant, limit=20)
         purge_rows = qa.list_purges(session, tenant=principal.tenant, limit=20)
-    trusted = ctx.trusted_receipt_keys()
-    purges = [(purge_summary(r, trusted), r.receipt) for r in purge_rows]
+        summaries = purge_summaries(
+            session, purge_rows, ctx.trusted_receipt_keys(), ctx.ledger_keys()
+        )
+    purges = [(summary, r.receipt) for summary, r in zip(summaries, purge_rows, strict=True)]
     return {
         "verify": verify_report,
         "chain_detail": fleet,

@@ -103,6 +103,12 @@ class DataPlaneMetrics:
             ["tier", "outcome"],
             registry=r,
         )
+        self.engine_tokens_refused = Counter(
+            "kvgov_dataplane_engine_tokens_refused",
+            "Entries of a reloaded dataplane.engine_tokens_file left out because their engine"
+            " id is refused (empty, too long, control characters, or beginning with lm:)",
+            registry=r,
+        )
         self.late_evict = Counter(
             "kvgov_purge_late_evict_digests",
             "Key digests of EVICTs owed to engines a purge step could not reach, by outcome:"

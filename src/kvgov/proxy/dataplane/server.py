@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
+from kvgov.engine_ids import engine_id_problem
 from kvgov.errors import ConfigError
 from kvgov.privatefs import DIR_FLAGS, is_private
 from kvgov.proxy.dataplane.identity import Identity
@@ -257,14 +258,16 @@ class WireServer:
         :mod:`kvgov.wire.handshake`); else the engine it names, on a Unix socket from the
         sidecar's own uid or root, or anywhere in development."""
         engine = meta.get("engine")
-        if (
-            not isinstance(engine, str)
-            or not engine
-            or len(engine) > 128
-            or "\x00" in engine
-            or utf8(engine) is None  # a lone surrogate: no text the ledger can record
-        ):
-            raise WireError(ErrorCode.UNAUTHENTICATED, "HELLO needs an engine id")
+        # the id a peer names becomes its identity where no tokens are configured: one a
+        # receipt would show as another engine (``lm:...``, blanks, control characters) or the
+        # ledger cannot record (a lone surrogate) is refused (:mod:`kvgov.engine_ids`)
+        problem = engine_id_problem(engine)
+        if problem is not None or not isinstance(engine, str):
+            raise WireError(
+                ErrorCode.UNAUTHENTICATED,
+                f"HELLO needs a valid engine id: the id {problem}",
+                hint="docs/protocol.md, Authentication",
+            )
         if "token" in meta:
             # the token itself never crosses the wire (an impostor on the port would have it)
             raise WireError(

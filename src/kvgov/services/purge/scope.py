@@ -23,7 +23,7 @@ from sqlalchemy import ColumnElement, and_, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from kvgov.db.models import CacheEntry, EventPayload, LedgerEvent, UserRef
-from kvgov.ledger.repository import put_digests, tenant_entries, user_entries
+from kvgov.ledger.repository import put_digests, tenant_entries, user_digests, user_entries
 from kvgov.types import EntryState, EventKind
 
 
@@ -131,7 +131,9 @@ def engines_that_held(
     """The engines the ledger saw store or read ``tenant``'s data (their local tiers may hold
     copies), through ``ix_ledger_events_tenant_kind``; with ``chain_id`` (the executing
     sidecar's chain) also those that did so on that chain for an entry in the purge's scope
-    (``subject``'s entries, every entry for a tenant purge: ``ix_ledger_events_key_digest``)."""
+    (``subject``'s digests, :func:`~kvgov.ledger.repository.user_digests`, as
+    :func:`scoped_entries` finds them, rows or not; every entry for a tenant purge:
+    ``ix_ledger_events_key_digest``)."""
     anywhere: set[str] = set()
     for (principal,) in s.execute(select(LedgerEvent.principal).where(_held(tenant)).distinct()):
         if principal and principal.startswith(ENGINE_PRINCIPAL):
@@ -141,8 +143,9 @@ def engines_that_held(
     if chain_id is not None:
         ours = and_(_held(tenant), LedgerEvent.chain_id == chain_id)
         if subject is not None:
-            in_scope = select(CacheEntry.key_digest).where(_entry_filter(tenant, subject))
-            ours = and_(ours, LedgerEvent.key_digest.in_(in_scope))
+            # the scope's digests whether or not a row has them (a row gone, or never written
+            # for a put only the chain records): a holder of such a digest is reached too
+            ours = and_(ours, LedgerEvent.key_digest.in_(user_digests(subject, tenant)))
         for (principal,) in s.execute(select(LedgerEvent.principal).where(ours).distinct()):
             if principal and principal.startswith(ENGINE_PRINCIPAL):
                 here.add(principal[len(ENGINE_PRINCIPAL) :])

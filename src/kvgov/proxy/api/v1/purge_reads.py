@@ -10,17 +10,19 @@ against the ledger's public key (:meth:`ApiContext.trusted_receipt_keys`).
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.orm import Session
 
 from kvgov.db import purge_jobs as jobs
 from kvgov.db import queries_admin as qa
 from kvgov.errors import NotFoundError
-from kvgov.ledger.purge_trail import late_evictions
+from kvgov.ledger.purge_trail import late_evictions, late_evictions_of
 from kvgov.proxy.api.auth import Context, DbSession, Reader
 from kvgov.proxy.api.pagination import (
     DEFAULT_LIMIT,
@@ -103,6 +105,7 @@ class PurgeSummary(BaseModel):
                         "engines_unreachable": 0,
                     },
                     "incomplete": [],
+                    "late_evictions": 0,
                     "receipt": {
                         "present": True,
                         "signature_valid": True,
@@ -128,6 +131,11 @@ class PurgeSummary(BaseModel):
     steps_by_state: dict[str, int]
     counts: PurgeCounts
     incomplete: list[str] = Field(description="what could not be reached or done")
+    late_evictions: int = Field(
+        description="EVICTs engines the purge could not reach acknowledged afterwards (chained"
+        " `purge:evict:late` events that prove themselves; the job's `late_evictions` lists"
+        " them; the receipt is not changed by them)"
+    )
     receipt: ReceiptStatus
 
 
@@ -175,8 +183,22 @@ def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def purge_summary(row: qa.PurgeRow, trusted: tuple[bytes, ...]) -> PurgeSummary:
-    """A purge job as the list and the dashboard show it."""
+def purge_summaries(
+    session: Session,
+    rows: Sequence[qa.PurgeRow],
+    trusted: tuple[bytes, ...],
+    ledger_keys: Collection[bytes],
+) -> list[PurgeSummary]:
+    """The purge jobs ``rows`` as the list and the dashboard show them, with the late
+    evictions of each (:func:`~kvgov.ledger.purge_trail.late_evictions_of`, the reader of
+    the job's document, for the page in one query; ``ledger_keys``: the keys a chain must be
+    signed by for its events to count)."""
+    late = late_evictions_of(session, [(r.job.id, r.job.tenant) for r in rows], ledger_keys)
+    return [purge_summary(r, trusted, len(late.get(r.job.id, ()))) for r in rows]
+
+
+def purge_summary(row: qa.PurgeRow, trusted: tuple[bytes, ...], late: int) -> PurgeSummary:
+    """A purge job as the list and the dashboard show it (``late``: its late evictions)."""
     job = row.job
     doc = row.receipt
     body: dict[str, Any] = {}
@@ -222,6 +244,7 @@ def purge_summary(row: qa.PurgeRow, trusted: tuple[bytes, ...]) -> PurgeSummary:
             else None,
         ),
         incomplete=[str(i) for i in incomplete] if isinstance(incomplete, list) else [],
+        late_evictions=late,
         receipt=status,
     )
 
@@ -231,8 +254,10 @@ def purge_summary(row: qa.PurgeRow, trusted: tuple[bytes, ...]) -> PurgeSummary:
     summary="List erasure requests",
     description=(
         "Purge jobs, newest first, with their state, steps by state, counts (entries, "
-        "deletions per tier, keys destroyed, engines) and whether a signed receipt exists and "
-        "verifies against the ledger's key. Filters: tenant, state, kind, creation time. "
+        "deletions per tier, keys destroyed, engines), how many EVICTs engines it could not "
+        "reach acknowledged late (`late_evictions`; the job lists them) and whether a signed "
+        "receipt exists and verifies against the ledger's key. Filters: tenant, state, kind, "
+        "creation time. "
         "Auditors and admins; a tenant-scoped token sees only its tenant."
     ),
     response_model=Page[PurgeSummary],
@@ -271,7 +296,7 @@ def list_purges(
         key = (rows[limit - 1].job.created_at, rows[limit - 1].job.id)
     trusted = ctx.trusted_receipt_keys()
     return Page[PurgeSummary](
-        items=[purge_summary(r, trusted) for r in rows[:limit]],
+        items=purge_summaries(session, rows[:limit], trusted, ctx.ledger_keys()),
         limit=limit,
         next=next_link(request, key),
     )
