@@ -5,8 +5,9 @@ The database URL comes from, in order: a connection handed in by ``kvgov.db.engi
 Settings (``KVGOV_DATABASE_URL``, the embedded SQLite default). SQLite runs in batch mode so
 later migrations can alter tables there (batch mode recreates a table from its reflection, which
 leaves out expression indexes and triggers: such a migration of ``ledger_events`` must create
-``ix_ledger_events_purge_id`` again, one of ``data_keys`` the tombstone triggers of 0010, and one
-of ``cache_entries`` the identity trigger of 0011).
+``ix_ledger_events_purge_id`` again, one of ``data_keys`` the tombstone triggers of 0010, one
+of ``cache_entries`` the identity trigger of 0011, and one of ``checkpoints`` 0002's append-only
+guard, as 0013 does).
 """
 
 from __future__ import annotations

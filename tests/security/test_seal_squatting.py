@@ -96,8 +96,8 @@ def _squat_next_foreign_seal(engine: sa.Engine, chain_id: str, key_part: str = "
 def _standing(ledger: Ledger, chain_id: str) -> Standing:
     """What the chain's valid seals say (what the writers' watches, the purge receipt's
     cross-check and ``audit verify``'s coverage rules read). ``audit verify`` itself also
-    reports the junk row, a seal no key of the chain signed (``key_mismatch``), and stops
-    there: the coverage findings are checked here."""
+    reports the junk row, a seal no key of the chain signed (``key_mismatch``), and goes on
+    (``tests/security/test_checkpoint_squatting.py``)."""
     with ledger.attacker.connect() as conn:
         return read_standing(conn, chain_id, public_key_bytes(NODE_KEY))
 
@@ -152,6 +152,9 @@ def test_a_squatted_foreign_seal_key_does_not_wedge_the_writer(ledger: Ledger) -
     found = _standing(ledger, chain_id)
     assert not found.covers(2) and found.foreign_at(2) is not None
     assert _first_finding(ledger, chain_id) == ("key_mismatch", 2)  # the junk row
+    # and the forged row after it: the junk row does not hide it
+    findings = {(str(f.problem), f.seq) for f in _chain(ledger.attacker, chain_id).findings}
+    assert findings == {("key_mismatch", 2), ("foreign_append", 2)}
 
 
 def _key_parts(monkeypatch: pytest.MonkeyPatch, guessed: int) -> Callable[[], str]:

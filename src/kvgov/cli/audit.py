@@ -143,6 +143,13 @@ def register(app: typer.Typer) -> None:
                     )
                 else:
                     echo(f"BROKEN {c.chain_id}: {first.problem} at seq {first.seq}: {first.detail}")
+                    # every other finding too: a junk row first must not hide tampering after it
+                    for other in sorted(c.findings, key=lambda f: f.seq):
+                        if other is not first:
+                            echo(
+                                f"       {c.chain_id}: also {other.problem} at seq {other.seq}: "
+                                f"{other.detail}"
+                            )
             for problem in report.problems:
                 echo(f"BROKEN ledger: {problem}")
             if not report.chains and not report.problems:

@@ -34,6 +34,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -237,7 +238,10 @@ class EventPayload(Base):
 
 
 class Checkpoint(Base):
-    """A signed chain head (append-only)."""
+    """A signed chain head (append-only). Keyed ``(chain_id, seq, nonce)`` (migration 0013): the
+    runtime role may INSERT here, and a key computable from the head it reads was taken first
+    by a junk row, which then stood in for the honest checkpoint (:mod:`kvgov.ledger.checkpoint`).
+    """
 
     __tablename__ = "checkpoints"
 
@@ -245,6 +249,11 @@ class Checkpoint(Base):
         String(CHAIN_ID), ForeignKey("chains.chain_id"), primary_key=True
     )
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    #: the key's random part: ``''`` (the plain key; every row written before 0013, and by a
+    #: build without it) unless that key was taken, then 8 random hex characters. Not signed: a
+    #: checkpoint's note says all it means, so a copy under another nonce says the same
+    #: (the default as SQL text: SQLite reflects an empty string so, and `alembic check` compares)
+    nonce: Mapped[str] = mapped_column(String(16), primary_key=True, server_default=text("''"))
     head_hash: Mapped[str] = mapped_column(String(DIGEST))
     signed_at: Mapped[datetime]
     #: raw 64-byte Ed25519 signature over the checkpoint note (see kvgov.ledger.chain)

@@ -1,15 +1,24 @@
 """Writing signed checkpoints of a chain head (the signing itself is in :mod:`.chain`), and the
-loop that writes them periodically while a sidecar serves."""
+loop that writes them periodically while a sidecar serves.
+
+The runtime database role can INSERT into ``checkpoints``, so a row there proves nothing until
+its signature verifies under the chain's key: a junk row under the key the writer's next
+checkpoint would take (its head's position) stood in for it, and the head stayed unsigned. A
+checkpoint is now keyed ``(chain_id, seq, nonce)`` (migration 0013, the nonce random when the
+plain key is taken: :func:`~kvgov.ledger.seals.store.write_checkpoint_row`), a head counts as signed
+only by a checkpoint that verifies (:func:`write_checkpoint`), and what names "the chain's
+checkpoint" to anyone else (a purge receipt) takes the newest that verifies
+(:func:`latest_checkpoint`)."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import Connection, Engine, exc, select
+from sqlalchemy import Connection, Engine, Row, exc, select
 
 from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE, utcnow
 from kvgov.db.models import Chain, Checkpoint, table
@@ -17,15 +26,20 @@ from kvgov.errors import LedgerError
 from kvgov.ledger.batch import Head, HeadCheck, read_head
 from kvgov.ledger.chain import (
     checkpoint_note,
+    checkpoint_signature_ok,
     key_fingerprint,
     public_key_bytes,
     sign_checkpoint,
     signed_note,
 )
 from kvgov.ledger.seals import read_standing
+from kvgov.ledger.seals.store import write_checkpoint_row
 from kvgov.logging import get_logger
 
 log = get_logger(__name__)
+
+#: checkpoint rows fetched at a time while looking for the newest that verifies
+_SCAN_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +62,11 @@ def write_checkpoint(
     engine: Engine, chain_id: str, key: Ed25519PrivateKey, *, check: HeadCheck | None = None
 ) -> CheckpointInfo | None:
     """Sign and store the current head of ``chain_id``. None when the chain is empty or its
-    head is already checkpointed. The key must be the chain's own; a head no key holder
-    vouches for (no genesis, events after a signed close, events a foreign seal names) is
-    refused (:class:`LedgerError`).
+    head is already checkpointed (by a checkpoint that verifies under the chain's key: a row
+    that does not is junk, and the head is signed beside it). The key must be the chain's own;
+    a head no key holder vouches for (no genesis, events after a signed close, events a foreign
+    seal names) or one a valid checkpoint names another hash for is refused
+    (:class:`LedgerError`).
 
     ``check``: the live writer's (:class:`~kvgov.ledger.batch.HeadCheck`): rows it did not
     write are sealed as foreign first, in the same transaction, so its checkpoint never signs
@@ -62,7 +78,7 @@ def write_checkpoint(
         with conn.begin():
             head = _locked_head(conn, chain_id, public)
             disclaimed = check.check(conn, head) if check is not None else []
-            info = _sign_head(conn, chain_id, key, head, writer=check is not None)
+            info = _sign_head(conn, chain_id, key, head, check=check)
     if check is not None:
         check.settle(head, disclaimed)
     return info
@@ -86,36 +102,110 @@ def _locked_head(conn: Connection, chain_id: str, public: bytes) -> Head:
 
 
 def _sign_head(
-    conn: Connection, chain_id: str, key: Ed25519PrivateKey, head: Head, *, writer: bool
+    conn: Connection,
+    chain_id: str,
+    key: Ed25519PrivateKey,
+    head: Head,
+    *,
+    check: HeadCheck | None,
 ) -> CheckpointInfo | None:
-    """Sign ``head`` unless it is empty or signed already (None); ``writer``: the chain's live
-    writer, which leaves a head its own foreign seal names unsigned (None) instead of
-    refusing it."""
+    """Sign ``head`` unless it is empty or signed already (None); ``check``: the chain's live
+    writer's, which leaves a head its own foreign seal names unsigned (None) instead of
+    refusing it, and counts a checkpoint key it finds taken."""
     seq, head_hash = head
     if seq == 0:
         return None
-    cps = table(Checkpoint)
-    exists = conn.execute(
-        select(cps.c.seq).where(cps.c.chain_id == chain_id, cps.c.seq == seq)
-    ).first()
-    if exists is not None:
-        return None
     public = public_key_bytes(key)
-    if not _check_signable(conn, chain_id, public, seq, writer=writer):
+    if _signed_already(conn, chain_id, public, head):
+        return None
+    if not _check_signable(conn, chain_id, public, seq, writer=check is not None):
         return None
     signed_at = utcnow()
     signature = sign_checkpoint(key, chain_id, seq, head_hash, signed_at)
-    conn.execute(
-        cps.insert().values(
-            chain_id=chain_id,
-            seq=seq,
-            head_hash=head_hash,
-            signed_at=signed_at,
-            signature=signature,
-            public_key=public,
-        )
+    write_checkpoint_row(
+        conn,
+        chain_id,
+        head=head,
+        signed_at=signed_at,
+        signature=signature,
+        public_key=public,
+        on_taken=check.key_taken if check is not None else None,
     )
     return CheckpointInfo(chain_id, seq, head_hash, signed_at, signature, public)
+
+
+def _verifies(row: Row[Any], public: bytes, chain_id: str) -> bool:
+    """Whether a ``checkpoints`` row is a checkpoint of ``chain_id`` signed by ``public`` (the
+    chain's key)."""
+    m = row._mapping
+    return bytes(m["public_key"]) == public and checkpoint_signature_ok(
+        public,
+        bytes(m["signature"]),
+        chain_id=chain_id,
+        seq=int(m["seq"]),
+        head_hash=str(m["head_hash"]),
+        at=m["signed_at"],
+    )
+
+
+def _signed_already(conn: Connection, chain_id: str, public: bytes, head: Head) -> bool:
+    """Whether a checkpoint of ``head`` that verifies under the chain's key is stored. Rows
+    that do not verify count for nothing (the runtime role can insert any row, under any key a
+    checkpoint of that head could take); a valid one naming another hash at that position
+    means the events under it were rewritten since it was signed: that head is refused
+    (:class:`LedgerError`), never signed over."""
+    seq, head_hash = head
+    cps = table(Checkpoint)
+    rows = conn.execute(
+        select(cps).where(cps.c.chain_id == chain_id, cps.c.seq == seq, cps.c.public_key == public)
+    ).all()
+    for row in rows:
+        if not _verifies(row, public, chain_id):
+            continue
+        if row._mapping["head_hash"] == head_hash:
+            return True
+        raise LedgerError(
+            f"chain {chain_id!r}: its signed checkpoint at {seq} names another head than the "
+            "chain holds there (its events were rewritten); the head is not signed",
+            hint="`kvgov audit verify` reports it (checkpoint_mismatch)",
+        )
+    return False
+
+
+def latest_checkpoint(engine: Engine, chain_id: str) -> CheckpointInfo | None:
+    """The newest checkpoint of ``chain_id`` that verifies under the chain's key (None: none
+    does, or no such chain). The newest row is not enough: the runtime role can insert a junk
+    one at any position, far past the head, and a receipt naming it would name no signed head
+    at all."""
+    chains, cps = table(Chain), table(Checkpoint)
+    with engine.connect() as conn:
+        key = conn.execute(
+            select(chains.c.public_key).where(chains.c.chain_id == chain_id)
+        ).scalar()
+        if key is None:
+            return None
+        public = bytes(key)
+        query = (
+            select(cps)
+            .where(cps.c.chain_id == chain_id, cps.c.public_key == public)
+            .order_by(cps.c.seq.desc(), cps.c.signed_at.desc())
+        )
+        result = conn.execution_options(yield_per=_SCAN_ROWS).execute(query)
+        try:
+            for row in result:
+                if _verifies(row, public, chain_id):
+                    m = row._mapping
+                    return CheckpointInfo(
+                        chain_id,
+                        int(m["seq"]),
+                        str(m["head_hash"]),
+                        m["signed_at"],
+                        bytes(m["signature"]),
+                        public,
+                    )
+        finally:
+            result.close()
+    return None
 
 
 def _check_signable(

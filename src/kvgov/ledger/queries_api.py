@@ -241,18 +241,24 @@ def list_checkpoints(
     session: Session,
     *,
     chain_id: str | None = None,
-    after: tuple[datetime, str, int] | None = None,
+    after: tuple[datetime, str, int, str] | None = None,
     limit: int = 50,
 ) -> list[Checkpoint]:
+    """Checkpoint rows, newest first, after the key ``after`` (``(signed_at, chain_id, seq,
+    nonce)``: the nonce tells apart rows equal on the rest, which 0013's key allows)."""
     query = select(Checkpoint)
     if chain_id is not None:
         query = query.where(Checkpoint.chain_id == chain_id)
     if after is not None:
         query = query.where(
-            tuple_(Checkpoint.signed_at, Checkpoint.chain_id, Checkpoint.seq) < after
+            tuple_(Checkpoint.signed_at, Checkpoint.chain_id, Checkpoint.seq, Checkpoint.nonce)
+            < after
         )
     query = query.order_by(
-        Checkpoint.signed_at.desc(), Checkpoint.chain_id.desc(), Checkpoint.seq.desc()
+        Checkpoint.signed_at.desc(),
+        Checkpoint.chain_id.desc(),
+        Checkpoint.seq.desc(),
+        Checkpoint.nonce.desc(),
     )
     return list(session.scalars(query.limit(limit)))
 

@@ -17,6 +17,12 @@ chain by someone else, e.g. with the runtime role), and an unsigned tail (events
 newest signed head: checkpoint, open, close or foreign seal) fails once older than
 ``max_unsigned_age`` or dated in the future (``stale_unsigned``).
 
+A seal or checkpoint row no key of the chain signed (``key_mismatch``, ``bad_signature``: the
+runtime role can insert one at will) is reported and verification goes on: the checks after it
+(a signed head past the chain's end, events no writer session covers, the unsigned tail) still
+run, so one junk row cannot hide tampering after it. Only a checkpoint that verifies signs a
+head.
+
 What this can and cannot see: a row changed, removed, inserted or moved anywhere is found; the
 newest events after the last checkpoint can be cut off or rewritten (with recomputed hashes) by
 someone who can bypass the append-only guard, so checkpoints should be frequent and copied
@@ -303,7 +309,7 @@ def _verify_chain(
             chain.findings.append(
                 Finding(Problem.BAD_SIGNATURE, cp.seq, "checkpoint signature does not verify")
             )
-        elif cp.seq > verified_to and chain.ok:
+        elif cp.seq > verified_to and _only_junk(chain):
             chain.findings.append(
                 Finding(
                     Problem.CHECKPOINT_MISMATCH,
@@ -344,9 +350,23 @@ def _verify_chain(
     elif found.vouched:
         after = found.gap(verified_to + 1)
         chain.closed = after is not None and after.first == verified_to + 1
-        if chain.ok and limits.authenticate:
+        if _only_junk(chain) and limits.authenticate:
             _check_tail(chain, found, verified_to, newest, limits)
     _verify_payloads(engine, chain, digests)
+
+
+#: findings about a row no key of the chain signed (a junk seal or checkpoint, which the runtime
+#: role can always insert): reported, but they say nothing about the events
+_JUNK = frozenset({Problem.KEY_MISMATCH, Problem.BAD_SIGNATURE})
+
+
+def _only_junk(chain: ChainReport) -> bool:
+    """Whether the chain's findings so far are all junk rows: then the checks that need a
+    sound chain (a signed head past the end, events no writer session covers, the unsigned
+    tail's age) still run, so one junk row cannot hide later tampering. After any other finding
+    (the chain itself is broken: its stream stopped there, a signed head contradicts it, its
+    key is not trusted) they are left out, as before: they would repeat it."""
+    return all(f.problem in _JUNK for f in chain.findings)
 
 
 def _check_seals(
@@ -364,7 +384,7 @@ def _check_seals(
         if seal.kind == SealKind.GENESIS:
             continue
         if seal.seq > verified_to:
-            if chain.ok:
+            if _only_junk(chain):
                 chain.findings.append(
                     Finding(
                         Problem.CHECKPOINT_MISMATCH,

@@ -54,7 +54,8 @@ The package, one purpose a module (each imports only the ones listed after it):
   chain's adoption), keeping it open, its close, the advisory lock a live writer holds on its
   chain (:class:`Claim`) and the operator's ``--adopt``;
 - :mod:`.store`: the ``chain_seals`` rows: sign and store each kind, read them back, and a
-  chain's :class:`Standing` from the database;
+  chain's :class:`Standing` from the database; and how a checkpoint row is keyed and stored
+  (:func:`.store.write_checkpoint_row`, imported from there);
 - :mod:`.coverage`: what valid seals say about a chain, without a database: the positions the
   sessions cover, the first gap, the signature checks behind :class:`Standing`, and the bounds
   on the unsigned tail;

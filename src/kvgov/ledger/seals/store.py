@@ -8,16 +8,22 @@ fail for good (review r11). So every seal is inserted with ``ON CONFLICT DO NOTH
 key found taken is replaced by one with a random part (:data:`~.notes.KEY_SEP`), logged
 (``ledger.seal.key_taken``): a foreign seal always carries one; a close only when its plain key
 (the session id) was taken; a genesis falls back to a random ``session`` (its note does not name
-it). An open's key is its own fresh random session id, unknown to anyone before it commits."""
+it). An open's key is its own fresh random session id, unknown to anyone before it commits.
+
+Checkpoints (table ``checkpoints``, keyed ``(chain_id, seq, nonce)`` since migration 0013) are
+stored the same way (:func:`write_checkpoint_row`): the plain nonce ``''`` first, a random one
+when a row took that key first (the note does not name it, as a genesis' does not name its
+session: a checkpoint of a head says the same under any key)."""
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, Table, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from kvgov.db.engine import utcnow
@@ -52,32 +58,48 @@ def key_part() -> str:
     return secrets.token_hex(4)
 
 
-def _insert(conn: Connection, seal: Seal) -> bool:
-    """INSERT ``seal`` unless its key is taken (nothing written, False). Only INSERT (and
-    SELECT, for RETURNING: the driver's rowcount is not told) is needed, which the runtime role
-    has."""
+def _insert_row(conn: Connection, t: Table, values: dict[str, Any]) -> bool:
+    """INSERT ``values`` into ``t`` unless their key is taken (nothing written, False). Only
+    INSERT (and SELECT, for RETURNING: the driver's rowcount is not told) is needed, which the
+    runtime role has."""
     stmt: postgresql.Insert | sqlite.Insert
     if conn.dialect.name == "postgresql":
-        stmt = postgresql.insert(table(ChainSeal)).on_conflict_do_nothing()
+        stmt = postgresql.insert(t).on_conflict_do_nothing()
     elif conn.dialect.name == "sqlite":
-        stmt = sqlite.insert(table(ChainSeal)).on_conflict_do_nothing()
+        stmt = sqlite.insert(t).on_conflict_do_nothing()
     else:
         raise LedgerSealError(f"no seal insert for {conn.dialect.name}")
-    t = table(ChainSeal)
-    written = conn.execute(
-        stmt.returning(t.c.kind).values(
-            chain_id=seal.chain_id,
-            kind=seal.kind,
-            session=seal.session,
-            seq=seal.seq,
-            head_hash=seal.head_hash,
-            exclusive=seal.exclusive,
-            signed_at=seal.signed_at,
-            signature=seal.signature,
-            public_key=seal.public_key,
-        )
-    ).first()
+    written = conn.execute(stmt.returning(t.c.chain_id).values(**values)).first()
     return written is not None
+
+
+def _insert(conn: Connection, seal: Seal) -> bool:
+    """INSERT ``seal`` unless its key is taken (nothing written, False)."""
+    return _insert_row(
+        conn,
+        table(ChainSeal),
+        {
+            "chain_id": seal.chain_id,
+            "kind": seal.kind,
+            "session": seal.session,
+            "seq": seal.seq,
+            "head_hash": seal.head_hash,
+            "exclusive": seal.exclusive,
+            "signed_at": seal.signed_at,
+            "signature": seal.signature,
+            "public_key": seal.public_key,
+        },
+    )
+
+
+def _key_taken(chain_id: str, kind: str, attempt: int, on_taken: OnTaken) -> None:
+    """A key of the writer's own seal or checkpoint was taken: nothing of the writer's own
+    holds it, so someone inserted it (an alert)."""
+    log.error(
+        "ledger.seal.key_taken", extra={"chain_id": chain_id, "kind": kind, "attempt": attempt}
+    )
+    if on_taken is not None:
+        on_taken()
 
 
 def _store(
@@ -90,13 +112,7 @@ def _store(
             seal = make(attempt)
         if _insert(conn, seal):
             return seal
-        # nothing of the writer's own holds that key: someone inserted it (an alert)
-        log.error(
-            "ledger.seal.key_taken",
-            extra={"chain_id": seal.chain_id, "kind": seal.kind, "attempt": attempt + 1},
-        )
-        if on_taken is not None:
-            on_taken()
+        _key_taken(seal.chain_id, seal.kind, attempt + 1, on_taken)
     raise LedgerSealError(
         f"could not store a {seal.kind} seal of chain {seal.chain_id!r}: {tries} keys were taken",
         hint="someone with the runtime database role is inserting into chain_seals",
@@ -216,6 +232,45 @@ def write_foreign_seal(
         )
 
     return _store(conn, make, on_taken)
+
+
+#: the ``kind`` a taken checkpoint key is logged under (``ledger.seal.key_taken``)
+CHECKPOINT_KIND = "checkpoint"
+
+
+def write_checkpoint_row(
+    conn: Connection,
+    chain_id: str,
+    *,
+    head: tuple[int, str],
+    signed_at: datetime,
+    signature: bytes,
+    public_key: bytes,
+    on_taken: OnTaken = None,
+) -> str:
+    """Store a signed checkpoint of ``head`` (caller's transaction, the chain locked) under
+    ``(chain_id, seq, nonce)``; the nonce it went under. The plain nonce ``''`` first (what a
+    build before migration 0013 writes and reads); a row of the runtime role's there (it can
+    compute that key from the head) moves it to a random one, logged and counted, so a
+    pre-inserted row never takes the honest checkpoint's place."""
+    seq, head_hash = head
+    values = {
+        "chain_id": chain_id,
+        "seq": seq,
+        "head_hash": head_hash,
+        "signed_at": signed_at,
+        "signature": signature,
+        "public_key": public_key,
+    }
+    for attempt in range(KEY_TRIES):
+        nonce = "" if attempt == 0 else key_part()
+        if _insert_row(conn, table(Checkpoint), {**values, "nonce": nonce}):
+            return nonce
+        _key_taken(chain_id, CHECKPOINT_KIND, attempt + 1, on_taken)
+    raise LedgerSealError(
+        f"could not store a checkpoint of chain {chain_id!r}: {KEY_TRIES} keys were taken",
+        hint="someone with the runtime database role is inserting into checkpoints",
+    )
 
 
 def read_seals(conn: Connection, chain_id: str) -> list[Seal]:

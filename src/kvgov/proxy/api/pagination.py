@@ -110,11 +110,23 @@ def time_key(cursor: str | None) -> tuple[datetime, str] | None:
     return (when, ident)
 
 
-def time_seq_key(cursor: str | None) -> tuple[datetime, str, int] | None:
-    """Decode a ``(time, chain id, seq)`` cursor."""
+def checkpoint_key(cursor: str | None) -> tuple[datetime, str, int, str] | None:
+    """Decode a checkpoint list's ``(time, chain id, seq, nonce)`` cursor: two checkpoints may
+    share the first three (migration 0013), so the nonce breaks the tie, or a page boundary
+    between them would skip one. A ``(time, chain id, seq)`` cursor of an earlier release is
+    read with the nonce ``''``, the least: it skips every row equal on the three, as it did."""
     if cursor is None:
         return None
-    when, ident, seq = decode_cursor(cursor, (datetime, str, int))
-    if not isinstance(when, datetime) or not isinstance(ident, str) or not isinstance(seq, int):
+    try:
+        key = decode_cursor(cursor, (datetime, str, int, str))
+    except InvalidInputError:
+        key = (*decode_cursor(cursor, (datetime, str, int)), "")
+    when, ident, seq, nonce = key
+    if (
+        not isinstance(when, datetime)
+        or not isinstance(ident, str)
+        or not isinstance(seq, int)
+        or not isinstance(nonce, str)
+    ):
         raise InvalidInputError("cursor is not valid")
-    return (when, ident, seq)
+    return (when, ident, seq, nonce)

@@ -16,12 +16,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Protocol
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from kvgov.config import Settings
 from kvgov.connectors.tiers.base import Tier
-from kvgov.db.models import Checkpoint
+from kvgov.ledger.checkpoint import CheckpointInfo as SignedCheckpoint
+from kvgov.ledger.checkpoint import latest_checkpoint
 from kvgov.ledger.events import EventSink
 from kvgov.services.purge.ports import (
     Checkpointer,
@@ -39,25 +40,22 @@ from kvgov.services.purge.steps import StepContext
 
 
 def writer_checkpointer(writer: _Checkpointing, engine: Engine, chain_id: str) -> Checkpointer:
-    """Sign the head of ``chain_id`` now and report the newest checkpoint of that chain."""
+    """Sign the head of ``chain_id`` now and report the checkpoint it wrote, else (the head was
+    signed already) the newest checkpoint of that chain that verifies under its key: never
+    merely the newest row, which the runtime role can insert at any position."""
 
     async def run() -> CheckpointInfo | None:
         await writer.flush()
-        await writer.write_checkpoint()
-        with Session(engine) as s:
-            row = s.scalars(
-                select(Checkpoint)
-                .where(Checkpoint.chain_id == chain_id)
-                .order_by(Checkpoint.seq.desc())
-                .limit(1)
-            ).first()
-        if row is None:
+        signed = await writer.write_checkpoint()
+        if signed is None:
+            signed = latest_checkpoint(engine, chain_id)
+        if signed is None:
             return None
         return CheckpointInfo(
-            chain_id=row.chain_id,
-            seq=row.seq,
-            head_hash=row.head_hash,
-            signature=base64.b64encode(row.signature).decode("ascii"),
+            chain_id=signed.chain_id,
+            seq=signed.seq,
+            head_hash=signed.head_hash,
+            signature=base64.b64encode(signed.signature).decode("ascii"),
         )
 
     return run
@@ -66,7 +64,7 @@ def writer_checkpointer(writer: _Checkpointing, engine: Engine, chain_id: str) -
 class _Checkpointing(Protocol):  # what writer_checkpointer needs of a LedgerWriter
     async def flush(self) -> None: ...
 
-    async def write_checkpoint(self) -> object: ...
+    async def write_checkpoint(self) -> SignedCheckpoint | None: ...
 
 
 def make_service(

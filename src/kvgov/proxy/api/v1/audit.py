@@ -27,9 +27,9 @@ from kvgov.proxy.api.pagination import (
     CursorParam,
     LimitParam,
     Page,
+    checkpoint_key,
     next_link,
     time_key,
-    time_seq_key,
 )
 from kvgov.proxy.api.problems import problem_responses
 from kvgov.proxy.api.v1.params import SAFE_TEXT, SinceQuery, TenantQuery, UntilQuery, utc
@@ -254,12 +254,12 @@ def list_checkpoints(
     if not principal.fleet_wide:
         return Page[CheckpointOut](items=[], limit=limit, next=None)
     rows = q.list_checkpoints(
-        session, chain_id=chain_id, after=time_seq_key(cursor), limit=limit + 1
+        session, chain_id=chain_id, after=checkpoint_key(cursor), limit=limit + 1
     )
-    key: tuple[datetime, str, int] | None = None
+    key: tuple[datetime, str, int, str] | None = None
     if len(rows) > limit:
         last = rows[limit - 1]
-        key = (last.signed_at, last.chain_id, last.seq)
+        key = (last.signed_at, last.chain_id, last.seq, last.nonce)
     items = [
         CheckpointOut(
             chain_id=r.chain_id,
