@@ -9,18 +9,33 @@ a row whose own hash does not cover its columns is ignored: it proves nothing. N
 a chain no trusted key vouches for: the runtime role may INSERT into ``chains`` and
 ``ledger_events``, and the chain hash is unkeyed, so it could register a chain of its own and
 chain a matching event on it (review 6, F1). An event counts only on a chain whose key is
-trusted (the receipt signer's own, ``ledger.trusted_keys``), whose genesis that key signed, and
-at a position a writer session of that key covered (:mod:`kvgov.ledger.seals`): not one its
-live writer named in a foreign seal (appended to its chain by someone else, found at the
-writer's next batch, checkpoint or close). Linking to the rest of the chain, and events
-appended after a live writer's latest head-reading transaction, stay ``audit verify``'s job.
+trusted (the receipt signer's own, ``ledger.trusted_keys``), whose genesis that key signed, at a
+position a writer session of that key covered (:mod:`kvgov.ledger.seals`) and no foreign seal
+names (appended to its chain by someone else, found at the writer's next batch, checkpoint or
+close), and at or below a head signed *while that session held the chain* (:class:`_Signed`):
+a checkpoint signed before the session ended, or the session's own close or foreign seal,
+whose head is the chain's row at that position.
+
+That last condition is review r13, F1. A writer killed without a close (a pod lost and
+rescheduled under a new name starts a new chain; nothing reopens the old one) leaves a session
+that covers every later position for ever; the runtime role chained matching events on such a
+dead chain and the receipt took them. Now they sit above the dead writer's last signature and
+count for nothing. The exclusive open of a writer restarted on the same chain signs over the
+crashed session's tail (``audit verify`` accepts that) but is no word that the tail is the
+crashed writer's, so neither it nor anything signed after it counts for that tail. Each step's
+executor has its own writer sign its chain's head right after chaining the step's event, before
+the step is marked finished (:meth:`kvgov.services.purge.service.PurgeService.run_one`), so an
+honest event is signed by the time any receipt is built. Linking an event to the signed head
+above it stays ``audit verify``'s job (the runtime role cannot change or fill a position below
+a head once written).
 
 A purge's ``purge:evict:late`` events (an EVICT an ``engines@S`` step could not deliver, sent
 once the engine's control channel was back: :mod:`kvgov.proxy.purge.late`) are read the same
 way, for the job's document (:func:`late_evictions`) and, many jobs at once, for the purge list
-and the dashboard (:func:`late_evictions_of`): only rows that prove themselves count.
-So are its ``kv:delete`` events (:func:`purged_digests`): the key digests of the entries the
-purge deleted, from which a restarted sidecar rebuilds the EVICTs it still owes engines.
+and the dashboard (:func:`late_evictions_of`): only rows that prove themselves count (the
+sidecar signs its head right after recording one). So are its ``kv:delete`` events
+(:func:`purged_digests`): the key digests of the entries the purge deleted, from which a
+restarted sidecar rebuilds the EVICTs it still owes engines.
 """
 
 from __future__ import annotations
@@ -30,13 +45,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Select, select
+from sqlalchemy import Connection, Row, Select, select
 from sqlalchemy.orm import Session
 
-from kvgov.db.models import Chain, LedgerEvent, table
+from kvgov.db.models import Chain, Checkpoint, LedgerEvent, table
 from kvgov.db.purge_index import is_purge_step, purge_id_of
-from kvgov.ledger.chain import link
-from kvgov.ledger.seals import Standing, read_standing
+from kvgov.ledger.chain import checkpoint_signature_ok, link
+from kvgov.ledger.seals import Span, Standing, read_standing
 from kvgov.ledger.verify import row_fields
 from kvgov.types import EventKind
 
@@ -60,13 +75,102 @@ class ChainedStep:
     occurred_at: datetime | None = None
 
 
-def _vouched(conn: Connection, chain_id: str, trusted: Collection[bytes]) -> Standing | None:
-    """The standing of ``chain_id`` when a trusted key holds it and signed its genesis."""
+#: checkpoints read at a time, highest first (the first valid one ends the search; more are
+#: read only past rows that do not verify)
+_PAGE = 64
+
+
+class _Signed:
+    """Which positions of one vouched chain a key holder signed over while the writer session
+    holding them was live (see the module docstring): the highest such head of each session's
+    span, found once per span (checkpoints checked highest first: the first valid one is it)."""
+
+    def __init__(self, conn: Connection, chain_id: str, key: bytes, standing: Standing) -> None:
+        self._conn = conn
+        self._chain_id = chain_id
+        self._key = key
+        self.standing = standing
+        #: the highest head signed within each span (0: none)
+        self._reach: dict[Span, int] = {}
+        self._hashes: dict[int, str | None] = {}
+
+    def proves(self, seq: int) -> bool:
+        """Position ``seq`` is covered, no foreign seal names it, and a head at or above it
+        was signed while a session holding it was live."""
+        if not self.standing.covers(seq):
+            return False  # written while none held it, or disclaimed by its live writer
+        return any(seq <= self._reach_of(span) for span in self.standing.spans_at(seq))
+
+    def _reach_of(self, span: Span) -> int:
+        if span not in self._reach:
+            self._reach[span] = max(self._own_head(span), self._checkpointed(span))
+        return self._reach[span]
+
+    def _own_head(self, span: Span) -> int:
+        """The highest head the span's session signed (its close, a foreign seal) that is the
+        chain's row there."""
+        for seal in self.standing.own_heads(span):
+            if self._hash_at(seal.seq) == seal.head_hash:
+                return seal.seq
+        return 0
+
+    def _checkpointed(self, span: Span) -> int:
+        """The highest valid checkpoint signed within ``span`` (:meth:`Span.signed_within`) at
+        a position no foreign seal names, that is the chain's row there."""
+        cps = table(Checkpoint)
+        query = (
+            select(cps.c.seq, cps.c.head_hash, cps.c.signed_at, cps.c.signature, cps.c.public_key)
+            .where(cps.c.chain_id == self._chain_id, cps.c.seq > span.start)
+            .order_by(cps.c.seq.desc(), cps.c.signed_at)
+        )
+        if span.end is not None:
+            query = query.where(cps.c.seq <= span.end)
+        offset = 0
+        while rows := self._conn.execute(query.limit(_PAGE).offset(offset)).all():
+            for row in rows:
+                if self._checkpoint_ok(span, row):
+                    return int(row.seq)
+            offset += len(rows)
+        return 0
+
+    def _checkpoint_ok(self, span: Span, row: Row[Any, Any, Any, Any, Any]) -> bool:
+        """``row`` (a ``checkpoints`` row) is a valid signature of this chain's key, signed
+        within ``span``, at a position no foreign seal names, over the chain's row there."""
+        seq, head_hash, signed_at = int(row.seq), str(row.head_hash), row.signed_at
+        return (
+            bytes(row.public_key) == self._key
+            and span.signed_within(seq, signed_at)
+            and self.standing.foreign_at(seq) is None
+            and checkpoint_signature_ok(
+                self._key,
+                bytes(row.signature),
+                chain_id=self._chain_id,
+                seq=seq,
+                head_hash=head_hash,
+                at=signed_at,
+            )
+            and self._hash_at(seq) == head_hash
+        )
+
+    def _hash_at(self, seq: int) -> str | None:
+        if seq not in self._hashes:
+            events = table(LedgerEvent)
+            found = self._conn.execute(
+                select(events.c.hash).where(
+                    events.c.chain_id == self._chain_id, events.c.seq == seq
+                )
+            ).scalar()
+            self._hashes[seq] = None if found is None else str(found)
+        return self._hashes[seq]
+
+
+def _vouched(conn: Connection, chain_id: str, trusted: Collection[bytes]) -> _Signed | None:
+    """What ``chain_id``'s seals prove, when a trusted key holds it and signed its genesis."""
     key = conn.execute(select(Chain.public_key).where(Chain.chain_id == chain_id)).scalar()
     if key is None or bytes(key) not in trusted:
         return None
     standing = read_standing(conn, chain_id, bytes(key))
-    return standing if standing.vouched else None
+    return _Signed(conn, chain_id, bytes(key), standing) if standing.vouched else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,19 +244,21 @@ def _proven(
 ) -> Iterator[tuple[Any, Mapping[str, Any]]]:
     """The rows of ``query`` that are ``wanted`` (by the row and its parsed ``attrs``: the
     purge they name), whose own hash covers their columns, on a chain a ``trusted`` key
-    vouches for, at a position a writer session of that key covered (see the module
-    docstring); with their ``attrs``."""
+    vouches for, at a position a writer session of that key covered and signed over while it
+    was live (see the module docstring); with their ``attrs``."""
     conn = session.connection()
-    chains: dict[str, Standing | None] = {}
-    for row in session.execute(query):
+    chains: dict[str, _Signed | None] = {}
+    for row in session.execute(query).all():
         attrs = row.attrs if isinstance(row.attrs, Mapping) else {}
         if not wanted(row, attrs) or link(row_fields(row)) != row.hash:
             continue
         if row.chain_id not in chains:
             chains[row.chain_id] = _vouched(conn, row.chain_id, trusted)
-        standing = chains[row.chain_id]
-        if standing is None or not standing.covers(row.seq):
-            continue  # a chain no trusted key vouches for, or written while none held it
+        signed = chains[row.chain_id]
+        if signed is None or not signed.proves(row.seq):
+            # a chain no trusted key vouches for, written while none held it, or above every
+            # head its session signed (a dead writer's chain: review r13, F1)
+            continue
         yield row, attrs
 
 

@@ -220,6 +220,7 @@ class Sidecar:
 
     def _late_evictions(self, writer: LedgerWriter) -> LateEvictions:
         """What keeps the EVICTs engines missed, told of every control connection."""
+        from kvgov.ledger.checkpoint import checkpoint_logged
         from kvgov.proxy.purge.late import LateEvictions
 
         purge = self.settings.purge
@@ -231,6 +232,7 @@ class Sidecar:
             controls=lambda: list(self.server.controls),
             principal=f"sidecar:{self.sidecar_id}",
             metrics=self.metrics,
+            sign=partial(checkpoint_logged, writer),
         )
         self.server.on_control = late.connected
         return late

@@ -57,8 +57,9 @@ The package, one purpose a module (each imports only the ones listed after it):
   chain's :class:`Standing` from the database; and how a checkpoint row is keyed and stored
   (:func:`.store.write_checkpoint_row`, imported from there);
 - :mod:`.coverage`: what valid seals say about a chain, without a database: the positions the
-  sessions cover, the first gap, the signature checks behind :class:`Standing`, and the bounds
-  on the unsigned tail;
+  sessions cover, each session's :class:`Span` (which heads were signed while it held them:
+  what a purge receipt counts events by), the first gap, the signature checks behind
+  :class:`Standing`, and the bounds on the unsigned tail;
 - :mod:`.notes`: the seal kinds, the text each kind signs and :class:`Seal`, one row that checks
   its own signature.
 
@@ -70,6 +71,7 @@ from kvgov.ledger.seals.coverage import (
     DEFAULT_MAX_UNSIGNED_AGE,
     Gap,
     Range,
+    Span,
     Standing,
     covered,
     first_gap,
@@ -118,6 +120,7 @@ __all__ = [
     "Range",
     "Seal",
     "SealKind",
+    "Span",
     "Standing",
     "adopt_legacy",
     "claim_chain",

@@ -1,7 +1,8 @@
 """What the valid seals say about a chain, without a database: the positions its writer
-sessions cover (:func:`covered`, :func:`subtract`, :func:`foreign_ranges`), the first run no
-session covers (:func:`first_gap`), and :func:`standing`, which checks each seal's signature and
-whether the chain is vouched for at all. The bounds on an unsigned tail live here too."""
+sessions cover (:func:`covered`, :func:`subtract`, :func:`foreign_ranges`), each session's
+:class:`Span` (:func:`spans`: which heads were signed while it held its positions), the first run
+no session covers (:func:`first_gap`), and :func:`standing`, which checks each seal's signature
+and whether the chain is vouched for at all. The bounds on an unsigned tail live here too."""
 
 from __future__ import annotations
 
@@ -30,11 +31,12 @@ class Gap:
     closed_at: int
 
 
-def session_end(seals: Sequence[Seal], opened: Seal) -> int | None:
-    """Where the session ``opened`` (a valid open) stops covering the chain: its close, or the
-    first exclusive open signed after it; None while neither exists (live, or crashed)."""
+def ending_seal(seals: Sequence[Seal], opened: Seal) -> Seal | None:
+    """The seal that ends the session ``opened`` (a valid open): its close, or the first
+    exclusive open of another session signed after it (the lowest; a close before an open at
+    the same position); None while neither exists (live, or crashed)."""
     ends = [
-        s.seq
+        s
         for s in seals
         if s.kind == SealKind.OPEN
         and s.exclusive
@@ -43,10 +45,67 @@ def session_end(seals: Sequence[Seal], opened: Seal) -> int | None:
     ]
     # a close names its session, with a random part when its plain key was taken (the
     # runtime role can read the session id from the open and insert a row under that key)
-    ends += [
-        s.seq for s in seals if s.kind == SealKind.CLOSE and s.writer_session == opened.session
+    ends += [s for s in seals if s.kind == SealKind.CLOSE and s.writer_session == opened.session]
+    return min(ends, key=lambda s: (s.seq, s.kind != SealKind.CLOSE), default=None)
+
+
+def session_end(seals: Sequence[Seal], opened: Seal) -> int | None:
+    """Where the session ``opened`` (a valid open) stops covering the chain: its close, or the
+    first exclusive open signed after it; None while neither exists (live, or crashed)."""
+    ender = ending_seal(seals, opened)
+    return max(ender.seq, opened.seq) if ender is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """The positions ``(start, end]`` one writer session held (``end`` None: not ended: live,
+    or crashed and never restarted), and what tells the heads signed while it held them from
+    those signed over its tail by whoever came after.
+
+    A crashed session's unsigned tail is signed over by the exclusive open that ends it (a
+    restart) and by anything that session signs later: that is how ``audit verify`` accepts
+    it, but it is no key holder's word that the rows are the crashed writer's. A head counts
+    for a span (:meth:`signed_within`) only when the span's own session signed it (its close,
+    its foreign seals) or a checkpoint signed it before the span ended."""
+
+    start: int
+    end: int | None
+    #: the session (None: the positions before the chain's first open, a legacy chain's)
+    session: str | None
+    #: when the seal that ended it was signed, when that is another session's open (None: its
+    #: own close ended it, or nothing has): a checkpoint at ``end`` signed from then on is the
+    #: next session's
+    ended_at: datetime | None
+
+    def holds(self, seq: int) -> bool:
+        return self.start < seq and (self.end is None or seq <= self.end)
+
+    def signed_within(self, seq: int, signed_at: datetime) -> bool:
+        """Whether a checkpoint of position ``seq`` signed at ``signed_at`` was signed while
+        this span's session held the chain there (a checkpoint below ``end`` was: the head
+        had moved past it before the session ended, and a checkpoint signs the head)."""
+        if not self.holds(seq):
+            return False
+        late = self.ended_at is not None and signed_at >= self.ended_at
+        return not (seq == self.end and late)
+
+
+def spans(seals: Sequence[Seal]) -> list[Span]:
+    """The span of each valid open among ``seals``, and the legacy span before the first."""
+    opens = [s for s in seals if s.kind == SealKind.OPEN]
+    first = min(opens, key=lambda s: (s.seq, s.signed_at), default=None)
+    out = [
+        Span(0, None, None, None) if first is None else Span(0, first.seq, None, first.signed_at)
     ]
-    return max(min(ends), opened.seq) if ends else None
+    for opened in opens:
+        ender = ending_seal(seals, opened)
+        if ender is None:
+            out.append(Span(opened.seq, None, opened.session, None))
+            continue
+        other = ender.kind == SealKind.OPEN
+        end = max(ender.seq, opened.seq)
+        out.append(Span(opened.seq, end, opened.session, ender.signed_at if other else None))
+    return out
 
 
 Range = tuple[int, int | None]
@@ -132,6 +191,23 @@ class Standing:
         return any(
             start < seq and (end is None or seq <= end) for start, end in covered(self.valid)
         )
+
+    def spans_at(self, seq: int) -> list[Span]:
+        """The writer sessions' spans that hold position ``seq`` (:class:`Span`)."""
+        return [span for span in spans(self.valid) if span.holds(seq)]
+
+    def own_heads(self, span: Span) -> list[Seal]:
+        """The heads ``span``'s own session signed inside it (its close, its foreign seals),
+        highest first."""
+        own = [
+            s
+            for s in self.valid
+            if s.kind in (SealKind.CLOSE, SealKind.FOREIGN)
+            and span.session is not None
+            and s.writer_session == span.session
+            and span.holds(s.seq)
+        ]
+        return sorted(own, key=lambda s: s.seq, reverse=True)
 
     def foreign_at(self, seq: int) -> Seal | None:
         """The valid foreign seal naming position ``seq``, if any (the first signed)."""

@@ -10,7 +10,11 @@ data path), or at once if one is open when the debt is made, a task sends each d
 would (frames of at most 4096 digests, each ACK awaited ``purge.engine_ack_timeout_s``). Each
 acknowledged debt is recorded as a chained ``purge:evict:late`` event (the job id, the engine,
 the digests sent and the entries removed) and forgotten; one not acknowledged (no ACK, an ACK
-with an error, the event not recorded) stays owed for the engine's next connection.
+with an error, the event not recorded) stays owed for the engine's next connection. Right after
+recording one, the sidecar's writer signs its chain's head (``sign``): the job's document lists
+only late EVICTs below a head signed while their writer was live
+(:func:`kvgov.ledger.purge_trail.late_evictions`), so a row the runtime database role chained on a
+dead writer's chain is not listed (review r13, F1).
 
 The engine id is what the connection's token stands for (or, without tokens, what the HELLO
 named on a trusted Unix socket): another engine's connection is never sent the digests. A debt
@@ -28,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from datetime import datetime
 from typing import Protocol
 
@@ -101,7 +105,10 @@ class LateEvictions:
         principal: str,
         metrics: DataPlaneMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        sign: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """``sign``: has the writer behind ``sink`` sign its chain's head (logging, never
+        raising, a failure: the next periodic checkpoint signs it then)."""
         self.owed = OwedEvictions(
             max_digests=max_digests, ttl_s=ttl_s, on_drop=self._dropped, clock=clock
         )
@@ -110,6 +117,7 @@ class LateEvictions:
         self._controls = controls
         self._principal = principal
         self._metrics = metrics
+        self._sign = sign
         #: the delivery task of each engine now (one at a time per engine)
         self._runs: dict[str, asyncio.Task[None]] = {}
         self._closed = False
@@ -259,6 +267,8 @@ class LateEvictions:
                 "removed": answer.removed,
             },
         )
+        if self._sign is not None:  # the job's document lists it once its head is signed
+            await self._sign()
         return True
 
     def _event(self, debt: Debt, removed: int) -> Event:

@@ -9,7 +9,8 @@
   acknowledgements; :class:`NoEngines` is the evictor of a process with no engine connections
   (the CLI). A :class:`LateEvictor` (the sidecar's) also keeps an EVICT an engine missed and
   sends it when that engine's control channel is back.
-* :class:`Checkpointer` signs the ledger's chain head after the erasure event.
+* :class:`Checkpointer` signs the ledger's chain head after each step's ``purge:step`` event
+  (before the step is marked finished) and after the erasure event (before the receipt).
 """
 
 from __future__ import annotations
@@ -276,5 +277,5 @@ class CheckpointInfo:
     signature: str  # base64 Ed25519 signature
 
 
-#: sign the chain head now (after the erasure event is durable)
+#: sign the chain head now (after a step's event, or the erasure event, is durable)
 Checkpointer = Callable[[], Awaitable[CheckpointInfo | None]]

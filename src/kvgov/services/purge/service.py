@@ -7,7 +7,10 @@ final ``ledger`` step has run, builds the receipt from every step's detail read 
 model (:func:`~kvgov.services.purge.documents.read_detail`), signs it with the ledger's Ed25519
 key and stores it with the job's final state in the same transaction. The step rows are mutable;
 before the receipt is built each is checked against its chained ``purge:step`` event
-(:mod:`kvgov.services.purge.trail`), and a job is finished (and signed) once.
+(:mod:`kvgov.services.purge.trail`), and a job is finished (and signed) once. An event counts
+only below a head its writer signed while live, so each step's executor has its own writer sign
+its chain's head (the ``checkpoint`` port) after chaining the event and before the step is
+marked finished.
 """
 
 from __future__ import annotations
@@ -239,6 +242,8 @@ class PurgeService:
         )
         try:
             state, detail = await run_step(self.ctx, job, step)
+            if step.name is not StepName.LEDGER:  # ``_finish`` signs the ledger step's
+                await self._sign_head()
         except (KvgovError, OSError, SQLAlchemyError) as exc:
             # a step that meets a database error (a lock it could not get, a lost connection)
             # goes back for a retry like any other failure, instead of staying "running" until
@@ -264,6 +269,15 @@ class PurgeService:
             )
         log.info("purge.step.done", extra={"purge_id": job.id, "step": str(step.name)})
         return step
+
+    async def _sign_head(self) -> None:
+        """Have this process's writer sign its chain's head, now that the step's ``purge:step``
+        event is chained, before the step is marked finished: the receipt counts an event only
+        below a head signed while its writer was live (:mod:`kvgov.ledger.purge_trail`), and
+        whichever process builds it must find this one's signed. A failure is the step's (it
+        is retried): the event it leaves unsigned would make the receipt ``incomplete``."""
+        if self._checkpoint is not None:
+            await self._checkpoint()
 
     async def run_until_idle(self, job_id: str | None = None) -> int:
         """Run steps until none is claimable now; returns how many ran."""
