@@ -5,15 +5,19 @@ The image's build stage installs nothing but these two files (``pip install --re
 --no-deps``), so what runs in every sidecar pod, beside the pod's KEK and ledger credentials, is
 the reviewed set in git rather than whatever the index serves on the day of the build:
 
-- ``requirements.lock``: kvgov's ``[project.dependencies]`` and their closure (never the extras:
-  no torch, no lmcache, no test tools), what the sidecar runs;
+- ``requirements.lock``: kvgov's ``[project.dependencies]``, the extras the image installs too
+  (``IMAGE_EXTRAS``: ``redis``, the Redis tier's client) and their closure (never the other
+  extras: no torch, no lmcache, no test tools), what the sidecar runs;
 - ``build.lock``: pip and pyproject's ``[build-system] requires``, which the build stage uses to
   build kvgov's own wheel from the checkout and removes before the runtime stage.
 
 pip resolves (``pip install --dry-run --ignore-installed --only-binary=:all: --report``) for the
 interpreter that runs this script: run it with CPython 3.11 on Linux, the image's Python, since
-markers and wheel tags depend on it. Each chosen version is then locked with the sha256 of every
-file of that version the configured indexes list (``pip config list``: index-url and
+markers and wheel tags depend on it. A dependency only an older 3.11 needs (Debian bookworm's
+``python3`` is 3.11.2, ``IMAGE_PYTHONS``; redis requires async-timeout below 3.11.3) is invisible
+to that resolution, so the closure is walked again with the markers of each of ``IMAGE_PYTHONS``
+and what only they need is resolved too. Each chosen version is then locked with the sha256 of
+every file of that version the configured indexes list (``pip config list``: index-url and
 extra-index-url), as ``pip-compile --generate-hashes`` does, so an aarch64 build finds its wheels'
 hashes too. A file name that two indexes list with different hashes stops it: one of them serves
 another file under that name.
@@ -26,6 +30,7 @@ lock) reinstalls only after a real change.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import re
 import ssl
@@ -58,6 +63,23 @@ RUNTIME_LOCK = HERE / "requirements.lock"
 BUILD_LOCK = HERE / "build.lock"
 DEFAULT_INDEX = "https://pypi.org/simple/"
 PIN = re.compile(r"^([A-Za-z0-9._-]+)==(\S+)")
+#: kvgov's extras the image installs beside ``[project.dependencies]``: ``redis`` (redis,
+#: hiredis), without which a sidecar configured with a Redis tier refuses to start
+IMAGE_EXTRAS = ("redis",)
+#: the Pythons the image may run besides the one running this script: Debian bookworm's
+#: ``python3`` (the debootstrap base of ``make image``, and what the stages install on a base
+#: without one). Markers are evaluated for this interpreter and each of these.
+IMAGE_PYTHONS = ("3.11.2",)
+#: marker environments beside this interpreter's (an empty override)
+_ENVIRONMENTS: list[dict[str, str]] = [
+    {},
+    *(
+        {"python_full_version": v, "python_version": ".".join(v.split(".")[:2])}
+        for v in IMAGE_PYTHONS
+    ),
+]
+#: rounds of re-resolution for dependencies only another image Python needs
+_MAX_ROUNDS = 5
 
 
 class LockError(Exception):
@@ -120,19 +142,45 @@ def resolve(roots: list[str], constraints: list[str]) -> list[dict[str, Any]]:
         return items
 
 
-def closure(roots: list[str], items: list[dict[str, Any]]) -> dict[NormalizedName, set[str]]:
-    """Each resolved package and what requires it; fails if pip chose one no root reaches."""
+def _applies(req: Requirement, parent_extras: set[str], environments: list[dict[str, str]]) -> bool:
+    """Whether ``req`` holds for one of the parent's extras under one of the environments."""
+    if not req.marker:
+        return True
+    return any(
+        req.marker.evaluate({**env, "extra": e}) for e in parent_extras for env in environments
+    )
+
+
+@dataclass
+class Closure:
+    """What requires each resolved package, and the requirements pip could not have resolved
+    because only another of the image's Pythons needs them (their markers exclude this one)."""
+
+    via: dict[NormalizedName, set[str]]
+    elsewhere: list[str]
+
+
+def closure(roots: list[str], items: list[dict[str, Any]]) -> Closure:
+    """Each resolved package and what requires it, walked with the markers of this interpreter
+    and of ``IMAGE_PYTHONS``; fails if pip chose one no root reaches, or missed one this
+    interpreter needs."""
     meta = {canonicalize_name(i["metadata"]["name"]): i["metadata"] for i in items}
     via: dict[NormalizedName, set[str]] = {}
     extras: dict[NormalizedName, set[str]] = {}
+    elsewhere: set[str] = set()
     todo = [(Requirement(r), "kvgov", {""}) for r in roots]
     while todo:
         req, parent, parent_extras = todo.pop()
-        if req.marker and not any(req.marker.evaluate({"extra": e}) for e in parent_extras):
+        if not _applies(req, parent_extras, _ENVIRONMENTS):
             continue
         name = canonicalize_name(req.name)
         if name not in meta:
-            raise LockError(f"{parent} requires {req}, which pip did not resolve")
+            if _applies(req, parent_extras, _ENVIRONMENTS[:1]):
+                raise LockError(f"{parent} requires {req}, which pip did not resolve")
+            unmarked = copy.copy(req)
+            unmarked.marker = None
+            elsewhere.add(str(unmarked))
+            continue
         via.setdefault(name, set()).add(parent)
         wanted = {"", *req.extras}
         if wanted <= extras.get(name, set()):
@@ -143,7 +191,7 @@ def closure(roots: list[str], items: list[dict[str, Any]]) -> dict[NormalizedNam
     stray = set(meta) - set(via)
     if stray:
         raise LockError(f"pip resolved packages nothing requires: {sorted(stray)}")
-    return via
+    return Closure(via, sorted(elsewhere))
 
 
 class _Anchors(HTMLParser):
@@ -263,8 +311,17 @@ def write_lock(
     indexes: Indexes,
 ) -> bool:
     """Resolve, hash and write one lock; True if its content changed."""
-    items = resolve(roots, constraints)
-    via = closure(roots, items)
+    extra_roots: list[str] = []
+    for _ in range(_MAX_ROUNDS):
+        items = resolve([*roots, *extra_roots], constraints)
+        found = closure(roots, items)
+        if not found.elsewhere:
+            break
+        # only another image Python needs these: resolve them too, as roots of their own
+        extra_roots = sorted({*extra_roots, *found.elsewhere})
+    else:
+        raise LockError(f"still unresolved after {_MAX_ROUNDS} rounds: {found.elsewhere}")
+    via = found.via
     hashes: dict[NormalizedName, dict[str, str]] = {}
     for item in items:
         name = canonicalize_name(item["metadata"]["name"])
@@ -307,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         _say("run it on Linux, the image's platform")
         return 2
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    optional = pyproject["project"]["optional-dependencies"]
     extra = [line for c in args.constraint for line in c.read_text().splitlines()]
     extra = [line.strip() for line in extra if PIN.match(line)]
     config = _pip_config()
@@ -316,8 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     targets = [
         (
             RUNTIME_LOCK,
-            "The sidecar's runtime dependencies: kvgov's [project.dependencies] and their closure.",
-            list(pyproject["project"]["dependencies"]),
+            (
+                "The sidecar's runtime dependencies: kvgov's [project.dependencies], its "
+                f"{', '.join(IMAGE_EXTRAS)} extra and their closure."
+            ),
+            [
+                *pyproject["project"]["dependencies"],
+                *(r for x in IMAGE_EXTRAS for r in optional[x]),
+            ],
         ),
         (
             BUILD_LOCK,

@@ -139,7 +139,7 @@ def free_port() -> int:
 #: run by the image's python3 (it has no getcap): every regular file on the root's filesystem
 #: (``find / -xdev``) whose ``security.capability`` xattr grants file capabilities, one a line;
 #: folders it cannot read on stderr
-_FILE_CAPS = """
+FILE_CAPS_SCAN = """
 import os, sys
 dev = os.lstat("/").st_dev
 todo = ["/"]
@@ -167,7 +167,7 @@ def files_with_capabilities(image: str) -> list[str]:
     container of its own without network."""
     proc = podman(
         "run", "--rm", "--user", "0", "--network=none", "--no-healthcheck",
-        "--entrypoint", "python3", image, "-c", _FILE_CAPS,
+        "--entrypoint", "python3", image, "-c", FILE_CAPS_SCAN,
     )  # fmt: skip
     assert proc.stderr == "", f"folders the capability scan could not read: {proc.stderr}"
     return proc.stdout.split()

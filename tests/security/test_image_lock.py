@@ -12,6 +12,11 @@ tools' ``build.lock``) with ``--require-hashes --no-deps`` and kvgov itself with
 --no-index``, the lock pins every package of the closure with its sha256, and nothing else can
 be fetched. Offline: these tests read files and the test venv's metadata only; building the
 image from the lock is ``tests/e2e/test_image.py``'s.
+
+The lock also holds the ``redis`` extra (redis, hiredis; attacker review: without it, a sidecar
+configured with a Redis tier refused to start, ``tests/e2e/test_image_redis.py``), and what its
+closure needs on the image's own Python, Debian bookworm's 3.11.2, which the venv's newer 3.11
+does not (redis requires async-timeout below 3.11.3).
 """
 
 from __future__ import annotations
@@ -31,6 +36,15 @@ LOCK = ROOT / "deploy/image/requirements.lock"
 BUILD_LOCK = ROOT / "deploy/image/build.lock"
 CONTAINERFILE = ROOT / "Containerfile"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+#: the extras the image installs beside [project.dependencies] (deploy/image/lock.py)
+IMAGE_EXTRAS = ("redis",)
+#: the image's Pythons besides the venv's: Debian bookworm's python3 (deploy/image/lock.py)
+IMAGE_PYTHONS = ("3.11.2",)
+#: marker environments the lock covers: this interpreter's, then each image Python's
+ENVIRONMENTS: list[dict[str, str]] = [
+    {},
+    *({"python_full_version": v, "python_version": v.rsplit(".", 1)[0]} for v in IMAGE_PYTHONS),
+]
 #: one locked requirement: ``name==version`` and one or more sha256, nothing else (no index
 #: option, no URL, no editable, no marker that could skip it)
 LOCKED = re.compile(
@@ -68,9 +82,23 @@ def test_every_lock_line_is_pinned_and_hashed() -> None:
             assert len(digests) == len(set(digests)) >= 1, line[:120]
 
 
+def _image_roots() -> list[str]:
+    """What the image installs kvgov for: [project.dependencies] and the image's extras."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    return [*PYPROJECT["project"]["dependencies"], *(r for x in IMAGE_EXTRAS for r in extras[x])]
+
+
+def _applies(req: Requirement, parent_extras: set[str], environments: list[dict[str, str]]) -> bool:
+    if not req.marker:
+        return True
+    return any(
+        req.marker.evaluate({**env, "extra": e}) for e in parent_extras for env in environments
+    )
+
+
 def test_every_runtime_dependency_is_satisfied_by_a_pin() -> None:
     locked = pins(LOCK)
-    for spec in PYPROJECT["project"]["dependencies"]:
+    for spec in _image_roots():
         req = Requirement(spec)
         if req.marker and not req.marker.evaluate({"extra": ""}):
             continue
@@ -92,9 +120,27 @@ def test_build_lock_holds_pip_and_the_build_backend_and_no_runtime_package() -> 
     assert set(build).isdisjoint(pins(LOCK)), set(build) & set(pins(LOCK))
 
 
+def test_the_lock_holds_the_redis_tier_client_with_hashes() -> None:
+    """A Redis tier needs redis and hiredis in the image (their absence made the sidecar refuse
+    to start), each pinned with sha256 hashes like every line."""
+    locked = pins(LOCK)
+    hashed = {
+        canonicalize_name(m["name"]): m["hashes"]
+        for line in lock_lines(LOCK)
+        if (m := LOCKED.fullmatch(line))
+    }
+    for spec in PYPROJECT["project"]["optional-dependencies"]["redis"]:
+        req = Requirement(spec)
+        name = canonicalize_name(req.name)
+        assert name in locked, f"the Redis tier's {name} is not in the image's lock"
+        assert req.specifier.contains(locked[name]), f"{name}=={locked[name]} excludes {spec}"
+        assert re.findall(r"--hash=sha256:[0-9a-f]{64}", hashed[name]), name
+    assert {"redis", "hiredis"} <= set(locked)
+
+
 def test_the_lock_holds_no_engine_or_test_package() -> None:
     extras = PYPROJECT["project"]["optional-dependencies"]
-    runtime = {canonicalize_name(Requirement(r).name) for r in PYPROJECT["project"]["dependencies"]}
+    runtime = {canonicalize_name(Requirement(r).name) for r in _image_roots()}
     off_limits = {canonicalize_name(n) for n in ("torch", "lmcache")}
     for extra in ("lmcache", "test", "dev"):
         off_limits |= {canonicalize_name(Requirement(r).name) for r in extras[extra]}
@@ -103,17 +149,22 @@ def test_the_lock_holds_no_engine_or_test_package() -> None:
     assert not off_limits & set(pins(LOCK)), off_limits & set(pins(LOCK))
 
 
-def _installed_closure() -> dict[NormalizedName, Version]:
-    """kvgov's runtime dependencies as the test venv holds them: [project.dependencies] of this
-    checkout and their requirements (extras followed, markers for this interpreter)."""
-    found: dict[NormalizedName, Version] = {}
+def _installed_closure() -> dict[NormalizedName, Version | None]:
+    """kvgov's runtime dependencies as the test venv holds them: [project.dependencies] and the
+    image's extras of this checkout and their requirements (extras followed, markers for this
+    interpreter and the image's Pythons). A requirement only an image Python needs is not
+    installed here: it maps to None (its own requirements are not followed)."""
+    found: dict[NormalizedName, Version | None] = {}
     extras: dict[NormalizedName, set[str]] = {}
-    todo = [(Requirement(r), {""}) for r in PYPROJECT["project"]["dependencies"]]
+    todo = [(Requirement(r), {""}) for r in _image_roots()]
     while todo:
         req, parent_extras = todo.pop()
-        if req.marker and not any(req.marker.evaluate({"extra": e}) for e in parent_extras):
+        if not _applies(req, parent_extras, ENVIRONMENTS):
             continue
         name = canonicalize_name(req.name)
+        if not _applies(req, parent_extras, ENVIRONMENTS[:1]):
+            found.setdefault(name, None)  # the image's Python needs it, this venv does not
+            continue
         wanted = {"", *req.extras}
         if wanted <= extras.get(name, set()):
             continue
@@ -127,14 +178,19 @@ def _installed_closure() -> dict[NormalizedName, Version]:
 def test_the_lock_is_the_closure_the_tests_ran_against() -> None:
     """The lock misses no dependency (the image's ``pip check`` would fail the build) and pins
     the versions this venv holds: ``make install`` installs the venv under the lock, so the
-    suite tests what the image ships. A venv built otherwise: run ``make install``."""
+    suite tests what the image ships. A venv built otherwise: run ``make install``. What only
+    the image's Python needs (async-timeout, for redis below 3.11.3) must be locked too."""
     installed = _installed_closure()
     locked = pins(LOCK)
     missing = sorted(set(installed) - set(locked))
     assert missing == [], f"dependencies the lock misses: {missing}"
     stray = sorted(set(locked) - set(installed))
     assert stray == [], f"locked packages nothing requires: {stray}"
-    drift = {n: f"lock {locked[n]}, venv {v}" for n, v in installed.items() if locked[n] != v}
+    drift = {
+        n: f"lock {locked[n]}, venv {v}"
+        for n, v in installed.items()
+        if v is not None and locked[n] != v
+    }
     assert drift == {}, f"the venv is not the lock (make install, or make lock): {drift}"
 
 
