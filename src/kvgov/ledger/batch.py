@@ -125,7 +125,8 @@ def _check_widths(event: Event, longest: int) -> None:
     e = event.entry
     if e is None:
         return
-    if max(len(t) for t in _ENTRY_TEXTS(e) if t is not None) > _NARROWEST:
+    # (map/filter, not a generator: a generator's every step is a Python call, per event)
+    if max(map(len, filter(None, _ENTRY_TEXTS(e))), default=0) > _NARROWEST:
         for name, width in _ENTRY_WIDTHS:
             value = getattr(e, name)
             if value is not None and len(value) > width:

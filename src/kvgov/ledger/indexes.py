@@ -74,6 +74,10 @@ class _Mode(Enum):
     #: squatted row, :data:`_CLAIMED`; Postgres only: SQLite has no other role to squat)
     CLAIM = "claim"
 
+    #: members are singletons compared by identity: hashed by it too, in C (``Enum``'s own
+    #: ``__hash__`` is a Python call, and each batch hashes a tuple of every column's mode)
+    __hash__ = object.__hash__
+
 
 @dataclass(slots=True)
 class _Plan:
@@ -269,9 +273,13 @@ def _update_columns(plan: _Plan) -> tuple[tuple[str, _Mode], ...]:
     a put (:attr:`_Mode.CLAIM`)."""
     modes = plan.modes
     fixed = _Mode.CLAIM if plan.put else _Mode.FILL
+    # a list, not a generator (one call per event, not one per column)
     return tuple(
         sorted(
-            (c, fixed if c in FIXED_ENTRY_COLUMNS else modes.get(c, _Mode.SET)) for c in plan.values
+            [
+                (c, fixed if c in FIXED_ENTRY_COLUMNS else modes.get(c, _Mode.SET))
+                for c in plan.values
+            ]
         )
     )
 

@@ -604,7 +604,7 @@ class EntryRecord(NamedTuple):
         journal tests check that each field lands under its name."""
         return (
             c.key_digest,  # key_digest
-            c.state.value,  # state
+            c.state._value_,  # state (``_value_``: ``.value`` is a Python-level property)
             c.tenant,  # tenant
             c.owner,  # owner
             c.scope_user,  # scope_user
@@ -613,8 +613,8 @@ class EntryRecord(NamedTuple):
             c.request_id,  # request_id
             c.decision_id,  # decision_id
             c.policy_revision,  # policy_revision
-            None if c.scope is None else c.scope.value,  # scope
-            None if c.sensitivity is None else c.sensitivity.value,  # sensitivity
+            None if c.scope is None else c.scope._value_,  # scope
+            None if c.sensitivity is None else c.sensitivity._value_,  # sensitivity
             c.size,  # size
             c.key_version,  # key_version
             c.tiers,  # tiers
@@ -702,7 +702,7 @@ class EventRecord(NamedTuple):
         c = e.entry
         return (
             CODEC_VERSION,  # version
-            e.kind.value,  # kind
+            e.kind._value_,  # kind (``_value_``: ``.value`` is a Python-level property)
             _micros(e.occurred_at),  # occurred_us
             e.tenant,  # tenant
             e.actor,  # actor
@@ -714,7 +714,7 @@ class EventRecord(NamedTuple):
             e.policy_revision,  # policy_revision
             e.principal,  # principal
             e.nbytes,  # nbytes
-            None if e.outcome is None else e.outcome.value,  # outcome
+            None if e.outcome is None else e.outcome._value_,  # outcome
             dict(e.attrs) if e.attrs else None,  # attrs
             None if e.payload is None else dict(e.payload),  # payload
             None if c is None else EntryRecord.fields_of(c),  # entry

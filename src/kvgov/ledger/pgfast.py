@@ -246,7 +246,7 @@ def write_small_batch(
     for _, p in statements:
         params.extend(p)
     params += (chain_id, copy, expected[0], genesis, expected[1], chain_id)
-    sql = _batch_sql(tuple(s for s, _ in statements))
+    sql = _batch_sql(tuple([s for s, _ in statements]))
     raw = _raw(conn)
     try:
         with raw.pipeline(), raw.cursor() as cur:

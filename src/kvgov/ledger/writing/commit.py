@@ -100,7 +100,7 @@ class Committer:
             )
             for (i, _), outcome in zip(chained.ready, outcomes, strict=True):
                 results[i] = outcome
-        self.stats.events_failed += sum(isinstance(r, LedgerError) for r in results)
+        self.stats.events_failed += sum([isinstance(r, LedgerError) for r in results])
         return [r if r is not None else LedgerError("not written") for r in results]
 
     def _commit(
