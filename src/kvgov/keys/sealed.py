@@ -74,8 +74,11 @@ def segment_count(plain_len: int, segment_size: int) -> int:
     return max(1, -(-plain_len // segment_size))
 
 
+@functools.lru_cache(256)
 def sealed_size(plain_len: int, segment_size: int) -> int:
-    """Bytes a chunk of ``plain_len`` takes once sealed with ``segment_size`` segments."""
+    """Bytes a chunk of ``plain_len`` takes once sealed with ``segment_size`` segments
+    (remembered: every put asks for its size twice, and the sizes a data path sees are few;
+    an out-of-range geometry raises each time)."""
     _check_geometry(plain_len, segment_size)
     return HEADER_SIZE + plain_len + TAG_SIZE * segment_count(plain_len, segment_size)
 

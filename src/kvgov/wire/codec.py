@@ -158,17 +158,23 @@ def decode_header(
             ErrorCode.VERSION_MISMATCH,
             f"protocol version {version} not supported (server speaks {PROTOCOL_VERSION})",
         )
-    try:
-        kind = FrameType(ftype)
-    except ValueError:
-        raise WireError(ErrorCode.BAD_FRAME, f"unknown frame type {ftype}") from None
-    if flags & ~int(Flag.REPLY):
+    kind = _FRAME_TYPES.get(ftype)
+    if kind is None:
+        raise WireError(ErrorCode.BAD_FRAME, f"unknown frame type {ftype}")
+    flag = _FLAGS.get(flags)
+    if flag is None:
         raise WireError(ErrorCode.BAD_FRAME, "unknown flags")
     if meta_len > max_meta:
         raise WireError(ErrorCode.TOO_LARGE, "metadata section too large")
     if max_payload is not None and payload_len > max_payload:
         raise WireError(ErrorCode.TOO_LARGE, "payload too large")
-    return FrameHeader(kind, Flag(flags), stream_id, meta_len, payload_len, version)
+    return FrameHeader(kind, flag, stream_id, meta_len, payload_len, version)
+
+
+#: the frame types and flag sets a header may carry, by their numbers (looked up, not built:
+#: an enum's constructor is two Python calls per frame, an ``IntFlag``'s more)
+_FRAME_TYPES: dict[int, FrameType] = {int(t): t for t in FrameType}
+_FLAGS: dict[int, Flag] = {int(f): f for f in (Flag.NONE, Flag.REPLY)}
 
 
 def encode_meta(meta: Mapping[str, Any] | None) -> bytes:

@@ -53,10 +53,17 @@ class TierChain:
         if len(set(names)) != len(names):
             raise TierError(f"tier names must be unique in a chain: {names}")
         self._tiers = tuple(tiers)
+        #: a tier's name is fixed at construction: the tuple is built once, not per put
+        self._names = tuple(names)
+        self._name_set = frozenset(names)
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(t.name for t in self._tiers)
+        return self._names
+
+    def holds_any(self, allowed: Collection[str]) -> bool:
+        """Whether any tier of the chain is named in ``allowed``."""
+        return not self._name_set.isdisjoint(allowed)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:

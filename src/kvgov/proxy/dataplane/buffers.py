@@ -103,25 +103,27 @@ class BufferPool:
         connections doing that could wait for each other for ever). Waiters are served in
         order. A request of an ``owner`` holding its share already waits apart, until its own
         buffers come back, and then takes its place in line."""
-        classes = tuple(size_class(n) for n in sizes)
+        classes = tuple([size_class(n) for n in sizes])
         total = sum(classes)
         limit = self.max_bytes if owner is None else self.owner_max_bytes
         if total > limit:
             raise ProtocolError(f"{sum(sizes)} bytes in one request do not fit the buffer pool")
         if not classes:
             return []
+        # (``.get``: a missing owner costs a Python ``Counter.__missing__`` call otherwise)
+        owned = self._owned
         while True:
-            if owner is not None and self._owned[owner] + total > limit:
+            if owner is not None and owned.get(owner, 0) + total > limit:
                 await self._wait_owner(owner)
                 continue
             await self._in_line(classes)
-            if owner is not None and self._owned[owner] + total > limit:
+            if owner is not None and owned.get(owner, 0) + total > limit:
                 self._wake()  # its own share filled meanwhile: the next in line goes first
                 continue
             break
         leases = [self._take(cls, n, owner) for cls, n in zip(classes, sizes, strict=True)]
         if owner is not None:
-            self._owned[owner] += total
+            owned[owner] = owned.get(owner, 0) + total
         if self._waiters:
             self._wake()
         return leases
@@ -159,11 +161,12 @@ class BufferPool:
     def _fits(self, classes: Sequence[int]) -> bool:
         """Whether buffers of these classes can be taken now (idle ones first; idle buffers
         of other sizes are dropped to make room)."""
-        reuse: Counter[int] = Counter()
+        reuse: dict[int, int] = {}
         fresh = 0
         for cls in classes:
-            if reuse[cls] < len(self._idle.get(cls, ())):
-                reuse[cls] += 1
+            used = reuse.get(cls, 0)
+            if used < len(self._idle.get(cls, ())):
+                reuse[cls] = used + 1
             else:
                 fresh += cls
         if self._in_use + self._idle_bytes + fresh <= self.max_bytes:
@@ -191,7 +194,7 @@ class BufferPool:
         cls = len(buf)
         self._in_use -= cls
         if owner is not None:
-            left = self._owned[owner] - cls
+            left = self._owned.get(owner, 0) - cls
             if left > 0:
                 self._owned[owner] = left
             else:

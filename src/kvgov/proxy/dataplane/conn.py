@@ -216,6 +216,10 @@ class StreamProtocol(asyncio.BufferedProtocol):
             return
         self._target = view
         self._tgot = 0
+        if self._end > self._start:  # bytes already here (a frame's header and metadata)
+            self._feed()
+            if self._tgot >= view.nbytes:  # all of them: no future, no pass of the event loop
+                return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._read_fut = fut
         self._feed()

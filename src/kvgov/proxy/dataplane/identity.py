@@ -91,7 +91,8 @@ def resolve(
         # names no tenant is recorded instead of one the database would refuse (and lose)
         return None, Denied("malformed_key", identity, ctx)
     digest = pseudonymizer.key_digest(raw_key)
-    key_user = pseudonymizer.user(tenant, key.user) if key.user else None
+    raw_user = key.user  # (a property that walks the tags: read once)
+    key_user = pseudonymizer.user(tenant, raw_user) if raw_user else None
     if identity.unattributed:  # nobody vouches for a user here: user-scoped data stays shut
         actor = None
     else:
@@ -101,7 +102,7 @@ def resolve(
         return who, Denied("tenant_not_served", identity, ctx)
     if ctx.tenant is not None and ctx.tenant != tenant:
         return who, Denied("tenant_mismatch", identity, ctx)
-    if key.user is not None and ctx.user is not None and ctx.user != key.user:
+    if raw_user is not None and ctx.user is not None and ctx.user != raw_user:
         return who, Denied("user_mismatch", identity, ctx)
     return who, None
 

@@ -37,6 +37,7 @@ class DataPlaneMetrics:
             "kvgov_dataplane_ops", "KV operations served", ["op", "listener", "outcome"], registry=r
         )
         self._op_children: dict[tuple[str, str, str], Any] = {}
+        self._latency_children: dict[str, Any] = {}
         self.op_bytes = Counter(
             "kvgov_dataplane_bytes",
             "KV payload bytes stored (put) or served (get)",
@@ -169,11 +170,24 @@ class DataPlaneMetrics:
     def count_op(self, op: str, listener: str, outcome: str) -> None:
         """``ops{op,listener,outcome} += 1``, with the labelled child looked up once (the
         client library's ``labels()`` costs several microseconds per call on the data path)."""
+        self.op_counter(op, listener, outcome).inc()
+
+    def op_counter(self, op: str, listener: str, outcome: str) -> Any:
+        """The ``ops{op,listener,outcome}`` child, looked up once (a caller on the data path
+        may keep it: :class:`~kvgov.proxy.dataplane.pipeline.Door`)."""
         key = (op, listener, outcome)
         child = self._op_children.get(key)
         if child is None:
             child = self._op_children[key] = self.ops.labels(op, listener, outcome)
-        child.inc()
+        return child
+
+    def latency_of(self, op: str) -> Any:
+        """The ``latency{op}`` child, looked up once (``labels()`` costs several Python calls
+        and a lock per frame otherwise)."""
+        child = self._latency_children.get(op)
+        if child is None:
+            child = self._latency_children[op] = self.latency.labels(op)
+        return child
 
     def watch(
         self,

@@ -183,11 +183,9 @@ class Door:
         self.listener = listener
         self.budget = DenialBudget(principal)
         self._executor: Executor = pipeline.executor
-        metrics = pipeline.metrics
-        self._metrics = metrics
-        self._count: Callable[[str, str], None] = lambda op, outcome: metrics.count_op(
-            op, listener, outcome
-        )
+        self._metrics = pipeline.metrics
+        #: ``ops{op,listener,outcome}.inc`` by (op, outcome), bound on first use
+        self._incs: dict[tuple[str, str], Callable[[], None]] = {}
         #: committed puts waiting to be stored, oldest first, and the task storing them
         self._to_store: deque[tuple[PutPlan, asyncio.Future[Ack]]] = deque()
         self._storer: asyncio.Task[None] | None = None
@@ -466,7 +464,15 @@ class Door:
         self._metrics.protocol_errors.labels(self.listener, code).inc()
 
     def observe(self, op: str, seconds: float) -> None:
-        self._metrics.latency.labels(op).observe(seconds)
+        self._metrics.latency_of(op).observe(seconds)
+
+    def _count(self, op: str, outcome: str) -> None:
+        """``ops{op,listener,outcome} += 1`` (the labelled child's ``inc`` bound once per
+        door)."""
+        inc = self._incs.get((op, outcome))
+        if inc is None:
+            inc = self._incs[op, outcome] = self._metrics.op_counter(op, self.listener, outcome).inc
+        inc()
 
 
 class Pipeline:
@@ -629,7 +635,7 @@ class Pipeline:
                 given.release()
             return kept
         allowed = decision.tiers
-        if not any(name in self.tiers.names for name in allowed):
+        if not self.tiers.holds_any(allowed):
             if given is not None:
                 given.release()
             return Denied("no_allowed_tier", who.identity, who.ctx, decision)

@@ -17,6 +17,7 @@ into the hit's buffer; each sealer refuses the other's envelope.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Protocol
 
 from kvgov.keys.sealed import SealedHeader, SealReader, sealed_size
@@ -172,13 +173,7 @@ class KeyringSealer:
     def windows(self, body: memoryview, length: int, segment_size: int) -> list[memoryview]:
         # each segment lands where its ciphertext will be: sealed in place (or into the tier's
         # buffer at the same offsets); the header and tags are written around it
-        geometry = SealedHeader("", 0, segment_size, length, b"", b"")
-        out = []
-        for i in range(geometry.segments):
-            off, _ = geometry.sealed_span(i)
-            _, plen = geometry.plain_span(i)
-            out.append(body[off : off + plen])
-        return out
+        return [body[off:end] for off, end in _window_spans(length, segment_size)]
 
     def writer(
         self,
@@ -219,3 +214,16 @@ class KeyringSealer:
                 sealed_with=sealed_with,
             )
         )
+
+
+@functools.lru_cache(256)
+def _window_spans(length: int, segment_size: int) -> tuple[tuple[int, int], ...]:
+    """``(start, end)`` of each plaintext segment's window in a sealed body of a ``length``-byte
+    value (remembered: the sizes a data path sees are few, and every put asks)."""
+    geometry = SealedHeader("", 0, segment_size, length, b"", b"")
+    spans = []
+    for i in range(geometry.segments):
+        off, _ = geometry.sealed_span(i)
+        _, plen = geometry.plain_span(i)
+        spans.append((off, off + plen))
+    return tuple(spans)

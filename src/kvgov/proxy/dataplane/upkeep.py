@@ -356,7 +356,7 @@ def evicted(index: EntryIndex, tier: str, digest: str) -> Event | None:
     entry = index.get(digest)
     if entry is None or tier not in entry.tiers:
         return None
-    remaining = tuple(t for t in entry.tiers if t != tier)
+    remaining = tuple([t for t in entry.tiers if t != tier])
     if remaining:
         index.set(digest, replace(entry, tiers=remaining))
     else:

@@ -305,7 +305,7 @@ class WireConnection(StreamProtocol):
                 self._handling = False
 
     def _observe(self, ftype: FrameType, started: float) -> None:
-        self.door.observe(ftype.name.lower(), time.perf_counter() - started)
+        self.door.observe(_OP_NAMES[ftype], time.perf_counter() - started)
 
     async def _replies_sent(self) -> None:
         """Wait until every pipelined PUT reply has been sent (they finish in order)."""
@@ -604,6 +604,9 @@ class WireConnection(StreamProtocol):
         finally:
             self._acks.pop(sid, None)
 
+
+#: each frame type's name in the latency metric (``.name`` is a Python-level property)
+_OP_NAMES: dict[FrameType, str] = {t: t.name.lower() for t in FrameType}
 
 #: the reply of every stored item (shared: only ever encoded)
 _STORED: dict[str, Any] = {"code": 0}
