@@ -7,7 +7,8 @@ later migrations can alter tables there (batch mode recreates a table from its r
 leaves out expression indexes and triggers: such a migration of ``ledger_events`` must create
 ``ix_ledger_events_purge_id`` again, one of ``data_keys`` the tombstone triggers of 0010, one
 of ``cache_entries`` the identity trigger of 0011, and one of ``checkpoints`` 0002's append-only
-guard, as 0013 does).
+guard, as 0013 does; and one of ``ledger_events``, ``checkpoints`` or ``chain_seals`` the hash
+format trigger of 0014).
 """
 
 from __future__ import annotations

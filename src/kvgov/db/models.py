@@ -170,7 +170,11 @@ class JournalMark(Base):
 
 
 class LedgerEvent(Base):
-    """The chained, append-only log. Every column but ``hash`` is covered by ``hash``."""
+    """The chained, append-only log. Every column but ``hash`` is covered by ``hash``.
+
+    ``hash`` and ``prev_hash`` (like ``checkpoints.head_hash`` and ``chain_seals.head_hash``)
+    hold 64 lowercase hex characters: migration 0014's triggers refuse anything else (like the
+    triggers of 0002 and 0011, they live in the migration only)."""
 
     __tablename__ = "ledger_events"
     __table_args__ = (

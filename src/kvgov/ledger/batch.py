@@ -41,7 +41,9 @@ from kvgov.ledger.chain import (
     canonical_json,
     event_prefix,
     format_time,
+    is_chain_hash,
     link_encoded,
+    link_target,
     normalize_json,
     payload_digest,
 )
@@ -57,6 +59,9 @@ from kvgov.ledger.pgfast import (
     read_head_pipelined,
     write_small_batch,
 )
+from kvgov.logging import get_logger
+
+log = get_logger(__name__)
 
 _SALT_BYTES = 16
 _ATTRS = EVENT_COLUMNS.index("attrs")
@@ -189,7 +194,14 @@ def prepare(event: Event) -> Prepared:
 
 
 def read_head(conn: Connection, chain_id: str) -> tuple[int, str]:
-    """Lock the chain (Postgres: an advisory lock on its id) and return its last (seq, hash)."""
+    """Lock the chain (Postgres: an advisory lock on its id) and return its last (seq, hash).
+
+    The hash is the one a row appended next links to, which seals and checkpoints sign: a
+    head whose stored hash is malformed (no writer wrote it: someone with the runtime role,
+    before migration 0014 refused it) is returned as its
+    :func:`~kvgov.ledger.chain.link_target`, and logged (``ledger.chain.malformed_head``,
+    error). Nothing downstream then parses a hash that is not hex, so the chain's writer keeps
+    writing and its restarts start (review r13, F2); ``audit verify`` names the row."""
     if conn.dialect.name == "postgresql":
         found, row = read_head_pipelined(conn, chain_id)
     else:
@@ -211,7 +223,11 @@ def read_head(conn: Connection, chain_id: str) -> tuple[int, str]:
         raise LedgerError(f"chain {chain_id!r} is not registered")
     if row is None:
         return 0, GENESIS_HASH
-    return int(row[0]), str(row[1])
+    seq, stored = int(row[0]), str(row[1])
+    if not is_chain_hash(stored):
+        log.error("ledger.chain.malformed_head", extra={"chain_id": chain_id, "seq": seq})
+        return seq, link_target(stored)
+    return seq, stored
 
 
 Head = tuple[int, str]
@@ -427,7 +443,7 @@ def chain_rows(
     """Assign seqs and hashes to ``batch`` after ``head``: the ``ledger_events`` rows (in the
     order of the table's columns) and the new head. Pure computation. With ``copy_lines``,
     also append each row as a line of COPY text (see :func:`copy_text`)."""
-    seq, prev = head
+    seq, prev = head[0], link_target(head[1])  # a chain hash (read_head's already is)
     prefix = event_prefix(chain_id)
     rows: Rows = []
     for item in batch:

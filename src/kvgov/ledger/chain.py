@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -45,6 +46,14 @@ from kvgov.privatefs import read_private_file
 ENCODING_VERSION = 1
 GENESIS_HASH = "0" * 64
 NOTE_ORIGIN = "kvgov.ledger/v1"
+
+#: what every hash a writer writes looks like: hex SHA-256, lowercase (``hexdigest()``).
+#: Migration 0014 makes the database refuse anything else in ``ledger_events.hash`` and
+#: ``prev_hash``, ``checkpoints.head_hash`` and ``chain_seals.head_hash``
+_CHAIN_HASH = re.compile(r"[0-9a-f]{64}")
+#: the prefix :func:`link_target` hashes a malformed hash's text under (its own domain: no
+#: note or encoding starts so)
+_MALFORMED_ORIGIN = f"{NOTE_ORIGIN} malformed hash\n".encode()
 
 
 _encode_str = json.encoder.encode_basestring  # what canonical_json uses for str (ensure_ascii off)
@@ -239,12 +248,32 @@ def link_encoded(  # noqa: PLR0917 - one per chained field, in encoding order (h
     return hashlib.sha256(bytes.fromhex(prev_hash) + text.encode()).hexdigest()
 
 
+def is_chain_hash(value: object) -> bool:
+    """Whether ``value`` is a chain hash as a writer writes it (64 lowercase hex characters)."""
+    return isinstance(value, str) and _CHAIN_HASH.fullmatch(value) is not None
+
+
+def link_target(head_hash: str) -> str:
+    """The hash a row appended after a head whose stored hash is ``head_hash`` links to (its
+    ``prev_hash``), and that seals and checkpoints sign for that head: ``head_hash`` itself, or,
+    for a malformed one (not :func:`is_chain_hash`: a row no writer wrote, inserted with the
+    runtime role before migration 0014 refused it), the hex SHA-256 of a fixed prefix and its
+    text. Still a chain hash, so the writer can chain on and sign it (``bytes.fromhex`` of the
+    raw text failed, and the whole chain stopped with it: review r13, F2), and still bound to
+    the text it stands for. Verification reports the malformed row (``malformed``) and checks
+    the rows after it against this stand-in."""
+    if is_chain_hash(head_hash):
+        return head_hash
+    raw = str(head_hash).encode("utf-8", "replace")  # str(): SQLite may hand back any type
+    return hashlib.sha256(_MALFORMED_ORIGIN + raw).hexdigest()
+
+
 def link(fields: ChainedFields) -> str:
     """The event's hash: hex SHA-256(prev_hash || encoding)."""
     try:
         prev = bytes.fromhex(fields.prev_hash)
-    except ValueError:
-        prev = fields.prev_hash.encode("utf-8", "replace")
+    except (ValueError, TypeError):  # a malformed row (SQLite may hand back any type)
+        prev = str(fields.prev_hash).encode("utf-8", "replace")
     return hashlib.sha256(prev + encode(fields)).hexdigest()
 
 
@@ -260,6 +289,10 @@ def checkpoint_note(chain_id: str, seq: int, head_hash: str, signed_at: datetime
     """The signed text of a checkpoint."""
     if any(c in chain_id for c in "\n\r"):
         raise LedgerError("chain id must not contain line breaks")
+    if not is_chain_hash(head_hash):
+        # a checkpoint signs a chain hash only (the writer signs a malformed head's
+        # link_target); a row holding anything else never verifies
+        raise LedgerError(f"checkpoint of chain {chain_id!r} at {seq}: head is not a chain hash")
     head = base64.b64encode(bytes.fromhex(head_hash)).decode("ascii")
     text = f"{NOTE_ORIGIN} {chain_id}\n{seq}\n{head}\ntime {format_time(signed_at)}\n"
     return text.encode("utf-8")

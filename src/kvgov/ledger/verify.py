@@ -5,7 +5,10 @@ columns, checks each link, checks each checkpoint's Ed25519 signature and that i
 chain, re-hashes every payload that has not been erased and checks that every other payload
 row is a complete erasure (not a payload stripped of its salt). For each chain it reports either
 ``ok`` or the problems found, the first bad position first, with what kind of tampering the
-evidence points to.
+evidence points to. The walk stops at the first row that does not verify, but for a row whose
+hash is not a chain hash at all (``malformed``: no writer wrote it): the writer chains on, and
+signs, that hash's :func:`~kvgov.ledger.chain.link_target`, so the rows after it are checked
+against that.
 
 Each chain's seals (:mod:`kvgov.ledger.seals`) are checked too (signature, key, head). Given
 trusted keys (what :func:`kvgov.ledger.trust.verify_trusted` passes), verification also checks
@@ -50,8 +53,10 @@ from kvgov.ledger.chain import (
     GENESIS_HASH,
     ChainedFields,
     checkpoint_signature_ok,
+    is_chain_hash,
     key_fingerprint,
     link,
+    link_target,
     payload_digest,
 )
 from kvgov.ledger.seals import (
@@ -84,6 +89,7 @@ class Problem(StrEnum):
     AFTER_CLOSE = "after_close"  # events written while no writer session held the chain open
     FOREIGN_APPEND = "foreign_append"  # events the live writer's foreign seal says it did not write
     STALE_UNSIGNED = "stale_unsigned"  # an unsigned tail older than the bound, or future-dated
+    MALFORMED = "malformed"  # a row whose hash is not a chain hash: no writer wrote it
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,10 +281,14 @@ def _verify_chain(
             fields = row_fields(row)
             computed = link(fields)
             if m["prev_hash"] != prev or computed != stored:
-                chain.findings.append(
-                    _diagnose(engine, row, fields, computed, prev=prev, before_prev=before_prev)
-                )
-                break
+                if m["prev_hash"] != prev or is_chain_hash(stored):
+                    chain.findings.append(
+                        _diagnose(engine, row, fields, computed, prev=prev, before_prev=before_prev)
+                    )
+                    break
+                chain.findings.append(_malformed(seq))
+                # the rows after it link to its stand-in (what a writer chains on and signs)
+                stored = link_target(str(stored))
             if m["payload_digest"] is not None:
                 digests[seq] = m["payload_digest"]
             if seq in wanted:
@@ -493,6 +503,19 @@ def _seals(engine: Engine, chain_id: str) -> list[Seal]:
             select(t).where(t.c.chain_id == chain_id).order_by(t.c.seq, t.c.signed_at, t.c.kind)
         )
         return [Seal.from_row(r) for r in rows]
+
+
+def _malformed(seq: int) -> Finding:
+    """A row that links in but whose hash is not a chain hash (64 lowercase hex characters):
+    no writer wrote it (someone with the runtime role, before migration 0014 refused such
+    rows). Named, and the rows after it still checked: they link to the hash's
+    :func:`~kvgov.ledger.chain.link_target`, as a writer chains on it (review r13, F2)."""
+    return Finding(
+        Problem.MALFORMED,
+        seq,
+        "the row's hash is not a SHA-256 hex digest: no writer wrote it (inserted with the "
+        "database's runtime role); the rows after it are checked against its stand-in",
+    )
 
 
 def _diagnose(

@@ -13,8 +13,8 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from kvgov.errors import LedgerError
-from kvgov.ledger.chain import GENESIS_HASH, format_time
+from kvgov.errors import LedgerError, LedgerSealError
+from kvgov.ledger.chain import GENESIS_HASH, format_time, is_chain_hash
 
 SEAL_ORIGIN = "kvgov.ledger.seal/v1"
 
@@ -35,6 +35,17 @@ def _b64(raw: bytes) -> str:
 def _check_chain_id(chain_id: str) -> None:
     if any(c in chain_id for c in "\n\r"):
         raise LedgerError("chain id must not contain line breaks")
+
+
+def _head_line(chain_id: str, seq: int, head_hash: str) -> str:
+    """The note's head line (the hash as base64 of its 32 bytes). A head that is not a chain
+    hash is the seal's failure (:class:`~kvgov.errors.LedgerSealError`), never a
+    ``ValueError`` a committer could take for its events' refusal (review r13, F2): the writer
+    signs a malformed head's :func:`~kvgov.ledger.chain.link_target`, and a row holding
+    anything else is a seal that does not verify."""
+    if not is_chain_hash(head_hash):
+        raise LedgerSealError(f"seal of chain {chain_id!r} at {seq}: head is not a chain hash")
+    return _b64(bytes.fromhex(head_hash))
 
 
 def genesis_note(
@@ -62,7 +73,7 @@ def session_note(
     if kind not in (SealKind.OPEN, SealKind.CLOSE) or not _session_ok(session):
         raise LedgerError("a session seal needs a session id without spaces")
     flag = " exclusive" if exclusive else ""
-    head = _b64(bytes.fromhex(head_hash))
+    head = _head_line(chain_id, seq, head_hash)
     text = (
         f"{SEAL_ORIGIN} {chain_id}\n{kind} {session}{flag}\n{seq}\n{head}\n"
         f"time {format_time(signed_at)}\n"
@@ -95,7 +106,7 @@ def foreign_note(
         raise LedgerError("a foreign seal needs a session id without spaces")
     if not 1 <= first <= last:
         raise LedgerError("a foreign seal names positions 1 <= first <= last")
-    head = _b64(bytes.fromhex(head_hash))
+    head = _head_line(chain_id, last, head_hash)
     text = (
         f"{SEAL_ORIGIN} {chain_id}\n{SealKind.FOREIGN} {session}\n{first} {last}\n{head}\n"
         f"time {format_time(signed_at)}\n"

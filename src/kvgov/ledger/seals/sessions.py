@@ -16,7 +16,7 @@ from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE
 from kvgov.db.models import Chain, LedgerEvent, table
 from kvgov.errors import LedgerError
 from kvgov.ledger.batch import Disclaimed, HeadCheck, read_head
-from kvgov.ledger.chain import GENESIS_HASH, public_key_bytes
+from kvgov.ledger.chain import GENESIS_HASH, link_target, public_key_bytes
 from kvgov.ledger.seals.coverage import Standing, session_end
 from kvgov.ledger.seals.notes import Seal, SealKind
 from kvgov.ledger.seals.store import read_standing, write_genesis, write_session_seal
@@ -42,7 +42,11 @@ def open_session(
     """At a writer's start, in the transaction that registered the chain (``created``: its
     creation time when this transaction registered it): lock the chain, sign its genesis (a new
     chain, or a legacy one: :func:`adopt_legacy`), sign the session's open at the head, and
-    return the head. Events no session covers are logged (verification reports them)."""
+    return the head. Events no session covers are logged (verification reports them). A head
+    whose stored hash is malformed (:func:`~kvgov.ledger.batch.read_head`: logged
+    ``ledger.chain.malformed_head``) is opened on as its
+    :func:`~kvgov.ledger.chain.link_target`: the writer starts, and does not crash-loop on a
+    row it cannot remove (review r13, F2)."""
     head = read_head(conn, chain_id)  # locks the chain
     public = public_key_bytes(key)
     if created is not None:
@@ -121,9 +125,10 @@ def keep_open(conn: Connection, chain_id: str, key: Ed25519PrivateKey, session: 
     head_hash = GENESIS_HASH
     if end > 0:
         events = table(LedgerEvent)
-        head_hash = conn.execute(
+        stored = conn.execute(
             select(events.c.hash).where(events.c.chain_id == chain_id, events.c.seq == end)
         ).scalar_one()
+        head_hash = link_target(str(stored))  # a malformed hash: what read_head gives for it
     resumed = new_session()
     write_session_seal(conn, chain_id, key, SealKind.OPEN, session=resumed, head=(end, head_hash))
     log.warning(

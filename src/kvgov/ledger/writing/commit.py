@@ -21,7 +21,9 @@ chained with :func:`~kvgov.ledger.batch.apply_batch` (Postgres fast paths:
 - a failure to write such a seal of the writer's own (:class:`~kvgov.errors.LedgerSealError`)
   is the writer's, not the events': the batch is retried with backoff and the failure logged
   (``ledger.chain.seal_failed``) and counted (``stats.seal_failures``); its events are never
-  refused for it (review r11, F1).
+  refused for it (review r11, F1). The watch turns every failure of its own work (but a
+  transient one) into that error, so nothing it raises is read as a refusal of the events
+  (review r13, F2: a ``ValueError`` from a foreign row's malformed hash was).
 """
 
 from __future__ import annotations

@@ -38,7 +38,10 @@ in every transaction, not only when the head moved: the sidecar's open moves no 
 The watch's own seals never cost the writer its events: a foreign seal's key has a random part
 (the runtime role cannot take it first, review r11, F1), and a seal that still cannot be written
 raises :class:`~kvgov.errors.LedgerSealError`, which the committer retries and alerts on
-(``ledger.chain.seal_failed``, ``stats.seal_failures``) instead of refusing the batch.
+(``ledger.chain.seal_failed``, ``stats.seal_failures``) instead of refusing the batch. Any
+failure of the watch's own work but a transient one is turned into that error (review r13, F2:
+a ``ValueError`` from a foreign row's malformed hash escaped it and was read as the events'
+refusal); a malformed hash itself is signed as its :func:`~kvgov.ledger.chain.link_target`.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from sqlalchemy import Connection, exc, select
 from kvgov.db.models import LedgerEvent, table
 from kvgov.errors import LedgerSealError
 from kvgov.ledger.batch import Disclaimed, Head
-from kvgov.ledger.chain import GENESIS_HASH, public_key_bytes
+from kvgov.ledger.chain import GENESIS_HASH, link_target, public_key_bytes
 from kvgov.ledger.seals import (
     Seal,
     SealKind,
@@ -169,7 +172,10 @@ class ForeignWatch:
             resumed = keep_open(conn, self.chain_id, self._key, current)
         except self._TRANSIENT:
             raise
-        except (exc.SQLAlchemyError, LedgerSealError) as err:
+        except Exception as err:
+            # never the events': a committer reads anything but LedgerSealError from the
+            # transaction as the database refusing them (a ValueError from a malformed head's
+            # hash made it refuse every event for good: review r13, F2)
             raise LedgerSealError(
                 f"the writer of chain {self.chain_id!r} could not write its own seal: "
                 f"{type(err).__name__}"
@@ -215,9 +221,15 @@ class ForeignWatch:
         self.stats.seal_keys_taken += 1
 
     def _hash_at(self, conn: Connection, seq: int) -> str:
+        """The hash the seal signs for position ``seq``: its stored one, or a malformed one's
+        :func:`~kvgov.ledger.chain.link_target` (as :func:`~kvgov.ledger.batch.read_head`)."""
         events = table(LedgerEvent)
-        return str(
-            conn.execute(
-                select(events.c.hash).where(events.c.chain_id == self.chain_id, events.c.seq == seq)
-            ).scalar_one()
+        return link_target(
+            str(
+                conn.execute(
+                    select(events.c.hash).where(
+                        events.c.chain_id == self.chain_id, events.c.seq == seq
+                    )
+                ).scalar_one()
+            )
         )
