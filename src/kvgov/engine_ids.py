@@ -8,7 +8,9 @@ listener's engine as ``lm:<id>`` (:data:`LM_PREFIX`): a wire engine named ``lm:1
 would read there like the ``lm://`` engine (which has no control channel and is never sent
 EVICT), and an id with control, format or separator characters (a newline, a zero-width or a
 bidi override) or surrounding blanks could pass for another engine in a receipt, a log line or
-the dashboard. :func:`engine_id_problem` refuses those wherever an id enters.
+the dashboard. So could a look-alike that no normalisation folds (a Cyrillic ``м`` for ``m``, a
+ratio sign for the colon: review r14), so an id is printable ASCII: no confusable of another
+id's letters can enter. :func:`engine_id_problem` refuses those wherever an id enters.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ LM_PREFIX = "lm:"
 
 
 def id_text_problem(engine: object) -> str | None:
-    """Why ``engine`` is not a well-formed id (empty, too long, not printable text or with
+    """Why ``engine`` is not a well-formed id (empty, too long, not printable ASCII or with
     surrounding blanks), or None. Never quotes the id: the answer goes in errors and logs."""
     if not isinstance(engine, str) or not engine:
         return "is empty"
@@ -36,6 +38,10 @@ def id_text_problem(engine: object) -> str | None:
         return "holds a control, format, separator or surrogate character"
     if engine != engine.strip():
         return "begins or ends with a blank"
+    if not engine.isascii():
+        # printable letters of other scripts read like ASCII ones (Cyrillic, Greek, fullwidth,
+        # math symbols): an id that could pass for another is refused, not folded
+        return "holds a character outside printable ASCII (it could read like another id)"
     return None
 
 
