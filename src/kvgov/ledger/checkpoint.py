@@ -15,31 +15,28 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Protocol
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import Connection, Engine, Row, exc, select
+from sqlalchemy import Connection, Engine, exc, select
 
 from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE, utcnow
-from kvgov.db.models import Chain, Checkpoint, table
+from kvgov.db.models import Chain, table
 from kvgov.errors import LedgerError
 from kvgov.ledger.batch import Head, HeadCheck, read_head
 from kvgov.ledger.chain import (
     checkpoint_note,
-    checkpoint_signature_ok,
     key_fingerprint,
     public_key_bytes,
     sign_checkpoint,
     signed_note,
 )
+from kvgov.ledger.checkpoint_scan import verified_checkpoints
 from kvgov.ledger.seals import read_standing
 from kvgov.ledger.seals.store import write_checkpoint_row
 from kvgov.logging import get_logger
 
 log = get_logger(__name__)
-
-#: checkpoint rows fetched at a time while looking for the newest that verifies
-_SCAN_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,35 +131,20 @@ def _sign_head(
     return CheckpointInfo(chain_id, seq, head_hash, signed_at, signature, public)
 
 
-def _verifies(row: Row[Any], public: bytes, chain_id: str) -> bool:
-    """Whether a ``checkpoints`` row is a checkpoint of ``chain_id`` signed by ``public`` (the
-    chain's key)."""
-    m = row._mapping
-    return bytes(m["public_key"]) == public and checkpoint_signature_ok(
-        public,
-        bytes(m["signature"]),
-        chain_id=chain_id,
-        seq=int(m["seq"]),
-        head_hash=str(m["head_hash"]),
-        at=m["signed_at"],
-    )
-
-
 def _signed_already(conn: Connection, chain_id: str, public: bytes, head: Head) -> bool:
     """Whether a checkpoint of ``head`` that verifies under the chain's key is stored. Rows
     that do not verify count for nothing (the runtime role can insert any row, under any key a
     checkpoint of that head could take); a valid one naming another hash at that position
     means the events under it were rewritten since it was signed: that head is refused
-    (:class:`LedgerError`), never signed over."""
+    (:class:`LedgerError`), never signed over. The rows are read by
+    :func:`~kvgov.ledger.checkpoint_scan.verified_checkpoints` (bounded: past its cap the head
+    counts as unsigned and is signed again, beside the junk)."""
     seq, head_hash = head
-    cps = table(Checkpoint)
-    rows = conn.execute(
-        select(cps).where(cps.c.chain_id == chain_id, cps.c.seq == seq, cps.c.public_key == public)
-    ).all()
-    for row in rows:
-        if not _verifies(row, public, chain_id):
-            continue
-        if row._mapping["head_hash"] == head_hash:
+    found = verified_checkpoints(
+        conn, chain_id, public, reader="checkpoint", above=seq - 1, upto=seq, on_chain=False
+    )
+    for row in found:
+        if row.head_hash == head_hash:
             return True
         raise LedgerError(
             f"chain {chain_id!r}: its signed checkpoint at {seq} names another head than the "
@@ -173,11 +155,12 @@ def _signed_already(conn: Connection, chain_id: str, public: bytes, head: Head) 
 
 
 def latest_checkpoint(engine: Engine, chain_id: str) -> CheckpointInfo | None:
-    """The newest checkpoint of ``chain_id`` that verifies under the chain's key (None: none
-    does, or no such chain). The newest row is not enough: the runtime role can insert a junk
-    one at any position, far past the head, and a receipt naming it would name no signed head
-    at all."""
-    chains, cps = table(Chain), table(Checkpoint)
+    """The newest checkpoint of ``chain_id`` that verifies under the chain's key and names the
+    chain's row at its position (None: none does, no such chain, or the lookup stopped at its
+    cap). The newest row is not enough: the runtime role can insert a junk one at any position,
+    far past the head, and a receipt naming it would name no signed head at all; nor may junk
+    rows cost a signature check each (:mod:`~kvgov.ledger.checkpoint_scan`)."""
+    chains = table(Chain)
     with engine.connect() as conn:
         key = conn.execute(
             select(chains.c.public_key).where(chains.c.chain_id == chain_id)
@@ -185,27 +168,13 @@ def latest_checkpoint(engine: Engine, chain_id: str) -> CheckpointInfo | None:
         if key is None:
             return None
         public = bytes(key)
-        query = (
-            select(cps)
-            .where(cps.c.chain_id == chain_id, cps.c.public_key == public)
-            .order_by(cps.c.seq.desc(), cps.c.signed_at.desc())
-        )
-        result = conn.execution_options(yield_per=_SCAN_ROWS).execute(query)
-        try:
-            for row in result:
-                if _verifies(row, public, chain_id):
-                    m = row._mapping
-                    return CheckpointInfo(
-                        chain_id,
-                        int(m["seq"]),
-                        str(m["head_hash"]),
-                        m["signed_at"],
-                        bytes(m["signature"]),
-                        public,
-                    )
-        finally:
-            result.close()
-    return None
+        found = verified_checkpoints(conn, chain_id, public, reader="latest_checkpoint")
+        row = next(found, None)
+    if row is None:
+        return None
+    return CheckpointInfo(
+        chain_id, row.seq, row.head_hash, row.signed_at, row.signature, row.public_key
+    )
 
 
 def _check_signable(

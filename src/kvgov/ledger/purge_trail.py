@@ -45,12 +45,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Row, Select, select
+from sqlalchemy import Connection, Select, select
 from sqlalchemy.orm import Session
 
-from kvgov.db.models import Chain, Checkpoint, LedgerEvent, table
+from kvgov.db.models import Chain, LedgerEvent, table
 from kvgov.db.purge_index import is_purge_step, purge_id_of
-from kvgov.ledger.chain import checkpoint_signature_ok, link
+from kvgov.ledger.chain import link
+from kvgov.ledger.checkpoint_scan import verified_checkpoints
 from kvgov.ledger.seals import Span, Standing, read_standing
 from kvgov.ledger.verify import row_fields
 from kvgov.types import EventKind
@@ -73,11 +74,6 @@ class ChainedStep:
     seq: int
     #: when the step's executor chained it (after the step ran)
     occurred_at: datetime | None = None
-
-
-#: checkpoints read at a time, highest first (the first valid one ends the search; more are
-#: read only past rows that do not verify)
-_PAGE = 64
 
 
 class _Signed:
@@ -116,41 +112,24 @@ class _Signed:
 
     def _checkpointed(self, span: Span) -> int:
         """The highest valid checkpoint signed within ``span`` (:meth:`Span.signed_within`) at
-        a position no foreign seal names, that is the chain's row there."""
-        cps = table(Checkpoint)
-        query = (
-            select(cps.c.seq, cps.c.head_hash, cps.c.signed_at, cps.c.signature, cps.c.public_key)
-            .where(cps.c.chain_id == self._chain_id, cps.c.seq > span.start)
-            .order_by(cps.c.seq.desc(), cps.c.signed_at)
-        )
-        if span.end is not None:
-            query = query.where(cps.c.seq <= span.end)
-        offset = 0
-        while rows := self._conn.execute(query.limit(_PAGE).offset(offset)).all():
-            for row in rows:
-                if self._checkpoint_ok(span, row):
-                    return int(row.seq)
-            offset += len(rows)
-        return 0
+        a position no foreign seal names, that is the chain's row there (0: none, or the
+        lookup stopped at its cap: :func:`~kvgov.ledger.checkpoint_scan.verified_checkpoints`,
+        which reads no row past the chain's head and checks no signature of a row naming
+        another head than the chain's)."""
 
-    def _checkpoint_ok(self, span: Span, row: Row[Any, Any, Any, Any, Any]) -> bool:
-        """``row`` (a ``checkpoints`` row) is a valid signature of this chain's key, signed
-        within ``span``, at a position no foreign seal names, over the chain's row there."""
-        seq, head_hash, signed_at = int(row.seq), str(row.head_hash), row.signed_at
-        return (
-            bytes(row.public_key) == self._key
-            and span.signed_within(seq, signed_at)
-            and self.standing.foreign_at(seq) is None
-            and checkpoint_signature_ok(
-                self._key,
-                bytes(row.signature),
-                chain_id=self._chain_id,
-                seq=seq,
-                head_hash=head_hash,
-                at=signed_at,
-            )
-            and self._hash_at(seq) == head_hash
+        def eligible(seq: int, signed_at: datetime) -> bool:
+            return span.signed_within(seq, signed_at) and self.standing.foreign_at(seq) is None
+
+        found = verified_checkpoints(
+            self._conn,
+            self._chain_id,
+            self._key,
+            reader="purge_trail",
+            above=span.start,
+            upto=span.end,
+            accept=eligible,
         )
+        return next((cp.seq for cp in found), 0)
 
     def _hash_at(self, seq: int) -> str | None:
         if seq not in self._hashes:

@@ -30,6 +30,7 @@ from kvgov.db.engine import utcnow
 from kvgov.db.models import Chain, ChainSeal, Checkpoint, table
 from kvgov.errors import LedgerSealError
 from kvgov.ledger.chain import GENESIS_HASH, public_key_bytes
+from kvgov.ledger.checkpoint_scan import verified_checkpoints
 from kvgov.ledger.seals.coverage import Standing, standing
 from kvgov.ledger.seals.notes import (
     FOREIGN_SEP,
@@ -282,15 +283,29 @@ def read_seals(conn: Connection, chain_id: str) -> list[Seal]:
 
 
 def read_standing(conn: Connection, chain_id: str, public_key: bytes) -> Standing:
-    """:func:`standing` of ``chain_id`` from the database (``public_key``: the chain's)."""
-    chains, cps = table(Chain), table(Checkpoint)
+    """:func:`standing` of ``chain_id`` from the database (``public_key``: the chain's). Its
+    checkpoints matter only to the legacy rule (no valid genesis: is there a checkpoint of the
+    key signed before any valid seal?), so they are read only then, and only through
+    :func:`~kvgov.ledger.checkpoint_scan.verified_checkpoints` (at or below the head, signed
+    before the first valid seal, bounded): the runtime role may insert any number of rows, and
+    a chain with a genesis, every chain a writer registered since seals, reads none."""
+    chains = table(Chain)
     created_at = conn.execute(
         select(chains.c.created_at).where(chains.c.chain_id == chain_id)
     ).scalar()
-    checkpoints = conn.execute(
-        select(cps.c.seq, cps.c.head_hash, cps.c.signed_at, cps.c.signature, cps.c.public_key)
-        .where(cps.c.chain_id == chain_id)
-        .order_by(cps.c.seq)
-    ).all()
-    rows = [(int(r[0]), str(r[1]), r[2], bytes(r[3]), bytes(r[4])) for r in checkpoints]
-    return standing(read_seals(conn, chain_id), public_key, created_at, rows, chain_id)
+    found = standing(read_seals(conn, chain_id), public_key, created_at, (), chain_id)
+    if found.genesis == "signed":
+        return found
+    first_seal = min((s.signed_at for s in found.valid), default=None)
+    legacy = verified_checkpoints(
+        conn,
+        chain_id,
+        public_key,
+        reader="read_standing",
+        on_chain=False,
+        signed_before=first_seal,
+    )
+    if next(legacy, None) is None:
+        return found
+    # what standing() decides given that checkpoint, without checking every seal again
+    return Standing("legacy", found.valid, found.invalid)

@@ -11,6 +11,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvgov.ledger.checkpoint_scan import scans_capped
+
 _LATENCY_BUCKETS = (
     0.0001,
     0.00025,
@@ -148,6 +150,15 @@ class DataPlaneMetrics:
             " written, since start (its events wait, never refused)",
             registry=r,
         )
+        self.ledger_checkpoint_scans_capped = Gauge(
+            "kvgov_ledger_checkpoint_scans_capped",
+            "Checkpoint lookups (a receipt's cross-check, a job view, a restore, the receipt's"
+            " checkpoint) that stopped at their cap of rows examined, since start: someone with"
+            " the runtime database role is inserting junk into checkpoints, and what each"
+            " lookup was to prove was not counted as signed (receipts say incomplete)",
+            registry=r,
+        )
+        self.ledger_checkpoint_scans_capped.set_function(lambda: float(scans_capped()))
         self.journal_unapplied = Gauge(
             "kvgov_ledger_journal_unapplied_events",
             "Events in the local ledger journal that the database does not hold yet",
