@@ -10,6 +10,9 @@ run. A production sidecar never migrates (``kvgov.db.roles.check_schema``).
 Column types shared by the models live here too: :class:`UTCDateTime` stores UTC and always
 returns timezone-aware datetimes (SQLite has no time zones), :class:`StrEnumType` stores a
 ``StrEnum`` as its string value, and :data:`JSONType` is JSONB on Postgres and JSON elsewhere.
+Every engine reads and writes JSON through :mod:`kvgov.boundedjson`: a stored value nested
+too deep or too large (which the runtime role can insert) decodes to a fixed marker, never to a
+``RecursionError`` (review r14, F1/F2).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 from sqlalchemy.types import TypeDecorator
 
+from kvgov.boundedjson import bounded_dumps, bounded_loads
 from kvgov.config import Settings, mask_url
 from kvgov.errors import ConfigError, KvgovError, LedgerError, StartupError
 from kvgov.logging import get_logger
@@ -114,6 +118,8 @@ def make_engine(url: str, *, pool_size: int = 5, echo: bool = False) -> Engine:
             echo=echo,
             connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
             poolclass=NullPool if ":memory:" not in url else None,
+            json_serializer=bounded_dumps,
+            json_deserializer=bounded_loads,
         )
         event.listen(engine, "connect", _sqlite_on_connect)
         event.listen(engine, "begin", _sqlite_on_begin)
@@ -131,6 +137,11 @@ def make_engine(url: str, *, pool_size: int = 5, echo: bool = False) -> Engine:
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_pre_ping=True,
+        # psycopg decodes json/jsonb itself: SQLAlchemy sets these on the engine's own
+        # adapters map (set_json_loads/dumps), which every connection of it, text() queries
+        # and the ledger's raw-connection fast path included, decodes with
+        json_serializer=bounded_dumps,
+        json_deserializer=bounded_loads,
     )
 
 

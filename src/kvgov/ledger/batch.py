@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from sqlalchemy import Connection, select, update
 
+from kvgov.boundedjson import MAX_JSON_BYTES, check_bounds
 from kvgov.db.models import (
     DECISION_ID,
     DIGEST,
@@ -178,7 +179,10 @@ def prepare(event: Event) -> Prepared:
             raise LedgerError("event attrs contain a NUL character")
         if set(map(type, given)) <= _STR and all(map(isinstance, given.values(), _ALL_SCALARS)):
             attrs = dict(given)  # flat: reads back exactly as written
+            if len(attrs_json) * 4 > MAX_JSON_BYTES:  # (one level: only its size may be past)
+                _check_json_bounds("attrs", attrs_json)
         else:
+            _check_json_bounds("attrs", attrs_json)
             attrs = json.loads(attrs_json)
             if canonical_json(attrs) != attrs_json:  # e.g. int keys, which JSON makes strings
                 raise LedgerError("event attrs do not survive a JSON round trip (keys must be str)")
@@ -187,10 +191,19 @@ def prepare(event: Event) -> Prepared:
     digest: str | None = None
     if e.payload is not None:
         payload = normalize_json(e.payload)
+        _check_json_bounds("payload", canonical_json(payload))
         salt = os.urandom(_SALT_BYTES)
         digest = payload_digest(salt, payload)
     plain = COPY_SPECIAL.search(joined) is None and COPY_SPECIAL.search(attrs_json) is None
     return Prepared(event, attrs, attrs_json, payload, salt, digest, plain)
+
+
+def _check_json_bounds(name: str, text: str) -> None:
+    """Refuse an event whose JSON would not read back (:mod:`kvgov.boundedjson`): every
+    reader would take its row for a forged one (review r14)."""
+    problem = check_bounds(text)
+    if problem is not None:
+        raise LedgerError(f"event {name} {problem}: it would not read back from the ledger")
 
 
 def read_head(conn: Connection, chain_id: str) -> tuple[int, str]:

@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
+from kvgov.boundedjson import is_undecodable
 from kvgov.errors import LedgerError, StartupError
 from kvgov.ledger.secretfile import create_private_file
 from kvgov.privatefs import read_private_file
@@ -268,8 +269,17 @@ def link_target(head_hash: str) -> str:
     return hashlib.sha256(_MALFORMED_ORIGIN + raw).hexdigest()
 
 
+#: what :func:`link` gives for a row whose ``attrs`` were not decoded: not a chain hash, so no
+#: stored hash a writer wrote (or migration 0014 lets in) is ever equal to it
+UNDECODABLE_LINK = "undecodable"
+
+
 def link(fields: ChainedFields) -> str:
-    """The event's hash: hex SHA-256(prev_hash || encoding)."""
+    """The event's hash: hex SHA-256(prev_hash || encoding). For a row read back whose
+    ``attrs`` were past the JSON bounds (:mod:`kvgov.boundedjson`: no writer wrote it) there
+    is nothing to hash: :data:`UNDECODABLE_LINK`, which matches no stored hash."""
+    if is_undecodable(fields.attrs):
+        return UNDECODABLE_LINK
     try:
         prev = bytes.fromhex(fields.prev_hash)
     except (ValueError, TypeError):  # a malformed row (SQLite may hand back any type)

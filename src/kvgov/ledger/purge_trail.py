@@ -29,6 +29,11 @@ honest event is signed by the time any receipt is built. Linking an event to the
 above it stays ``audit verify``'s job (the runtime role cannot change or fill a position below
 a head once written).
 
+Every row is decoded before it is checked, so the rows' JSON is read through
+:mod:`kvgov.boundedjson`: a row whose ``attrs`` the runtime role nested thousands deep reads
+as a marker that names no purge and matches no hash, never as a ``RecursionError`` that killed
+the executor building the receipt (review r14, F1).
+
 A purge's ``purge:evict:late`` events (an EVICT an ``engines@S`` step could not deliver, sent
 once the engine's control channel was back: :mod:`kvgov.proxy.purge.late`) are read the same
 way, for the job's document (:func:`late_evictions`) and, many jobs at once, for the purge list
@@ -48,6 +53,7 @@ from typing import Any
 from sqlalchemy import Connection, Select, select
 from sqlalchemy.orm import Session
 
+from kvgov.boundedjson import is_undecodable
 from kvgov.db.models import Chain, LedgerEvent, table
 from kvgov.db.purge_index import is_purge_step, purge_id_of
 from kvgov.ledger.chain import link
@@ -228,6 +234,8 @@ def _proven(
     conn = session.connection()
     chains: dict[str, _Signed | None] = {}
     for row in session.execute(query).all():
+        if is_undecodable(row.attrs):
+            continue  # past the JSON bounds (review r14, F1): no writer wrote it
         attrs = row.attrs if isinstance(row.attrs, Mapping) else {}
         if not wanted(row, attrs) or link(row_fields(row)) != row.hash:
             continue

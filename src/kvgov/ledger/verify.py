@@ -46,6 +46,7 @@ from typing import Any
 
 from sqlalchemy import Engine, Row, select
 
+from kvgov.boundedjson import is_undecodable
 from kvgov.db.engine import utcnow
 from kvgov.db.models import Chain, ChainSeal, Checkpoint, EventPayload, LedgerEvent, table
 from kvgov.ledger.chain import (
@@ -277,6 +278,9 @@ def _verify_chain(
                 chain.findings.append(
                     Finding(Problem.BAD_ENCODING, seq, f"encoding v{m['encoding_version']}")
                 )
+                break
+            if is_undecodable(m["attrs"]):
+                chain.findings.append(_undecodable(seq))
                 break
             fields = row_fields(row)
             computed = link(fields)
@@ -518,6 +522,18 @@ def _malformed(seq: int) -> Finding:
     )
 
 
+def _undecodable(seq: int) -> Finding:
+    """A row whose ``attrs`` are not JSON, nested too deep or too large to decode
+    (:mod:`kvgov.boundedjson`): no writer wrote it (the writer refuses such attrs), and its
+    hash cannot be checked; the walk stops there as at any other modified row (review r14)."""
+    return Finding(
+        Problem.MODIFIED,
+        seq,
+        "the row's attrs are not JSON, or nested too deep or too large to decode: no writer "
+        "wrote it, and its hash cannot be checked",
+    )
+
+
 def _diagnose(
     engine: Engine,
     row: Row[Any],
@@ -604,6 +620,8 @@ def _payload_problem(
         return "payload missing (salt kept) but not marked erased"
     if salt is None:
         return "payload kept without its salt: it cannot be checked against its digest"
+    if is_undecodable(payload):
+        return "payload is not JSON, or nested too deep or too large to decode"
     if payload is None or digest != payload_digest(bytes(salt), payload):
         return "payload does not match its digest"
     return None

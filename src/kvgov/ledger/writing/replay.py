@@ -30,6 +30,7 @@ from concurrent.futures import Executor
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import Connection, Engine, select
 
+from kvgov.boundedjson import is_undecodable
 from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE, utcnow
 from kvgov.db.models import Chain, JournalMark, LedgerEvent, table
 from kvgov.errors import LedgerError
@@ -153,6 +154,7 @@ def chain_holds(conn: Connection, chain_id: str, event: Event) -> bool:
             if (
                 format_time(row[0]) == when
                 and tuple(row[1 : len(_MATCHED)]) == texts
+                and not is_undecodable(row[-2])  # past the JSON bounds: no writer wrote it
                 and canonical_json(row[-2] if row[-2] is not None else {}) == attrs_json
                 and (row[-1] is None) == (digest is None)
             ):

@@ -120,6 +120,14 @@ class DataPlaneMetrics:
             ["outcome"],
             registry=r,
         )
+        self.task_errors = Counter(
+            "kvgov_background_task_errors",
+            "Failures of the sidecar's background tasks, by task: a purge executor pass, a job"
+            " the late-EVICT restore could not read, a task found dead at stop (each logged by"
+            " its error's type; the task goes on, or the stop finishes)",
+            ["task"],
+            registry=r,
+        )
         self.late_evict_pending = Gauge(
             "kvgov_purge_late_evict_pending_digests",
             "Key digests of EVICTs owed to engines now (in memory; lost with a restart)",

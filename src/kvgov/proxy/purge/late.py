@@ -22,7 +22,7 @@ is settled by the first connection of the engine id that acknowledges it.
 
 The queue is memory; a sidecar that restarts owes again, through :meth:`LateEvictions.restore`,
 what the ledger proves its earlier steps still owe (:func:`kvgov.services.purge.debts.
-proven_debts`: the chained ``purge:step`` event names the engines, the purge's chained
+proven_debt`: the chained ``purge:step`` event names the engines, the purge's chained
 ``kv:delete`` events the digests; a chained ``purge:evict:late`` event settles a debt), each as
 old as its step and within the same bounds.
 """

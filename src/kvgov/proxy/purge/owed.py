@@ -12,7 +12,7 @@ pass it makes the oldest ones go first; one larger than the whole bound is not k
 ``purge.pending_evict_ttl_s`` per debt, counted from its step. Whatever goes is handed to
 ``on_drop`` (the caller logs and counts it). The queue itself is memory only; a restarted
 sidecar owes again what the ledger proves its steps still owe
-(:func:`kvgov.services.purge.debts.proven_debts`, :meth:`LateEvictions.restore
+(:func:`kvgov.services.purge.debts.proven_debt`, :meth:`LateEvictions.restore
 <kvgov.proxy.purge.late.LateEvictions.restore>`), each debt as old as its step.
 """
 

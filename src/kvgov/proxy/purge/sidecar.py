@@ -158,6 +158,8 @@ class PurgeWiring:
     fences: _Fences | None = None
     #: keeps the EVICTs engines missed until their control channel is back (None: none kept)
     late: LateEvictions | None = None
+    #: told of each executor pass that failed (the sidecar counts them)
+    on_error: Callable[[Exception], None] | None = None
 
 
 async def attach_purge(w: PurgeWiring) -> PurgeExecutor:
@@ -180,6 +182,8 @@ async def attach_purge(w: PurgeWiring) -> PurgeExecutor:
         sidecar_id=w.sidecar_id,
         principal=f"sidecar:{w.sidecar_id}",
     )
-    executor = PurgeExecutor(service, sidecar_id=w.sidecar_id, chain_id=w.settings.chain_id)
+    executor = PurgeExecutor(
+        service, sidecar_id=w.sidecar_id, chain_id=w.settings.chain_id, on_error=w.on_error
+    )
     await executor.start()
     return executor

@@ -2,8 +2,9 @@
 
 An ``engines@S`` step that could not reach an engine hands sidecar S the debt
 (:mod:`kvgov.proxy.purge.late`), which S keeps in memory; a restart used to lose it, and the
-engine's local tier kept the purged chunks. :func:`proven_debts` finds them again from what
-proves itself, not from rows the runtime role may edit:
+engine's local tier kept the purged chunks. :func:`proven_debt` finds them again, one job at a
+time (:func:`owed_jobs` says which), from what proves itself, not from rows the runtime role may
+edit:
 
 - the job's ``engines@S`` step, by its latest chained ``purge:step`` event (on a chain a trusted
   key vouches for, :func:`~kvgov.ledger.purge_trail.chained_steps`): the engines it names
@@ -60,20 +61,45 @@ def _aware(at: datetime) -> datetime:
     return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
-def _candidates(s: Session, sidecar_id: str, since: datetime) -> list[tuple[str, str, object]]:
-    """(job id, tenant, stored detail) of the ``engines@S`` steps of jobs created since
-    ``since``: where to look. Rows only: nothing here is owed until the chain says so."""
+@dataclass(frozen=True, slots=True)
+class OwedJob:
+    """A job whose ``engines@S`` step may still owe engines (where to look: nothing is owed
+    until the chain says so)."""
+
+    job_id: str
+    tenant: str
+
+
+def owed_jobs(
+    s: Session, sidecar_id: str, *, now: datetime, max_age_s: float, job_window_s: float
+) -> list[OwedJob]:
+    """The jobs, oldest first, created within ``max_age_s + job_window_s`` of ``now`` that
+    have an ``engines@S`` step of ``sidecar_id`` (see :func:`proven_debt`). Ids and tenants
+    only: a step's ``detail`` is read in its own job's guard (one forged row, a JSON value
+    nested thousands deep, hid every debt when all were read at once: review r14, F2)."""
+    since = _aware(now) - timedelta(seconds=max_age_s + job_window_s)
     rows = s.execute(
-        select(PurgeStep.job_id, PurgeJob.tenant, PurgeStep.detail)
+        select(PurgeStep.job_id, PurgeJob.tenant)
         .join(PurgeJob, PurgeJob.id == PurgeStep.job_id)
         .where(
             PurgeStep.name == str(StepName.ENGINES),
             PurgeStep.sidecar_id == sidecar_id,
             PurgeJob.created_at >= since,
         )
-        .order_by(PurgeJob.created_at)
+        .order_by(PurgeJob.created_at, PurgeStep.job_id)
     )
-    return [(job_id, tenant, detail) for job_id, tenant, detail in rows]
+    return [OwedJob(job_id, tenant) for job_id, tenant in rows]
+
+
+def _stored_detail(s: Session, job_id: str, sidecar_id: str) -> object:
+    """The stored detail of the job's ``engines@S`` step (None: no such row now)."""
+    return s.execute(
+        select(PurgeStep.detail).where(
+            PurgeStep.job_id == job_id,
+            PurgeStep.name == str(StepName.ENGINES),
+            PurgeStep.sidecar_id == sidecar_id,
+        )
+    ).scalar()
 
 
 def _answered_with_error(stored: object) -> set[str]:
@@ -145,28 +171,22 @@ def _debt(
     return ProvenDebt(job_id, tenant, tuple(sorted(owed)), tuple(digests), stepped_at)
 
 
-def proven_debts(
+def proven_debt(
     s: Session,
+    job: OwedJob,
     *,
     sidecar_id: str,
     trusted: Collection[bytes],
     now: datetime,
     max_age_s: float,
-    job_window_s: float,
     before: datetime,
-) -> list[ProvenDebt]:
-    """What sidecar ``sidecar_id``'s ``engines`` steps still owe engines (see the module
-    docstring), oldest step first: steps chained within ``max_age_s`` of ``now`` and before
-    ``before`` (when this process started: it holds what its own steps owe). ``job_window_s``
-    (the job timeout and a step lease) bounds how long after its job a step may have run."""
-    oldest = _aware(now) - timedelta(seconds=max_age_s)
-    since = oldest - timedelta(seconds=job_window_s)
-    window = (oldest, _aware(before))
-    found = []
-    for job_id, tenant, stored in _candidates(s, sidecar_id, since):
-        debt = _debt(
-            s, job_id, tenant, stored, sidecar_id=sidecar_id, trusted=trusted, window=window
-        )
-        if debt is not None:
-            found.append(debt)
-    return sorted(found, key=lambda d: d.stepped_at)
+) -> ProvenDebt | None:
+    """What sidecar ``sidecar_id``'s ``engines`` step of ``job`` still owes engines (see the
+    module docstring), when the chain proves it: a step chained within ``max_age_s`` of
+    ``now`` and before ``before`` (when this process started: it holds what its own steps
+    owe). One job at a time, so that a job whose rows cannot be read costs only itself."""
+    window = (_aware(now) - timedelta(seconds=max_age_s), _aware(before))
+    stored = _stored_detail(s, job.job_id, sidecar_id)
+    return _debt(
+        s, job.job_id, job.tenant, stored, sidecar_id=sidecar_id, trusted=trusted, window=window
+    )

@@ -44,7 +44,7 @@ from kvgov.ledger.chain import public_key_bytes
 from kvgov.ledger.events import Event
 from kvgov.ledger.purge_trail import ChainedLateEviction, chained_steps, late_evictions
 from kvgov.services.purge import scope
-from kvgov.services.purge.debts import ProvenDebt, proven_debts
+from kvgov.services.purge.debts import OwedJob, ProvenDebt, owed_jobs, proven_debt
 from kvgov.services.purge.documents import (
     CheckpointRef,
     EngineFailure,
@@ -197,24 +197,37 @@ class PurgeService:
         """The job's chained late EVICTs (``purge:evict:late``), on chains this node trusts."""
         return await self.ctx.db(lambda s: late_evictions(s, job.id, job.tenant, self._trusted))
 
-    async def owed_evictions(self, sidecar_id: str, *, before: datetime) -> list[ProvenDebt]:
-        """What ``sidecar_id``'s ``engines`` steps that ran before ``before`` still owe engines,
-        as the chain proves it (:func:`~kvgov.services.purge.debts.proven_debts`): a
-        restarted sidecar's late EVICTs."""
+    async def owed_jobs(self, sidecar_id: str) -> list[OwedJob]:
+        """The jobs whose ``engines`` step of ``sidecar_id`` may still owe engines (ids only:
+        :func:`~kvgov.services.purge.debts.owed_jobs`); :meth:`owed_eviction` reads each."""
         purge = self.settings.purge
-
-        def read(s: Session) -> list[ProvenDebt]:
-            return proven_debts(
+        return await self.ctx.db(
+            lambda s: owed_jobs(
                 s,
-                sidecar_id=sidecar_id,
-                trusted=self._trusted,
+                sidecar_id,
                 now=utcnow(),
                 max_age_s=purge.pending_evict_ttl_s,
                 job_window_s=purge.job_timeout_s + purge.step_lease_s,
+            )
+        )
+
+    async def owed_eviction(
+        self, sidecar_id: str, job: OwedJob, *, before: datetime
+    ) -> ProvenDebt | None:
+        """What ``sidecar_id``'s ``engines`` step of ``job``, if it ran before ``before``, still
+        owes engines, as the chain proves it (:func:`~kvgov.services.purge.debts.proven_debt`),
+        in a transaction of its own: one of a restarted sidecar's late EVICTs."""
+        return await self.ctx.db(
+            lambda s: proven_debt(
+                s,
+                job,
+                sidecar_id=sidecar_id,
+                trusted=self._trusted,
+                now=utcnow(),
+                max_age_s=self.settings.purge.pending_evict_ttl_s,
                 before=before,
             )
-
-        return await self.ctx.db(read)
+        )
 
     # -- execution -------------------------------------------------------------------------
 
