@@ -5,7 +5,9 @@ pair: :meth:`CachingPolicyEngine.reload` swaps in an empty one, so an answer giv
 policies is never served under new ones. Within a table the key is the tuple of the
 :class:`PolicyInput`'s fields (:meth:`PolicyInput.cache_key`: equal exactly when the input
 digests are equal), so a hit costs one tuple and one dict lookup, no copy of the input and no
-serialisation: that is what keeps :meth:`decide_cached` in the microseconds.
+serialisation: that is what keeps :meth:`decide_cached` in the microseconds. The data plane
+asks :meth:`CachingPolicyEngine.decide_cached_as` with the fields themselves, the same tuple
+made without building the input at all (an entry's facts key as a plain tuple).
 Bounded (LRU); ``max_entries=0`` disables caching.
 
 Age. With ``decision_ttl_s`` (``policy.opa_decision_ttl_s``, set for ``policy.engine=opa`` only)
@@ -47,11 +49,13 @@ from kvgov.policy.interfaces import (
     Decision,
     DecisionRecorder,
     DenyReason,
+    EntryKey,
     PolicyEngine,
     PolicyInput,
     PolicyRevision,
     new_decision_id,
 )
+from kvgov.types import Operation, Sensitivity
 
 log = get_logger(__name__)
 
@@ -145,8 +149,50 @@ class CachingPolicyEngine:
     def decide_cached(self, inp: PolicyInput) -> Decision | None:
         """A cached allow for this input, else None. Synchronous, no serialisation on a hit;
         one clock read when the entry can expire."""
+        return self._cached_allow(self._cache_key(inp))
+
+    def decide_cached_as(
+        self,
+        *,
+        operation: Operation | str,
+        tenant: str | None,
+        engine: str | None,
+        key_tenant: str | None,
+        key_user: str | None,
+        model: str | None,
+        actor_user: str | None,
+        request_id: str | None,
+        sensitivity: Sensitivity | str | None,
+        entry: EntryKey | None,
+        listener: str | None,
+    ) -> Decision | None:
+        """:meth:`decide_cached` for the input with these fields (no ``tier``, no
+        ``problems``), without building it: the data plane asks this on every operation, and
+        on a hit the :class:`PolicyInput` would only be built to make its key. The key is the
+        tuple :meth:`PolicyInput.cache_key` makes of such an input (the same rule for the
+        request id), so this hits exactly where :meth:`decide_cached` would."""
+        if request_id is not None and not self.vary_on_request_id:
+            request_id = _PRESENT
+        key = (
+            operation,
+            tenant,
+            engine,
+            key_tenant,
+            key_user,
+            model,
+            actor_user,
+            request_id,
+            sensitivity,
+            None,
+            entry,
+            listener,
+            (),
+        )
+        return self._cached_allow(key)
+
+    def _cached_allow(self, key: tuple[object, ...]) -> Decision | None:
+        """The allow cached under ``key`` and still fresh, else None."""
         table = self._table
-        key = self._cache_key(inp)
         try:
             entry = table.get(key)
         except TypeError:  # an unhashable field: not a valid input; decide() denies it

@@ -67,6 +67,12 @@ class EntryFacts:
     sensitivity: Sensitivity | str | None = None
 
 
+#: an entry's facts as the decision cache keys them: ``(owner, scope_user, sensitivity)``, the
+#: fields of :class:`EntryFacts` in order (a plain tuple: hashed and compared in C, where the
+#: dataclass's ``__hash__``/``__eq__`` are Python calls on every cached get)
+EntryKey = tuple[str | None, str | None, Sensitivity | str | None]
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyInput:
     """Identity of one KV operation. Hashable: the decision cache keys on it directly."""
@@ -94,7 +100,13 @@ class PolicyInput:
         """What the decision cache keys this input on: every field, ``request_id`` as given
         (the cache passes the id, or whether there is one; ``policy/cache.py``). A tuple built
         from the fields, not a copy of the input: a cached decision is looked up on every
-        operation."""
+        operation. An :class:`EntryFacts` stands as its :data:`EntryKey` (equal exactly when
+        the facts are). :meth:`CachingPolicyEngine.decide_cached_as
+        <kvgov.policy.cache.CachingPolicyEngine.decide_cached_as>` builds the same tuple from
+        the fields themselves."""
+        entry: object = self.entry
+        if isinstance(entry, EntryFacts):
+            entry = (entry.owner, entry.scope_user, entry.sensitivity)
         return (
             self.operation,
             self.tenant,
@@ -106,7 +118,7 @@ class PolicyInput:
             request_id,
             self.sensitivity,
             self.tier,
-            self.entry,
+            entry,
             self.listener,
             self.problems,
         )

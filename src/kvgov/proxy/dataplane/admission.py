@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from kvgov.errors import KvgovError
 from kvgov.ledger.events import Event
 from kvgov.ledger.pseudonym import Pseudonymizer
+from kvgov.policy.cache import CachingPolicyEngine
 from kvgov.policy.interfaces import Decision, PolicyEngine, PolicyInput
 from kvgov.proxy.dataplane.identity import Denied, Identity, Who, build_input, resolve
 from kvgov.proxy.dataplane.index import EntryMeta
@@ -64,6 +65,17 @@ class Admission:
         #: caps on denials recorded one event each (None: every denial is recorded)
         self.denial_gate = denial_gate
 
+    @property
+    def policy(self) -> PolicyEngine:
+        """Who decides."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: PolicyEngine) -> None:
+        self._policy = policy
+        #: its decision cache, asked by the input's fields on every operation (:meth:`_decide`)
+        self._cache = policy if isinstance(policy, CachingPolicyEngine) else None
+
     async def may_act_for(self, engine: str, tenant: str) -> bool:
         """Whether the policy lets ``engine`` act for ``tenant`` at all (a remove of one of
         its keys over the kvgov wire: tenant and engine rules, no data rules): whom an EVICT
@@ -99,8 +111,26 @@ class Admission:
         return denied
 
     async def _decide(self, who: Who, op: Operation, entry: EntryMeta | None) -> Decision:
-        inp = build_input(who, op, entry)
-        decision = self.policy.decide_cached(inp)
+        cache = self._cache
+        if cache is not None:  # a hit builds no PolicyInput: the cache is asked by its fields
+            ctx, identity = who.ctx, who.identity
+            decision = cache.decide_cached_as(
+                operation=op,
+                tenant=ctx.tenant or who.tenant,
+                engine=identity.engine,
+                key_tenant=who.tenant,
+                key_user=who.key_user,
+                model=who.key.model,
+                actor_user=who.actor,
+                request_id=ctx.request_id,
+                sensitivity=ctx.sensitivity,
+                entry=None if entry is None else (entry.owner, entry.scope_user, entry.sensitivity),
+                listener=identity.listener,
+            )
+            if decision is not None:
+                return decision
+        inp = build_input(who, op, entry)  # (the same fields: tests/unit/test_policy_cache.py)
+        decision = self.policy.decide_cached(inp) if cache is None else None
         if decision is None:  # the policy engine records what it decides (CachingPolicyEngine)
             decision = await self.policy.decide(inp)
         return decision
