@@ -7,12 +7,15 @@ wait up to ``lazy_max_delay_ms`` after the oldest queued event; a full batch, ``
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvgov.errors import LedgerError
 from kvgov.ledger.events import Appended, Event
-from kvgov.ledger.writing.schedule import Item, Schedule
+from kvgov.ledger.writing.schedule import Batcher, Item, Schedule
 from kvgov.types import EventKind
 
 
@@ -135,3 +138,30 @@ def test_replayed_records_go_first_and_are_due(loop: asyncio.AbstractEventLoop) 
     assert s.due()
     s.push(item(loop, 2), urgent=False, clock=clock)
     assert reasons(s.take(clock.now)) == ["0", "1", "2"]
+
+
+async def test_a_journaled_events_failed_commit_is_logged_by_the_batcher(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A journaled event's commit (a put acknowledged once journaled, a replayed record) is
+    awaited by nobody: the batcher logs its failure (``ledger.journal.uncommitted``) and
+    retrieves it; an event that is not journaled is left to whoever awaits it."""
+    loop = asyncio.get_running_loop()
+    batcher: Batcher[None] = Batcher(
+        schedule(),
+        sequence=lambda events, positions: None,
+        commit=lambda chained: [],
+        seq_executor=ThreadPoolExecutor(1),
+        db_executor=ThreadPoolExecutor(1),
+    )
+    journaled, plain = item(loop, 1), item(loop, 2)
+    journaled = (journaled[0], journaled[1], 7)
+    caplog.set_level(logging.ERROR, logger="kvgov.ledger.writing.acks")
+    await batcher._slots.acquire()  # the batch in flight that _settle ends
+    batcher._inflight = 1
+    batcher._settle([journaled, plain], [LedgerError("ledger batch failed: OperationalError")])
+    lines = [r for r in caplog.records if r.getMessage() == "ledger.journal.uncommitted"]
+    assert len(lines) == 1 and lines[0].error == "LedgerError"  # type: ignore[attr-defined]
+    assert isinstance(journaled[1].exception(), LedgerError)
+    with pytest.raises(LedgerError):
+        await plain[1]

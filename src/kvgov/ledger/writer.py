@@ -294,18 +294,25 @@ class LedgerWriter:
         self, event: Event, *, urgent: bool = True, _journaled: tuple[Prepared, int] | None = None
     ) -> asyncio.Future[Appended]:
         """Queue ``event``; its future resolves once it is committed. ``urgent=False`` is
-        :meth:`submit_lazy`."""
-        schedule = self._schedule
-        if schedule.closing:
-            raise LedgerError("ledger writer is closed")
-        if schedule.full:
-            self.stats.backpressure_rejections += 1
-            raise LedgerBackpressureError(
-                "ledger queue is full", hint="the database is slower than the event rate"
-            )
+        :meth:`submit_lazy`. ``_journaled``: the event as :meth:`_journal_event` just journaled
+        it, which found the writer open and room in the queue (nothing ran since: not asked
+        again)."""
+        if _journaled is None:
+            schedule = self._schedule
+            if schedule.closing:
+                raise LedgerError("ledger writer is closed")
+            if schedule.full:
+                self.stats.backpressure_rejections += 1
+                raise LedgerBackpressureError(
+                    "ledger queue is full", hint="the database is slower than the event rate"
+                )
+            item_event: Event | Prepared = event
+            position = 0
+        else:
+            item_event, position = _journaled
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Appended] = loop.create_future()
-        item: Item = (event, fut, 0) if _journaled is None else (_journaled[0], fut, _journaled[1])
+        item: Item = (item_event, fut, position)
         self._batcher.push(item, urgent=urgent, loop=loop)
         return fut
 
@@ -324,9 +331,11 @@ class LedgerWriter:
     def _journal_event(self, event: Event) -> tuple[Prepared, int] | None:
         """Append ``event`` to the journal and return it prepared, with its position; None if
         the journal is not taking events (absent, failed, closing, queue full). Raises
-        :class:`LedgerError` for an event the ledger would refuse (nothing is journaled)."""
+        :class:`LedgerError` for an event the ledger would refuse (nothing is journaled).
+        What it returns is queued at once (:meth:`submit` does not check the queue again)."""
         acks = self._acks
-        if acks is None or not acks.taking or self._schedule.closing or self._schedule.full:
+        schedule = self._schedule
+        if acks is None or not acks.taking or schedule.closing or schedule.full:
             return None
         return acks.append(event)
 

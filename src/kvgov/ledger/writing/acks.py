@@ -14,8 +14,8 @@ acknowledgement that is not held (a client with one put in flight at a time, a s
 frame) syncs at once, taking whatever is appended along, as PostgreSQL's ``commit_delay``
 waits only with ``commit_siblings``; so does a journal idle for the interval. Holding is the
 caller's own: a client that always says more delays only its own acknowledgements. The
-event's commit still follows, in a large batch; nobody awaits it, so a failure is logged
-(:func:`log_unwritten`) and the record stays in the journal, replayed at the next start.
+event's commit still follows, in a large batch; nobody awaits it, so a failure is logged (by the
+batcher: :func:`log_unwritten`) and the record stays in the journal, replayed at the next start.
 
 A journal that fails (disk full, I/O error) is set aside until the next start: its waiters are
 handed to their commits (each acknowledgement resolves as its commit does, which is made due
@@ -95,7 +95,6 @@ class JournalAcks:
         """A future resolved once the journal is synced past ``position`` (or, if the journal
         fails first, as ``commit`` is). ``hold``: the caller has more acknowledged events on
         the way right behind this one; its sync may wait up to the interval for them."""
-        commit.add_done_callback(log_unwritten)
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((position, ack, commit, hold))
         if not hold:
@@ -181,8 +180,10 @@ class JournalAcks:
 
 
 def log_unwritten(fut: asyncio.Future[Appended]) -> None:
-    """A journaled event's commit, which nothing awaits: a failure is logged (the event stays
-    in the journal, replayed at the next start)."""
+    """A journaled event's commit, which nothing may await: a failure is logged (the event
+    stays in the journal, replayed at the next start). The batcher calls it for every
+    journaled event whose commit failed (:meth:`~kvgov.ledger.writing.schedule.Batcher._settle`:
+    a call there, not a done-callback, and its loop hop, on every commit)."""
     if not fut.cancelled() and fut.exception() is not None:
         log.error("ledger.journal.uncommitted", extra={"error": type(fut.exception()).__name__})
 

@@ -46,7 +46,6 @@ from kvgov.ledger.events import Appended, Event
 from kvgov.ledger.journal import Journal, decode_event
 from kvgov.ledger.pgfast import EVENT_COLUMNS
 from kvgov.ledger.seals import open_session
-from kvgov.ledger.writing.acks import log_unwritten
 from kvgov.ledger.writing.schedule import Item
 from kvgov.ledger.writing.stats import WriterStats
 from kvgov.logging import get_logger
@@ -255,8 +254,8 @@ async def replay(
     engine: Engine | None = None,
 ) -> list[Item]:
     """The journal's records after ``applied_upto`` as queue items (read on ``executor``),
-    each with a commit future that logs a failure (nobody awaits it). With ``engine`` the
-    mark is confirmed against the chain first (:func:`check_mark`)."""
+    each with a commit future nobody awaits (the batcher logs a failure: journaled). With
+    ``engine`` the mark is confirmed against the chain first (:func:`check_mark`)."""
     loop = asyncio.get_running_loop()
     records = await loop.run_in_executor(
         executor, read_back, journal, chain_id, applied_upto, engine
@@ -264,8 +263,7 @@ async def replay(
     items: list[Item] = []
     for event, pos in records:
         fut: asyncio.Future[Appended] = loop.create_future()
-        fut.add_done_callback(log_unwritten)
-        items.append((event, fut, pos))
+        items.append((event, fut, pos))  # a failed commit is logged by the batcher
     if records:
         stats.journal_replayed += len(records)
         log.warning(

@@ -14,7 +14,8 @@ in), so it can be read and tested alone:
 
 :class:`Batcher` is the loop that applies it: one task takes each due batch off the schedule
 and runs it through the two stages, one thread each (sequencing, then committing), and resolves
-every event's future with its result once the commit is over. One batch is in flight at a time
+every event's future with its result once the commit is over (a journaled event's failed commit,
+which nothing may await, is logged there: no callback per event). One batch is in flight at a time
 (:data:`PIPELINE_DEPTH`): whatever queued while it was committing is the next batch.
 """
 
@@ -30,6 +31,7 @@ from typing import Generic, TypeVar
 from kvgov.errors import LedgerError
 from kvgov.ledger.batch import Prepared
 from kvgov.ledger.events import Appended, Event
+from kvgov.ledger.writing.acks import log_unwritten
 from kvgov.ledger.writing.sequence import Result
 
 #: a queued event (or, journaled, already prepared), its commit future and its journal
@@ -240,13 +242,15 @@ class Batcher(Generic[C]):
     def _settle(self, items: list[Item], results: list[Result]) -> None:
         if len(results) == 1 and len(items) > 1:
             results = results * len(items)
-        for (_, fut, _), result in zip(items, results, strict=True):
+        for (_, fut, position), result in zip(items, results, strict=True):
             if fut.done():
                 continue
             if isinstance(result, Appended):
                 fut.set_result(result)
             else:
                 fut.set_exception(result)
+                if position:  # journaled: its record stays in the journal (replayed at start)
+                    log_unwritten(fut)
         self._inflight -= 1
         self._slots.release()
         if not self.schedule and not self._inflight:
