@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvgov.ledger.batch import Prepared, prepare
 from kvgov.ledger.events import Appended, Event
 from kvgov.ledger.journal import Journal, encode_event
+from kvgov.ledger.writing.handoff import hand_off
 from kvgov.ledger.writing.stats import WriterStats
 from kvgov.logging import get_logger
 
@@ -120,7 +121,7 @@ class JournalAcks:
             await self._gather(loop, started)
             started = loop.time()
             try:
-                upto = await loop.run_in_executor(self._executor, journal.sync)
+                upto = await hand_off(loop, self._executor, journal.sync)
             except OSError as err:
                 self._failed(err)
                 return

@@ -32,6 +32,7 @@ from kvgov.errors import LedgerError
 from kvgov.ledger.batch import Prepared
 from kvgov.ledger.events import Appended, Event
 from kvgov.ledger.writing.acks import log_unwritten
+from kvgov.ledger.writing.handoff import hand_off
 from kvgov.ledger.writing.sequence import Result
 
 #: a queued event (or, journaled, already prepared), its commit future and its journal
@@ -220,13 +221,14 @@ class Batcher(Generic[C]):
                 self._room.set()
             self._inflight += 1
             try:
-                chained = await loop.run_in_executor(
+                chained = await hand_off(
+                    loop,
                     self._seq_executor,
                     self._sequence,
                     [e for e, _, _ in items],
                     [p for _, _, p in items],
                 )
-                commit = loop.run_in_executor(self._db_executor, self._commit, chained)
+                commit = hand_off(loop, self._db_executor, self._commit, chained)
             except Exception as err:  # noqa: BLE001 - every waiter must hear of the failure
                 self._settle(items, [LedgerError(f"ledger batch failed: {type(err).__name__}")])
                 continue
