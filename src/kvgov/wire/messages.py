@@ -54,7 +54,7 @@ class RequestContext:
     def from_meta(cls, meta: object) -> RequestContext:
         if meta is None:
             return EMPTY_CONTEXT
-        if not isinstance(meta, Mapping):
+        if not (isinstance(meta, dict) or isinstance(meta, Mapping)):  # noqa: SIM101 (as above)
             raise WireError(ErrorCode.BAD_REQUEST, "ctx must be an object")
         return cls(
             request_id=optional_str(meta, "request_id", max_len=MAX_REQUEST_ID),
@@ -192,7 +192,9 @@ def parse_put_items(meta: Mapping[str, Any], payload_len: int, max_items: int) -
     items: list[PutItem] = []
     total = 0
     for entry in raw:
-        if not isinstance(entry, Mapping):
+        # a decoded frame's objects are dicts: the C check first (``Mapping`` is an ABC, whose
+        # isinstance is a Python call per item)
+        if not (isinstance(entry, dict) or isinstance(entry, Mapping)):  # noqa: SIM101
             raise WireError(ErrorCode.BAD_REQUEST, "each item must be an object")
         key = entry.get("key")
         length = entry.get("len")
@@ -201,7 +203,10 @@ def parse_put_items(meta: Mapping[str, Any], payload_len: int, max_items: int) -
         if not isinstance(length, int) or isinstance(length, bool) or length < 0:
             raise WireError(ErrorCode.BAD_REQUEST, "item len must be a non-negative integer")
         item_meta = entry.get("meta") or {}
-        if not isinstance(item_meta, Mapping) or len(repr(item_meta)) > MAX_ITEM_META_BYTES:
+        if (
+            not (isinstance(item_meta, dict) or isinstance(item_meta, Mapping))  # noqa: SIM101
+            or len(repr(item_meta)) > MAX_ITEM_META_BYTES
+        ):
             raise WireError(ErrorCode.BAD_REQUEST, "item meta must be a small object")
         ctx = RequestContext.from_meta(entry["ctx"]) if "ctx" in entry else None
         items.append(PutItem(key, length, dict(item_meta), ctx))

@@ -99,7 +99,8 @@ class TierChain:
         first = self._tiers[0] if self._tiers else None
         if first is None or first.name not in allowed or not hasattr(first, "reserve"):
             return None
-        return cast("Reserving", first).reserve(size)
+        reserving: Reserving = first  # type: ignore[assignment]  # (no runtime cast() call)
+        return reserving.reserve(size)
 
     async def put_reserved(
         self,
@@ -120,7 +121,8 @@ class TierChain:
             # before the fastest tier owns the buffer: from then on it may recycle it
             await self._write_through(key, reserved.view, targets, others, expires_at)
             try:
-                await cast("Reserving", first).put_reserved(key, reserved, expires_at=expires_at)
+                reserving: Reserving = first  # type: ignore[assignment]  # (as in reserve)
+                await reserving.put_reserved(key, reserved, expires_at=expires_at)
             except Exception as exc:
                 await self._delete_everywhere(key)
                 raise TierError(

@@ -146,16 +146,37 @@ class EngineEvictResult:
     error: str | None = None
 
 
-@dataclass(slots=True)
 class _PutJob:
     """One PUT frame after its bytes arrived: its items' acks (resolved by the door once
     stored and recorded, in request order) and the reply they make."""
 
-    sid: int
-    acks: list[asyncio.Future[Ack]]
-    started: float
-    #: set once its reply was sent (or the connection gave up on it)
-    replied: asyncio.Event = field(default_factory=asyncio.Event)
+    __slots__ = ("_replied", "_waiter", "acks", "sid", "started")
+
+    def __init__(self, sid: int, acks: list[asyncio.Future[Ack]], started: float) -> None:
+        self.sid = sid
+        self.acks = acks
+        self.started = started
+        #: its reply was sent (or the connection gave up on it)
+        self._replied = False
+        #: what :meth:`wait_replied` awaits, made only when someone waits (most replies are
+        #: sent with nobody waiting: no event or future per frame then)
+        self._waiter: asyncio.Future[None] | None = None
+
+    def replied(self) -> None:
+        """Its reply was sent, or the connection gave up on it: wake whoever waits."""
+        self._replied = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait_replied(self) -> None:
+        """Wait until :meth:`replied` (at once if it was)."""
+        if self._replied:
+            return
+        waiter = self._waiter
+        if waiter is None or waiter.done():  # (done: a cancelled wait cancelled it)
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+        await waiter
 
 
 class WireConnection(StreamProtocol):
@@ -310,7 +331,7 @@ class WireConnection(StreamProtocol):
     async def _replies_sent(self) -> None:
         """Wait until every pipelined PUT reply has been sent (they finish in order)."""
         if self._pending:
-            await self._pending[-1].replied.wait()
+            await self._pending[-1].wait_replied()
 
     async def _dispatch(
         self, ftype: FrameType, sid: int, is_reply: bool, meta: dict[str, Any], payload_len: int
@@ -468,7 +489,7 @@ class WireConnection(StreamProtocol):
         if self._replier is None or self._replier.done():
             self._replier = asyncio.get_running_loop().create_task(self._reply_jobs())
         if len(self._pending) > MAX_PIPELINED_PUTS:
-            await self._pending[0].replied.wait()
+            await self._pending[0].wait_replied()
 
     async def _reply_jobs(self) -> None:
         """Reply to the PUT frames, oldest first, once the door acked their items."""
@@ -481,7 +502,7 @@ class WireConnection(StreamProtocol):
                 self.send(FrameType.PUT, job.sid, {"results": replies})
                 self._observe(FrameType.PUT, job.started)
                 self._pending.popleft()
-                job.replied.set()
+                job.replied()
                 if not self._pending:  # every reply sent: no frame of a stream is waiting
                     self.door.streaming(more=False)
         except BaseException as exc:
@@ -491,7 +512,7 @@ class WireConnection(StreamProtocol):
                 log.error("dataplane.put.reply_failed", exc_info=exc)
             self.close()
             for job in self._pending:
-                job.replied.set()
+                job.replied()
             self._pending.clear()
             raise
 
