@@ -129,6 +129,11 @@ class LedgerSettings(_Section):
     lazy_max_delay_ms: float = Field(default=25.0, ge=0.0, le=10_000.0)
     #: seconds between automatic checkpoints while serving; 0 disables them
     checkpoint_interval_s: float = Field(default=60.0, ge=0.0)
+    #: the lease a ``kvgov token``/``kvgov tenant`` command's session on the sidecar's chain
+    #: signs: a command killed before its close explains rows appended beside it for this long
+    #: at most (after it, the sidecar seals them foreign); a running command renews its session
+    #: at half of it (``docs/ledger.md``, "Neighbour sessions")
+    neighbour_session_max_s: int = Field(default=300, gt=0, le=3600)
     #: the sidecar acknowledges a put once its event is fsynced to a local journal and commits
     #: the journal to the database in large batches behind it (``docs/ledger.md``, "The local
     #: journal"); off: a put waits for its event's database commit

@@ -43,8 +43,9 @@ SINGLE_MODULE = {
     "write_genesis",
     "write_session_seal",
 }
-#: names added since the split (review r13, F1: a writer session's span, for the purge receipt)
-ADDED = {"Span"}
+#: names added since the split (review r13, F1: a writer session's span, for the purge receipt;
+#: a neighbour session's lease: its id, the lease it signs, the one rule of what a session holds)
+ADDED = {"Span", "MAX_LEASE_S", "neighbour_id", "session_lease", "span_of"}
 HOMES = ("notes", "coverage", "store", "sessions")
 
 

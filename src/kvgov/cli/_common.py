@@ -70,12 +70,14 @@ async def append_events(s: Settings, engine: Engine, *events: Event) -> None:
     from kvgov.ledger.writer import LedgerWriter
 
     # the node's own chain, beside its sidecar: a sidecar starting meanwhile ends this
-    # session, which then re-opens in the very transaction that writes (never sealed foreign)
+    # session, which then re-opens in the very transaction that writes (never sealed foreign);
+    # a neighbour session: killed before its close, it explains rows for its lease at most
     writer = LedgerWriter(
         engine,
         chain_id=s.chain_id,
         signing_key=load_signing_key(s.signing_key_path),
         every_transaction=True,
+        lease_s=s.ledger.neighbour_session_max_s,
     )
     await writer.start()
     try:

@@ -267,6 +267,12 @@ class HeadCheck(Protocol):
         ...
 
     @property
+    def lease_s(self) -> int | None:
+        """A neighbour writer's lease (the CLI's: its sessions' ids sign it, and it renews
+        them, ``kvgov.ledger.seals.keep_open``); None: a chain's own writer."""
+        ...
+
+    @property
     def session(self) -> str | None:
         """The writer session the transaction's rows go under (after :meth:`check`: one it
         resumed in that transaction, until it rolls back)."""

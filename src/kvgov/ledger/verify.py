@@ -343,7 +343,7 @@ def _verify_chain(
         (cp.seq, cp.head_hash, cp.signed_at, bytes(cp.signature), bytes(cp.public_key))
         for cp in checkpoints
     ]
-    found = standing(seals, public_key, created_at, signed_heads, chain.chain_id)
+    found = standing(seals, public_key, created_at, signed_heads, chain.chain_id, now=limits.now)
     sealed_to, sealed_at = _check_seals(chain, found, hashes_at, verified_to)
     signed_to = max(signed_to, sealed_to)
     if sealed_at is not None:
@@ -449,8 +449,8 @@ def _check_tail(
                 Problem.AFTER_CLOSE,
                 gap.first,
                 f"events {gap.first}..{gap.last} were appended after the chain's writer closed "
-                f"it at {gap.closed_at} (signed close, no writer session open since): not "
-                "written by a writer holding the key",
+                f"it at {gap.closed_at} (signed close, or a neighbour session's lease ran "
+                "out, and no writer session open since): not written by a writer holding the key",
             )
         )
         return

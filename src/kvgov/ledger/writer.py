@@ -54,7 +54,14 @@ from kvgov.ledger.chain import public_key_bytes
 from kvgov.ledger.checkpoint import CheckpointInfo, checkpoint_logged, write_checkpoint
 from kvgov.ledger.events import Appended, Event
 from kvgov.ledger.journal import Journal
-from kvgov.ledger.seals import Claim, claim_chain, close_session, new_session, resume
+from kvgov.ledger.seals import (
+    MAX_LEASE_S,
+    Claim,
+    claim_chain,
+    close_session,
+    new_session,
+    resume,
+)
 from kvgov.ledger.writing.acks import JournalAcks
 from kvgov.ledger.writing.commit import Committer
 from kvgov.ledger.writing.foreign import ForeignWatch
@@ -92,9 +99,16 @@ class LedgerWriter:
         journal_sync_interval_ms: float = 0.0,
         exclusive: bool | None = None,
         every_transaction: bool = False,
+        lease_s: int | None = None,
     ) -> None:
         if not chain_id or any(c in chain_id for c in "\r\n") or len(chain_id) > 255:
             raise LedgerError("chain id must be 1..255 characters without line breaks")
+        if lease_s is not None and not (every_transaction and 1 <= lease_s <= MAX_LEASE_S):
+            # its sessions are renewed in its transactions: only one that checks them in
+            # every transaction keeps them from lapsing while it writes
+            raise LedgerError(
+                f"a neighbour writer's lease is 1..{MAX_LEASE_S} seconds, with every_transaction"
+            )
         self.engine = engine
         self.chain_id = chain_id
         self.journal = journal
@@ -105,6 +119,8 @@ class LedgerWriter:
         #: chain (:mod:`kvgov.ledger.seals`); None: when it holds a journal's lock or the
         #: chain's writer lock (Postgres)
         self._exclusive = exclusive
+        #: a neighbour writer's lease (``lease_s``; see ``_watch``), None for a chain's own
+        self._lease_s = lease_s
         #: the session this writer opened (signed open at start, signed close at close)
         self._session: str | None = None
         self._claim: Claim | None = None
@@ -121,8 +137,16 @@ class LedgerWriter:
         #: ``every_transaction``: a short-lived writer beside a live one (``kvgov token``)
         #: checks in every transaction that its session still covers the chain (a sidecar
         #: starting beside it ends it), not only when the head moved
+        #: ``lease_s``: a neighbour writer beside the chain's own (the CLI's ``append_events``):
+        #: its sessions sign a lease, after which an open it has not closed over explains
+        #: nothing new to another writer's watch or to verification; it renews them as it
+        #: writes (:func:`kvgov.ledger.seals.keep_open`)
         self._watch = ForeignWatch(
-            chain_id, signing_key, self.stats, every_transaction=every_transaction
+            chain_id,
+            signing_key,
+            self.stats,
+            every_transaction=every_transaction,
+            lease_s=lease_s,
         )
         self._committer = Committer(
             engine,
@@ -172,7 +196,7 @@ class LedgerWriter:
         if self._batcher.task is not None:
             return
         loop = asyncio.get_running_loop()
-        session = new_session()
+        session = new_session(self._lease_s)
         claim = await loop.run_in_executor(self._executor, claim_chain, self.engine, self.chain_id)
         exclusive = self._exclusive
         if exclusive is None:
@@ -376,7 +400,11 @@ class LedgerWriter:
         # still covering the chain (another writer may have claimed it); the current session
         # is the watch's (a batch may have resumed it)
         self._session = resume(
-            self.engine, self.chain_id, self._key, self._watch.session or session
+            self.engine,
+            self.chain_id,
+            self._key,
+            self._watch.session or session,
+            lease_s=self._lease_s,
         )
         self._watch.adopt(self._session)
         # rows someone else appended since the last batch are sealed before it signs

@@ -36,8 +36,14 @@ signature by the chain's key over a note::
       <base64 hash at last>
       time <signed_at>
 
+An open's ``<session>`` is 32 random hex characters, or, for a *neighbour* session (a
+``kvgov token``/``kvgov tenant`` command beside the chain's sidecar), ``n<lease>-<hex>``: the
+note signs the lease (:func:`.notes.session_lease`).
+
 A session covers the positions ``(open.seq, end]``, ``end`` being its close or the next
-exclusive open after it (open-ended while neither exists: a live or crashed writer). A legacy
+exclusive open after it (open-ended while neither exists: a live or crashed writer; a
+neighbour session without a close only until its lease ends, then up to what a seal signed
+within its lease proves was on the chain: :func:`.coverage.span_of`, the one rule). A legacy
 chain's positions up to its first open are covered too. No session covers a position a valid
 foreign seal names: the writer that signed it had already left out whatever another writer
 session of the chain covered (a CLI command beside it), so nobody holding the key wrote it. An
@@ -77,16 +83,20 @@ from kvgov.ledger.seals.coverage import (
     first_gap,
     foreign_ranges,
     session_end,
+    span_of,
     standing,
     subtract,
 )
 from kvgov.ledger.seals.notes import (
     FOREIGN_SEP,
+    MAX_LEASE_S,
     SEAL_ORIGIN,
     Seal,
     SealKind,
     foreign_note,
     genesis_note,
+    neighbour_id,
+    session_lease,
     session_note,
 )
 from kvgov.ledger.seals.sessions import (
@@ -113,6 +123,7 @@ __all__ = [
     "CLOCK_SKEW",
     "DEFAULT_MAX_UNSIGNED_AGE",
     "FOREIGN_SEP",
+    "MAX_LEASE_S",
     "SEAL_ORIGIN",
     "WRITER_LOCK_CLASS",
     "Claim",
@@ -131,14 +142,17 @@ __all__ = [
     "foreign_ranges",
     "genesis_note",
     "keep_open",
+    "neighbour_id",
     "new_session",
     "open_session",
     "read_seals",
     "read_standing",
     "resume",
     "session_end",
+    "session_lease",
     "session_note",
     "sign_genesis",
+    "span_of",
     "standing",
     "subtract",
     "write_foreign_seal",

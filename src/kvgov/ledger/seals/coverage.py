@@ -1,14 +1,16 @@
 """What the valid seals say about a chain, without a database: the positions its writer
 sessions cover (:func:`covered`, :func:`subtract`, :func:`foreign_ranges`), each session's
-:class:`Span` (:func:`spans`: which heads were signed while it held its positions), the first run
-no session covers (:func:`first_gap`), and :func:`standing`, which checks each seal's signature
-and whether the chain is vouched for at all. The bounds on an unsigned tail live here too."""
+:class:`Span` (:func:`span_of`, the one rule of what a session holds, a neighbour session's
+lease included, and :func:`spans`: which heads were signed while it held its positions), the
+first run no session covers (:func:`first_gap`), and :func:`standing`, which checks each seal's
+signature and whether the chain is vouched for at all. The bounds on an unsigned tail live
+here too."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from kvgov.ledger.chain import checkpoint_signature_ok
 from kvgov.ledger.seals.notes import Seal, SealKind
@@ -49,11 +51,11 @@ def ending_seal(seals: Sequence[Seal], opened: Seal) -> Seal | None:
     return min(ends, key=lambda s: (s.seq, s.kind != SealKind.CLOSE), default=None)
 
 
-def session_end(seals: Sequence[Seal], opened: Seal) -> int | None:
-    """Where the session ``opened`` (a valid open) stops covering the chain: its close, or the
-    first exclusive open signed after it; None while neither exists (live, or crashed)."""
-    ender = ending_seal(seals, opened)
-    return max(ender.seq, opened.seq) if ender is not None else None
+def session_end(seals: Sequence[Seal], opened: Seal, *, now: datetime | None = None) -> int | None:
+    """Where the session ``opened`` (a valid open) stops covering the chain: its close, the
+    first exclusive open signed after it, or, for a neighbour session, where its lease left it
+    (:func:`span_of`); None while none of these exists (live, or crashed)."""
+    return span_of(seals, opened, now=now).end
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +74,13 @@ class Span:
     end: int | None
     #: the session (None: the positions before the chain's first open, a legacy chain's)
     session: str | None
-    #: when the seal that ended it was signed, when that is another session's open (None: its
-    #: own close ended it, or nothing has): a checkpoint at ``end`` signed from then on is the
-    #: next session's
+    #: when it stopped holding ``end``, when not by its own close: the signed time of the
+    #: other session's open that ended it, or a neighbour session's lease end (None: its own
+    #: close ended it, or nothing has): a checkpoint at ``end`` signed from then on is not its
     ended_at: datetime | None
+    #: a neighbour session whose lease ended before anything else ended it (``end``: what was
+    #: provably on the chain by then; ``ended_at``: its lease's end)
+    lapsed: bool = False
 
     def holds(self, seq: int) -> bool:
         return self.start < seq and (self.end is None or seq <= self.end)
@@ -90,21 +95,50 @@ class Span:
         return not (seq == self.end and late)
 
 
-def spans(seals: Sequence[Seal]) -> list[Span]:
-    """The span of each valid open among ``seals``, and the legacy span before the first."""
+def span_of(seals: Sequence[Seal], opened: Seal, *, now: datetime | None = None) -> Span:
+    """The positions the session ``opened`` (a valid open among the valid ``seals``) holds as
+    of ``now`` (default: this clock's now): the one rule every judge of coverage uses (a live
+    writer's foreign watch, ``audit verify``, ``kvgov audit checkpoint``, the purge receipt).
+
+    ``(open.seq, end]``: ``end`` is its close, or the first exclusive open signed after it; it
+    is open-ended while neither exists. A neighbour session (a CLI command: its id signs a
+    lease, :attr:`Seal.lease`) that has no close of its own holds open-ended only until its
+    lease ends (``open.signed_at + lease``): from then on it holds what was provably on the
+    chain by then, up to the highest head a valid seal signed within its lease (at least its
+    open's), unless an exclusive open signed within its lease ended it first. So a command
+    killed before its close does not explain, for ever, rows nobody holding the key wrote."""
+    ender = ending_seal(seals, opened)
+    end = None if ender is None else max(ender.seq, opened.seq)
+    ended_at = ender.signed_at if ender is not None and ender.kind == SealKind.OPEN else None
+    lease = opened.lease
+    if lease is None or (ender is not None and ender.kind == SealKind.CLOSE):
+        return Span(opened.seq, end, opened.session, ended_at)
+    lapse = opened.signed_at + lease
+    if ender is not None and ender.signed_at <= lapse:
+        return Span(opened.seq, end, opened.session, ended_at)  # ended within its lease
+    if ender is None and (now if now is not None else datetime.now(UTC)) <= lapse:
+        return Span(opened.seq, None, opened.session, None)  # still within its lease
+    reach = max(
+        (
+            s.seq
+            for s in seals
+            if s.kind != SealKind.GENESIS and opened.signed_at <= s.signed_at <= lapse
+        ),
+        default=opened.seq,
+    )
+    reach = max(reach, opened.seq) if end is None else min(max(reach, opened.seq), end)
+    return Span(opened.seq, reach, opened.session, lapse, lapsed=True)
+
+
+def spans(seals: Sequence[Seal], *, now: datetime | None = None) -> list[Span]:
+    """The span of each valid open among ``seals`` (:func:`span_of`), and the legacy span
+    before the first."""
     opens = [s for s in seals if s.kind == SealKind.OPEN]
     first = min(opens, key=lambda s: (s.seq, s.signed_at), default=None)
     out = [
         Span(0, None, None, None) if first is None else Span(0, first.seq, None, first.signed_at)
     ]
-    for opened in opens:
-        ender = ending_seal(seals, opened)
-        if ender is None:
-            out.append(Span(opened.seq, None, opened.session, None))
-            continue
-        other = ender.kind == SealKind.OPEN
-        end = max(ender.seq, opened.seq)
-        out.append(Span(opened.seq, end, opened.session, ender.signed_at if other else None))
+    out += [span_of(seals, opened, now=now) for opened in opens]
     return out
 
 
@@ -138,15 +172,15 @@ def foreign_ranges(seals: Sequence[Seal]) -> list[tuple[int, int]]:
     ]
 
 
-def covered(seals: Sequence[Seal]) -> list[Range]:
-    """The position ranges ``(start, end]`` the valid open and close ``seals`` cover (``end``
-    None: open-ended), less the positions valid foreign seals name (nobody holding the key
-    wrote them). Positions up to the first open are covered too (all of them when there is
-    none): they predate seals (a legacy chain) or there are none (a new chain opens at 0); the
-    caller checks that the chain itself is vouched for."""
+def covered(seals: Sequence[Seal], *, now: datetime | None = None) -> list[Range]:
+    """The position ranges ``(start, end]`` the valid open and close ``seals`` cover as of
+    ``now`` (``end`` None: open-ended; :func:`span_of`), less the positions valid foreign seals
+    name (nobody holding the key wrote them). Positions up to the first open are covered too
+    (all of them when there is none): they predate seals (a legacy chain) or there are none (a
+    new chain opens at 0); the caller checks that the chain itself is vouched for."""
     opens = [s for s in seals if s.kind == SealKind.OPEN]
     ranges: list[Range] = [(0, min((s.seq for s in opens), default=None))]
-    ranges += [(opened.seq, session_end(seals, opened)) for opened in opens]
+    ranges += [(opened.seq, session_end(seals, opened, now=now)) for opened in opens]
     return subtract(ranges, foreign_ranges(seals))
 
 
@@ -176,6 +210,9 @@ class Standing:
     valid: list[Seal]
     #: seals that do not verify against the chain's key, with why
     invalid: list[tuple[Seal, str]]
+    #: the time coverage is judged at (a neighbour session's lease: :func:`span_of`); None:
+    #: this clock's now, each time it is asked
+    now: datetime | None = None
 
     @property
     def vouched(self) -> bool:
@@ -183,18 +220,19 @@ class Standing:
 
     def gap(self, head: int) -> Gap | None:
         """The first run of positions ``1..head`` no writer session covers."""
-        return first_gap(covered(self.valid), head)
+        return first_gap(covered(self.valid, now=self.now), head)
 
     def covers(self, seq: int) -> bool:
         """Whether a writer session covers position ``seq`` (the chain was open there, and
         its writer did not disclaim it)."""
         return any(
-            start < seq and (end is None or seq <= end) for start, end in covered(self.valid)
+            start < seq and (end is None or seq <= end)
+            for start, end in covered(self.valid, now=self.now)
         )
 
     def spans_at(self, seq: int) -> list[Span]:
         """The writer sessions' spans that hold position ``seq`` (:class:`Span`)."""
-        return [span for span in spans(self.valid) if span.holds(seq)]
+        return [span for span in spans(self.valid, now=self.now) if span.holds(seq)]
 
     def own_heads(self, span: Span) -> list[Seal]:
         """The heads ``span``'s own session signed inside it (its close, its foreign seals),
@@ -226,10 +264,13 @@ def standing(
     created_at: datetime | None,
     checkpoints: Iterable[tuple[int, str, datetime, bytes, bytes]],
     chain_id: str,
+    *,
+    now: datetime | None = None,
 ) -> Standing:
     """Check every seal's signature against ``public_key`` (the chain's own: the caller checks
     that it is trusted) and decide whether the chain is vouched for. ``checkpoints``: ``(seq,
-    head_hash, signed_at, signature, public_key)`` rows, for the legacy rule."""
+    head_hash, signed_at, signature, public_key)`` rows, for the legacy rule. ``now``: the time
+    coverage is judged at (:attr:`Standing.now`)."""
     valid: list[Seal] = []
     invalid: list[tuple[Seal, str]] = []
     for seal in seals:
@@ -240,7 +281,7 @@ def standing(
         else:
             valid.append(seal)
     if any(s.kind == SealKind.GENESIS for s in valid):
-        return Standing("signed", valid, invalid)
+        return Standing("signed", valid, invalid, now)
     first_seal = min((s.signed_at for s in valid), default=None)
     for seq, head_hash, signed_at, signature, key in checkpoints:
         if first_seal is not None and signed_at >= first_seal:
@@ -253,5 +294,5 @@ def standing(
             head_hash=head_hash,
             at=signed_at,
         ):
-            return Standing("legacy", valid, invalid)
-    return Standing("missing", valid, invalid)
+            return Standing("legacy", valid, invalid, now)
+    return Standing("missing", valid, invalid, now)

@@ -5,8 +5,9 @@ signature. No database here: :mod:`.store` reads and writes the rows."""
 from __future__ import annotations
 
 import base64
+import re
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -83,6 +84,37 @@ def session_note(
 
 def _session_ok(session: str) -> bool:
     return bool(session) and not any(c.isspace() or c == FOREIGN_SEP for c in session)
+
+
+#: the id of a *neighbour* session, ``n<lease>-<hex>``: a short-lived writer beside a chain's
+#: own (a ``kvgov token`` or ``kvgov tenant`` command) that signs, in its open, how long that
+#: open may explain rows it has not closed over (``lease``, whole seconds). Signed as the
+#: session in the note, so only a key holder sets it, and every reader takes the same bound
+#: from the seal itself, whatever its own configuration. A plain id (32 hex characters, no
+#: ``n``) is a writer whose open stays open-ended until it is ended (a sidecar).
+_NEIGHBOUR = re.compile(r"n([1-9][0-9]{0,5})-[0-9a-f]{16,32}")
+#: the longest lease a neighbour session may sign (its id stays within 32 characters)
+MAX_LEASE_S = 86_400
+
+
+def neighbour_id(lease_s: int, random_hex: str) -> str:
+    """A neighbour session's id: its ``lease_s`` (1..:data:`MAX_LEASE_S`) and its random part
+    (hex, 16..24 characters, so that the id, and a foreign seal's key built on it, stay
+    within the ``session`` column)."""
+    if not 1 <= lease_s <= MAX_LEASE_S:
+        raise LedgerError(f"a neighbour session's lease is 1..{MAX_LEASE_S} seconds")
+    session = f"n{lease_s}-{random_hex}"
+    if not _NEIGHBOUR.fullmatch(session) or len(session) > 32:
+        raise LedgerError("a neighbour session's random part is 16..24 hex characters")
+    return session
+
+
+def session_lease(session: str) -> timedelta | None:
+    """The lease a neighbour session's id signs (None: not a neighbour session's id)."""
+    found = _NEIGHBOUR.fullmatch(session)
+    if found is None or int(found[1]) > MAX_LEASE_S:
+        return None
+    return timedelta(seconds=int(found[1]))
 
 
 #: separates a foreign seal's session from its first position in the ``session`` column
@@ -164,6 +196,14 @@ class Seal:
         if self.kind in (SealKind.CLOSE, SealKind.FOREIGN):
             return self.signer.partition(KEY_SEP)[0]
         return self.session
+
+    @property
+    def lease(self) -> timedelta | None:
+        """An open's lease, when it opens a neighbour session (:func:`session_lease`): how
+        long after :attr:`signed_at` it explains rows that no close of its own covers."""
+        if self.kind != SealKind.OPEN:
+            return None
+        return session_lease(self.session)
 
     @property
     def first(self) -> int | None:

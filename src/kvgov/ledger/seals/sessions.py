@@ -12,22 +12,26 @@ from datetime import datetime
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import Connection, Engine, select
 
-from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE
+from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE, utcnow
 from kvgov.db.models import Chain, LedgerEvent, table
 from kvgov.errors import LedgerError
-from kvgov.ledger.batch import Disclaimed, HeadCheck, read_head
+from kvgov.ledger.batch import Disclaimed, Head, HeadCheck, read_head
 from kvgov.ledger.chain import GENESIS_HASH, link_target, public_key_bytes
-from kvgov.ledger.seals.coverage import Standing, session_end
-from kvgov.ledger.seals.notes import Seal, SealKind
+from kvgov.ledger.seals.coverage import Standing, span_of
+from kvgov.ledger.seals.notes import Seal, SealKind, neighbour_id
 from kvgov.ledger.seals.store import read_standing, write_genesis, write_session_seal
 from kvgov.logging import get_logger
 
 log = get_logger(__name__)
 
 
-def new_session() -> str:
-    """A writer session's id: 32 random hex characters."""
-    return secrets.token_hex(16)
+def new_session(lease_s: int | None = None) -> str:
+    """A writer session's id: 32 random hex characters; with ``lease_s``, a neighbour
+    session's (a CLI command beside the chain's own writer), whose open explains rows for that
+    many seconds at most unless it closes over them (:func:`~.notes.neighbour_id`)."""
+    if lease_s is None:
+        return secrets.token_hex(16)
+    return neighbour_id(lease_s, secrets.token_hex(12))
 
 
 def open_session(
@@ -109,19 +113,40 @@ def adopt_legacy(
     return True
 
 
-def keep_open(conn: Connection, chain_id: str, key: Ed25519PrivateKey, session: str) -> str:
+def keep_open(
+    conn: Connection,
+    chain_id: str,
+    key: Ed25519PrivateKey,
+    session: str,
+    head: Head,
+    *,
+    lease_s: int | None = None,
+) -> str:
     """The live writer's session, still covering the chain (caller's transaction, the chain
-    locked). Another writer's exclusive open ends every session opened before it: a writer that
-    is still alive then (its lock lost with its connection, or another process claiming the
-    chain) opens a new session where the old one stopped covering, so its own events stay
-    covered. Returns the session id to use from now on."""
-    found = read_standing(conn, chain_id, public_key_bytes(key))
+    locked, ``head`` its head as read under that lock). Another writer's exclusive open ends
+    every session opened before it: a writer that is still alive then (its lock lost with its
+    connection, or another process claiming the chain) opens a new session where the old one
+    stopped covering, so its own events stay covered. Returns the session id to use from now on.
+
+    A neighbour writer (``lease_s``: the CLI's) keeps its session from lapsing
+    (:func:`~.coverage.span_of`): once half its lease has passed it signs its close at
+    ``head`` and opens a fresh one there (``ledger.session.renewed``). One that lapsed anyway
+    (the command stalled past its lease) is re-opened at ``head``, not where it stopped
+    covering: rows appended since are not its to vouch for."""
+    now = utcnow()
+    found = read_standing(conn, chain_id, public_key_bytes(key), now=now)
     mine = next((s for s in found.valid if s.kind == SealKind.OPEN and s.session == session), None)
     if mine is None:
         return session
-    end = session_end(found.valid, mine)
-    if end is None:
-        return session
+    span = span_of(found.valid, mine, now=now)
+    if span.end is None:
+        if lease_s is None or mine.lease is None or now - mine.signed_at <= mine.lease / 2:
+            return session
+        write_session_seal(conn, chain_id, key, SealKind.CLOSE, session=session, head=head)
+        return _reopen(conn, chain_id, key, head, lease_s=lease_s, why="ledger.session.renewed")
+    if span.lapsed:
+        return _reopen(conn, chain_id, key, head, lease_s=lease_s, why="ledger.session.lapsed")
+    end = span.end
     head_hash = GENESIS_HASH
     if end > 0:
         events = table(LedgerEvent)
@@ -129,22 +154,42 @@ def keep_open(conn: Connection, chain_id: str, key: Ed25519PrivateKey, session: 
             select(events.c.hash).where(events.c.chain_id == chain_id, events.c.seq == end)
         ).scalar_one()
         head_hash = link_target(str(stored))  # a malformed hash: what read_head gives for it
-    resumed = new_session()
-    write_session_seal(conn, chain_id, key, SealKind.OPEN, session=resumed, head=(end, head_hash))
-    log.warning(
-        "ledger.session.resumed",
-        extra={"chain_id": chain_id, "session": resumed, "from_seq": end},
+    return _reopen(
+        conn, chain_id, key, (end, head_hash), lease_s=lease_s, why="ledger.session.resumed"
     )
+
+
+def _reopen(
+    conn: Connection,
+    chain_id: str,
+    key: Ed25519PrivateKey,
+    at: Head,
+    *,
+    lease_s: int | None,
+    why: str,
+) -> str:
+    """Open a new session of the live writer at ``at`` (:func:`keep_open`); its id."""
+    resumed = new_session(lease_s)
+    write_session_seal(conn, chain_id, key, SealKind.OPEN, session=resumed, head=at)
+    level = log.info if why == "ledger.session.renewed" else log.warning
+    level(why, extra={"chain_id": chain_id, "session": resumed, "from_seq": at[0]})
     return resumed
 
 
-def resume(engine: Engine, chain_id: str, key: Ed25519PrivateKey, session: str) -> str:
+def resume(
+    engine: Engine,
+    chain_id: str,
+    key: Ed25519PrivateKey,
+    session: str,
+    *,
+    lease_s: int | None = None,
+) -> str:
     """:func:`keep_open` in a transaction of its own (before a live writer's checkpoint)."""
     with engine.connect() as plain:
         conn = plain.execution_options(**{SQLITE_BEGIN_IMMEDIATE: True})
         with conn.begin():
-            read_head(conn, chain_id)  # locks the chain
-            return keep_open(conn, chain_id, key, session)
+            head = read_head(conn, chain_id)  # locks the chain
+            return keep_open(conn, chain_id, key, session, head, lease_s=lease_s)
 
 
 def close_session(
@@ -168,7 +213,14 @@ def close_session(
             if check is not None:
                 disclaimed = check.check(conn, head)
                 session = check.session or session  # the check may have resumed it
-            session = keep_open(conn, chain_id, key, session)
+            session = keep_open(
+                conn,
+                chain_id,
+                key,
+                session,
+                head,
+                lease_s=check.lease_s if check is not None else None,
+            )
             seal = write_session_seal(
                 conn,
                 chain_id,

@@ -282,10 +282,14 @@ def read_seals(conn: Connection, chain_id: str) -> list[Seal]:
     return [Seal.from_row(r) for r in rows]
 
 
-def read_standing(conn: Connection, chain_id: str, public_key: bytes) -> Standing:
-    """:func:`standing` of ``chain_id`` from the database (``public_key``: the chain's). Its
-    checkpoints matter only to the legacy rule (no valid genesis: is there a checkpoint of the
-    key signed before any valid seal?), so they are read only then, and only through
+def read_standing(
+    conn: Connection, chain_id: str, public_key: bytes, *, now: datetime | None = None
+) -> Standing:
+    """:func:`standing` of ``chain_id`` from the database (``public_key``: the chain's), judged
+    at ``now`` (default: this clock's, read once, so one standing answers alike throughout: a
+    neighbour session's lease, :func:`~.coverage.span_of`). Its checkpoints matter only to the
+    legacy rule (no valid genesis: is there a checkpoint of the key signed before any valid
+    seal?), so they are read only then, and only through
     :func:`~kvgov.ledger.checkpoint_scan.verified_checkpoints` (at or below the head, signed
     before the first valid seal, bounded): the runtime role may insert any number of rows, and
     a chain with a genesis, every chain a writer registered since seals, reads none."""
@@ -293,7 +297,8 @@ def read_standing(conn: Connection, chain_id: str, public_key: bytes) -> Standin
     created_at = conn.execute(
         select(chains.c.created_at).where(chains.c.chain_id == chain_id)
     ).scalar()
-    found = standing(read_seals(conn, chain_id), public_key, created_at, (), chain_id)
+    at = utcnow() if now is None else now
+    found = standing(read_seals(conn, chain_id), public_key, created_at, (), chain_id, now=at)
     if found.genesis == "signed":
         return found
     first_seal = min((s.signed_at for s in found.valid), default=None)
@@ -308,4 +313,4 @@ def read_standing(conn: Connection, chain_id: str, public_key: bytes) -> Standin
     if next(legacy, None) is None:
         return found
     # what standing() decides given that checkpoint, without checking every seal again
-    return Standing("legacy", found.valid, found.invalid)
+    return Standing("legacy", found.valid, found.invalid, at)

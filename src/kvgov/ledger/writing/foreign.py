@@ -17,13 +17,17 @@ writer's own in the same transaction, by a signed ``foreign`` seal
 (:func:`kvgov.ledger.seals.write_foreign_seal`), which verification turns into
 ``foreign_append``. The writer keeps serving (it cannot un-append) and chains on the real head.
 
-Explained means: covered, as the seals stand when the lock is held, by a valid open of a
-session that is not one of this writer's (its first, or one it resumed), up to that session's
-close or the exclusive open that ended it, or up to the head while it is open-ended, less
-whatever that session's own foreign seals disclaim. What this cannot tell apart: rows appended
-while another session is open beside the writer (either may have written them; a CLI command
-lives seconds), and, for a writer that is not exclusive, rows an earlier crashed session still
-covers (``docs/ledger.md``, "Chain seals").
+Explained means: covered, as the seals stand when the lock is held and at the writer's now
+(:func:`kvgov.ledger.seals.span_of`), by a valid open of a session that is not one of this
+writer's (its first, or one it resumed), up to that session's close or the exclusive open that
+ended it, or up to the head while it is open-ended, less whatever that session's own foreign
+seals disclaim. A neighbour session (a CLI command's: its id signs a lease) with no close of
+its own is open-ended only within its lease: a command killed before its close no longer
+explains, for ever, every row appended after it (``docs/ledger.md``, "Neighbour sessions").
+What this cannot tell apart: rows appended while another session is open beside the writer
+(either may have written them; a CLI command lives seconds, at most its lease), and, for a
+writer that is not exclusive, rows an earlier crashed session (not a neighbour's) still covers
+(``docs/ledger.md``, "Chain seals").
 
 The comparison uses the head the transaction reads anyway: a batch whose head is the known one
 costs nothing more; the seals are read only when it moved.
@@ -33,7 +37,9 @@ chain (:func:`kvgov.ledger.seals.keep_open`, in that transaction, before the wri
 ``kvgov token`` command whose session a starting sidecar's exclusive open ended re-opens
 before it writes, so the sidecar's watch finds its rows explained (review r11, F2). A writer
 created with ``every_transaction`` (the CLI's :func:`kvgov.cli._common.append_events`) does so
-in every transaction, not only when the head moved: the sidecar's open moves no head.
+in every transaction, not only when the head moved: the sidecar's open moves no head. With a
+``lease_s`` (the CLI's too) that is also where its neighbour session is renewed once half its
+lease has passed (:func:`kvgov.ledger.seals.keep_open`).
 
 The watch's own seals never cost the writer its events: a foreign seal's key has a random part
 (the runtime role cannot take it first, review r11, F1), and a seal that still cannot be written
@@ -46,9 +52,12 @@ refusal); a malformed hash itself is signed as its :func:`~kvgov.ledger.chain.li
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import Connection, exc, select
 
+from kvgov.db.engine import utcnow
 from kvgov.db.models import LedgerEvent, table
 from kvgov.errors import LedgerSealError
 from kvgov.ledger.batch import Disclaimed, Head
@@ -70,10 +79,17 @@ log = get_logger(__name__)
 
 
 def unexplained(
-    seals: list[Seal], public_key: bytes, mine: set[str], known: int, head: int
+    seals: list[Seal],
+    public_key: bytes,
+    mine: set[str],
+    known: int,
+    head: int,
+    *,
+    now: datetime | None = None,
 ) -> Disclaimed:
     """The runs ``(first, last)`` of positions ``known + 1..head`` that no valid writer
-    session other than ``mine`` covers (``seals``: the chain's, checked against its key)."""
+    session other than ``mine`` covers as of ``now`` (``seals``: the chain's, checked against
+    its key; a neighbour session's lease: :func:`kvgov.ledger.seals.span_of`)."""
     valid = [
         s
         for s in seals
@@ -81,7 +97,7 @@ def unexplained(
         and s.signature_ok(public_key, None)
     ]
     others = [
-        (s.seq, session_end(valid, s))
+        (s.seq, session_end(valid, s, now=now))
         for s in valid
         if s.kind == SealKind.OPEN and s.session not in mine
     ]
@@ -114,12 +130,14 @@ class ForeignWatch:
         stats: WriterStats,
         *,
         every_transaction: bool = False,
+        lease_s: int | None = None,
     ) -> None:
         self.chain_id = chain_id
         self._key = key
         self._public = public_key_bytes(key)
         self.stats = stats
         self._every = every_transaction
+        self._lease = lease_s
         self._known: Head = (0, GENESIS_HASH)
         #: this writer's sessions, the current one last (a resumed session is a new one)
         self._sessions: list[str] = []
@@ -133,6 +151,10 @@ class ForeignWatch:
     @property
     def every_transaction(self) -> bool:
         return self._every
+
+    @property
+    def lease_s(self) -> int | None:
+        return self._lease
 
     @property
     def session(self) -> str | None:
@@ -169,7 +191,7 @@ class ForeignWatch:
         try:
             runs = self._seal_foreign(conn, known, head) if moved else []
             current = self._sessions[-1]
-            resumed = keep_open(conn, self.chain_id, self._key, current)
+            resumed = keep_open(conn, self.chain_id, self._key, current, head, lease_s=self._lease)
         except self._TRANSIENT:
             raise
         except Exception as err:
@@ -186,7 +208,12 @@ class ForeignWatch:
 
     def _seal_foreign(self, conn: Connection, known: Head, head: Head) -> Disclaimed:
         runs = unexplained(
-            read_seals(conn, self.chain_id), self._public, set(self._sessions), known[0], head[0]
+            read_seals(conn, self.chain_id),
+            self._public,
+            set(self._sessions),
+            known[0],
+            head[0],
+            now=utcnow(),
         )
         for first, last in runs:
             at = head if last == head[0] else (last, self._hash_at(conn, last))
