@@ -65,11 +65,14 @@ def _deep_attrs(**named: Any) -> str:
     return json.dumps({**named, "x": "@"}).replace('"@"', DEEP)
 
 
-def _plant(sc_engine: object, job_id: str, tenant: str) -> None:
+def _plant(
+    sc_engine: object, job_id: str, tenant: str, *, attrs: str | None = None, at: object = None
+) -> str:
     """As the runtime role: a chain of its own, and one ``purge:step`` row on it that names
-    ``job_id`` (no valid hash needed: it is decoded before anything is checked)."""
+    ``job_id`` (no valid hash needed: it is decoded before anything is checked), its ``attrs``
+    nested :data:`DEPTH` deep unless given, dated ``at`` (now unless given); its chain id."""
     chain = f"junk-{uuid.uuid4().hex[:8]}"
-    attrs = _deep_attrs(purge_id=job_id, step="tiers")
+    attrs = attrs if attrs is not None else _deep_attrs(purge_id=job_id, step="tiers")
     with sc_engine.begin() as conn:  # type: ignore[attr-defined]
         conn.execute(
             text("INSERT INTO chains (chain_id, public_key, created_at) VALUES (:c, :k, :t)"),
@@ -81,8 +84,9 @@ def _plant(sc_engine: object, job_id: str, tenant: str) -> None:
                 "occurred_at, kind, tenant, attrs) VALUES (:c, 1, :h, :h, 1, :t, 'purge:step', "
                 ":tenant, CAST(:a AS jsonb))"
             ),
-            {"c": chain, "h": "0" * 64, "t": utcnow(), "tenant": tenant, "a": attrs},
+            {"c": chain, "h": "0" * 64, "t": at or utcnow(), "tenant": tenant, "a": attrs},
         )
+    return chain
 
 
 async def test_a_deeply_nested_ledger_row_does_not_kill_the_purge_executor(

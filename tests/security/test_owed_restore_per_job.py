@@ -12,9 +12,10 @@ fails on for good (a ``purge:step`` event naming the forged job dated ``infinity
 refuses the timestamp with a ``DataError``, an ``SQLAlchemyError``) turned the restore into a
 retry loop that never restored anything either.
 
-Now the JSON reads as a marker (:mod:`kvgov.boundedjson`), the restore reads job ids first
-and each job's debt in a transaction and a guard of its own
-(:mod:`kvgov.proxy.purge.restore`): a job that cannot be read costs only itself.
+Now the JSON reads as a marker (:mod:`kvgov.boundedjson`), a timestamp past Python's range
+as its edge (:mod:`kvgov.db.boundedtime`), and the restore reads job ids first and each job's
+debt in a transaction and a guard of its own (:mod:`kvgov.proxy.purge.restore`): a job that
+cannot be read, for whatever reason is left, costs only itself.
 
 Postgres, as the runtime role a sidecar has.
 """
@@ -24,12 +25,17 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import DataError
+from sqlalchemy.orm import Session
 
 from kvgov.db.engine import utcnow
 from kvgov.proxy.app import build_sidecar
+from kvgov.services.purge import service as purge_service
+from kvgov.services.purge.debts import OwedJob
 from tests.security import doors
 from tests.security.doors import engine, run
 from tests.security.test_purge_late_evict import LocalTier, _down_during_purge, _late
@@ -107,7 +113,9 @@ async def test_a_forged_step_row_does_not_stop_the_restored_evictions(
 def _plant_unreadable_job(sc_engine: object, sidecar_id: str) -> str:
     """As the runtime role: a job, its ``engines@S`` step for sidecar S, and on a chain of
     its own a ``purge:step`` event naming the job dated ``infinity`` (valid for Postgres; no
-    read of the job's chained steps gets past it)."""
+    read of the job's chained steps got past it until timestamps were bounded,
+    ``tests/security/test_out_of_range_timestamps.py``: the test below makes its reads fail
+    on purpose)."""
     now = utcnow()
     job, chain = str(uuid.uuid4()), f"junk-{uuid.uuid4().hex[:8]}"
     with sc_engine.begin() as conn:  # type: ignore[attr-defined]
@@ -142,9 +150,10 @@ def _plant_unreadable_job(sc_engine: object, sidecar_id: str) -> str:
 
 
 async def test_a_job_no_read_gets_past_costs_only_itself(
-    tmp_path: Path, prod_db: doors.ProdDatabase
+    tmp_path: Path, prod_db: doors.ProdDatabase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The honest debt is restored at once; the forged job is tried a few rounds, logged and
+    """The honest debt is restored at once; the forged job, whose every read fails (an error
+    of the database's or the driver's no reader expected), is tried a few rounds, logged and
     counted, and costs nothing else (before: the whole restore was retried, for ever, and
     restored nothing)."""
     local = LocalTier()
@@ -154,9 +163,17 @@ async def test_a_job_no_read_gets_past_costs_only_itself(
         acme, raws, (job,) = await _down_during_purge(sc, local, {0xE2: "alice"})
         acme.close()
         assert sc.engine is not None
-        _plant_unreadable_job(sc.engine, sc.sidecar_id)
+        forged = _plant_unreadable_job(sc.engine, sc.sidecar_id)
     finally:
         await sc.stop()
+    honest_read = purge_service.proven_debt
+
+    def unreadable(session: Session, owed: OwedJob, **kw: Any) -> Any:
+        if owed.job_id == forged:
+            raise DataError("SELECT ...", {}, Exception("no read gets past this job's rows"))
+        return honest_read(session, owed, **kw)
+
+    monkeypatch.setattr(purge_service, "proven_debt", unreadable)
     (raw,) = raws
     sc = await build_sidecar(doors.settings(tmp_path, prod_db))
     await sc.start()

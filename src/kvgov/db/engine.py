@@ -131,7 +131,7 @@ def make_engine(url: str, *, pool_size: int = 5, echo: bool = False) -> Engine:
             f"unsupported database URL scheme: {url.split(':', 1)[0]}",
             hint="use sqlite:///path/ledger.db or postgresql+psycopg://user@host/db",
         )
-    return create_engine(
+    engine = create_engine(
         url,
         echo=echo,
         pool_size=pool_size,
@@ -143,6 +143,15 @@ def make_engine(url: str, *, pool_size: int = 5, echo: bool = False) -> Engine:
         json_serializer=bounded_dumps,
         json_deserializer=bounded_loads,
     )
+    # and timestamps past Python's range (``infinity``, year 10000) read as its edges
+    event.listen(engine, "connect", _postgres_on_connect)
+    return engine
+
+
+def _postgres_on_connect(dbapi_conn: DBAPIConnection, _record: object) -> None:
+    from kvgov.db import boundedtime  # psycopg: only where Postgres is used
+
+    boundedtime.install(dbapi_conn)  # type: ignore[arg-type]
 
 
 def _ensure_sqlite_dir(url: str) -> None:
