@@ -176,6 +176,9 @@ async def _kvgov(*args: str, url: str, cwd: Path) -> tuple[int, str]:
         **os.environ,
         "KVGOV_POLICY__ENGINE": "opa",
         "KVGOV_POLICY__OPA_URL": url,
+        # the stand-in evaluates in this test's process: on a loaded machine the default
+        # 0.25 s budget read as "opa_timeout" (CI, 2026-11-27); what is tested here is the CLI
+        "KVGOV_POLICY__OPA_TIMEOUT_S": "10",
         "KVGOV_DATA_DIR": str(cwd / ".kvgov"),
         "RUST_BACKTRACE": "0",
     }
