@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any, AnyStr, Final
+from typing import AnyStr, Final
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def check_bounds(text: str) -> str | None:
     return None
 
 
-def bounded_loads(data: str | bytes | bytearray | memoryview) -> Any:
+def bounded_loads(data: str | bytes | bytearray | memoryview) -> object:
     """``json.loads`` for a value read from the database: :func:`undecodable` for one past
     the bounds or not JSON (logged by its size only), never an exception."""
     text = bytes(data) if isinstance(data, (bytearray, memoryview)) else data
@@ -134,7 +134,7 @@ def _refused(why: str, size: int) -> Undecodable:
     return undecodable()
 
 
-def bounded_dumps(value: Any) -> str:
+def bounded_dumps(value: object) -> str:
     """``json.dumps`` for a value written to the database, refusing (``ValueError``) what
     :func:`bounded_loads` would not read back."""
     try:
