@@ -106,12 +106,21 @@ CRASHING_CHILD = textwrap.dedent(
 )
 
 
-def _crash(url: str, chain_id: str, n: int, *, tail: int = 1, exclusive: bool = False) -> None:
-    """A writer that writes ``n`` events, a checkpoint and ``tail`` events more, then is
-    killed (``kill -9``): no final checkpoint, no close."""
+def _crash(
+    url: str,
+    chain_id: str,
+    n: int,
+    *,
+    tail: int = 1,
+    exclusive: bool = False,
+    pem: str = PEM,
+) -> None:
+    """A writer signing with ``pem`` (the honest node's key by default) that writes ``n``
+    events, a checkpoint and ``tail`` events more, then is killed (``kill -9``): no final
+    checkpoint, no close."""
     args = [chain_id, str(n), str(tail), "01"[exclusive]]
     child = subprocess.Popen(
-        [sys.executable, "-c", CRASHING_CHILD, url, PEM, *args],
+        [sys.executable, "-c", CRASHING_CHILD, url, pem, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -29,10 +29,6 @@ Postgres, as the runtime role a sidecar has (``runtime_role``).
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -55,7 +51,7 @@ from kvgov.types import EventKind, Outcome, PurgeState
 from tests.integration.test_purge_service import Env, N
 from tests.security import doors
 from tests.security import test_receipt_forgery as forgery
-from tests.security.test_chain_forgery import CRASHING_CHILD, _forge, _head
+from tests.security.test_chain_forgery import _crash, _forge, _head
 from tests.security.test_purge_late_evict import (
     LocalTier,
     _down_during_purge,
@@ -80,24 +76,7 @@ def _pod_killed(env: Env, chain_id: str) -> None:
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     ).decode()
     url = env.engine.url.render_as_string(hide_password=False)
-    child = subprocess.Popen(
-        [sys.executable, "-c", CRASHING_CHILD, url, pem, chain_id, "2", "0", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert child.stdout is not None
-        line = child.stdout.readline()
-        assert line == "written\n", child.stderr.read() if child.stderr else ""
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        if child.poll() is None:
-            child.kill()
-        child.wait(timeout=30)
-        for stream in (child.stdout, child.stderr):
-            if stream is not None:
-                stream.close()
+    _crash(url, chain_id, 2, tail=0, exclusive=True, pem=pem)
 
 
 def _chain_on(env: Env, role: str, chain_id: str, events: list[dict[str, Any]]) -> int:
