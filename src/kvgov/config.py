@@ -2,7 +2,10 @@
 
 Sources, highest priority first: explicit keyword arguments, ``KVGOV_*`` environment variables
 (nested with ``__``, e.g. ``KVGOV_DATABASE__URL``; ``KVGOV_DATABASE_URL`` is accepted as a
-shorthand), a TOML config file given with ``--config``, then the embedded defaults.
+shorthand), a TOML config file given with ``--config``, a defaults TOML file named by
+``KVGOV_DEFAULTS_FILE`` (the sidecar image's: its paths and listeners), then the embedded
+defaults. A packaging's defaults sit below everything an operator writes: as ``ENV`` they would
+silently override a ``--config`` file.
 
 The embedded defaults run a single-node sidecar with nothing else installed: a SQLite ledger and
 key files under ``./.kvgov/``, the embedded Rego engine, memory + filesystem tiers. Unknown keys
@@ -59,6 +62,11 @@ _MAX_RECONCILE_S = 30 * 86_400.0
 
 #: the ``--config`` file for the settings being built (set only inside :func:`load_settings`)
 _CONFIG_FILE: ContextVar[Path | None] = ContextVar("kvgov_config_file", default=None)
+#: the variable naming a packaging's defaults file (the image sets it): not a setting, it names
+#: the lowest-priority source, below ``--config``
+DEFAULTS_FILE_ENV = "KVGOV_DEFAULTS_FILE"
+#: that file, for the settings being built (set only inside :func:`load_settings`)
+_DEFAULTS_FILE: ContextVar[Path | None] = ContextVar("kvgov_defaults_file", default=None)
 
 
 def parse_public_key(text: str) -> bytes:
@@ -601,9 +609,11 @@ class Settings(BaseSettings):
             env_settings,
             _ShorthandSource(settings_cls),
         ]
-        config_file = _CONFIG_FILE.get()
-        if config_file is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
+        # the files last, each below what an operator says in the environment; the image's
+        # defaults below the operator's file (sources merge section by section)
+        for path in (_CONFIG_FILE.get(), _DEFAULTS_FILE.get()):
+            if path is not None:
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
         return tuple(sources)
 
     @model_validator(mode="after")
@@ -911,12 +921,15 @@ class _ShorthandSource(PydanticBaseSettingsSource):
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
-    """Build and validate settings from defaults, a TOML file, the environment and overrides.
+    """Build and validate settings from, lowest priority first, the embedded defaults, the
+    defaults file ``KVGOV_DEFAULTS_FILE`` names (the image's), a TOML file (``--config``), the
+    environment and ``overrides``.
 
     Raises :class:`ConfigError` listing every problem; callers stop startup on it.
     """
     if config_file is not None and not config_file.is_file():
         raise ConfigError(f"config file not found: {config_file}")
+    defaults_file = _defaults_file()
     unknown = _unknown_env_names()
     if unknown:
         hint = "KVGOV_ variables name a setting, nested with '__' (KVGOV_TIERS__CHAIN)"
@@ -930,6 +943,7 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
             "unknown settings in the environment: " + ", ".join(sorted(unknown)), hint=hint
         )
     token = _CONFIG_FILE.set(config_file)
+    defaults_token = _DEFAULTS_FILE.set(defaults_file)
     try:
         return Settings(**overrides)
     except ValidationError as exc:
@@ -940,7 +954,30 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {config_file} is not valid TOML: {exc}") from exc
     finally:
+        _DEFAULTS_FILE.reset(defaults_token)
         _CONFIG_FILE.reset(token)
+
+
+def _defaults_file() -> Path | None:
+    """The defaults file ``KVGOV_DEFAULTS_FILE`` names (unset or empty: none), checked: one that
+    is gone (a volume mounted over it) or not TOML stops start-up rather than leave the
+    embedded defaults (``./.kvgov``, the API's port) in its place."""
+    name = os.environ.get(DEFAULTS_FILE_ENV, "")
+    if not name:
+        return None
+    path = Path(name)
+    if not path.is_file():
+        raise ConfigError(
+            f"defaults file not found: {path} ({DEFAULTS_FILE_ENV})",
+            hint="the image ships it; unset or empty the variable to go without",
+        )
+    try:
+        tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"defaults file {path} cannot be read: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"defaults file {path} is not valid TOML: {exc}") from exc
+    return path
 
 
 #: settings whose keys are secrets (``{"<token>": "<engine-id>"}``): an error below one names
@@ -1035,7 +1072,7 @@ def _unknown_env_names() -> list[str]:
     """``KVGOV_*`` variables that name no setting: a typo there must not be silently ignored."""
     unknown = []
     for name in os.environ:
-        if not name.startswith("KVGOV_") or name == "KVGOV_DATABASE_URL":
+        if not name.startswith("KVGOV_") or name in ("KVGOV_DATABASE_URL", DEFAULTS_FILE_ENV):
             continue
         if name.startswith("KVGOV_TEST_"):  # the test suite's own knobs
             continue

@@ -93,12 +93,14 @@ def container_env(
 
 
 def load_with(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The settings a container of the image loads with ``env``: the image's defaults file
+    below the container's ``KVGOV_*`` (``test_image_defaults.as_the_image``)."""
+    from tests.security.test_image_defaults import as_the_image
+
     for key in list(os.environ):
         if key.startswith("KVGOV_"):
             monkeypatch.delenv(key)
-    for key, value in env.items():
-        if key.startswith("KVGOV_"):
-            monkeypatch.setenv(key, value)
+    as_the_image(monkeypatch, **{k: v for k, v in env.items() if k.startswith("KVGOV_")})
     return load_settings()
 
 

@@ -32,7 +32,13 @@ def build_app() -> typer.Typer:
         ctx: typer.Context,
         config: Annotated[
             Path | None,
-            typer.Option("--config", "-c", help="TOML settings file (env KVGOV_* overrides it)."),
+            typer.Option(
+                "--config",
+                "-c",
+                help="TOML settings file. Sources, highest first: KVGOV_* environment variables,"
+                " this file, the defaults file KVGOV_DEFAULTS_FILE names (the image's), the"
+                " built-in defaults.",
+            ),
         ] = None,
     ) -> None:
         ctx.obj = CliState(config_file=config)

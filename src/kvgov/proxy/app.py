@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from kvgov import __version__
-from kvgov.config import Settings
+from kvgov.config import LOOPBACK_HOSTS, Settings
 from kvgov.connectors.tiers.chain import TierChain
 from kvgov.connectors.tiers.factory import build_tiers
 from kvgov.db.engine import utcnow
@@ -886,6 +886,70 @@ def _control_server_class() -> type[uvicorn.Server]:
     return ControlServer
 
 
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def development_exposure(settings: Settings) -> dict[str, str | list[str]] | None:
+    """What a development sidecar opens beyond its own process and what development lets
+    through there, as the fields of the ``sidecar.development`` warning (None: not development,
+    or nothing listens on a network).
+
+    Development is an environment's default (an image run without ``KVGOV_ENVIRONMENT``
+    included), so nothing else would say that the TCP wire on a pod's loopback, which every
+    container of the pod shares, admits any engine id without a token. Network listeners: the
+    TCP wire (any host: loopback is the pod's), ``lm://``, and the control plane beyond loopback
+    or without ``api.auth``. The Unix socket alone is not one (its folder is this user's)."""
+    from kvgov.policy.bundle import operator_data_file
+
+    if settings.environment is not Environment.DEVELOPMENT:
+        return None
+    dp, api, policy = settings.dataplane, settings.api, settings.policy
+    listeners: list[str] = []
+    if dp.host:
+        listeners.append(f"kvgov wire tcp://{_address(dp.host, dp.port)}")
+    if dp.lm_port >= 0:
+        listeners.append(f"lm:// tcp://{_address(dp.lm_host, dp.lm_port)}")
+    plain_api = api.host not in LOOPBACK_HOSTS and not api.tls
+    if api.host not in LOOPBACK_HOSTS or not api.auth:
+        scheme = "https" if api.tls else "http"
+        listeners.append(f"control plane {scheme}://{_address(api.host, api.port)}")
+    if not listeners:
+        return None
+    allows: list[str] = []
+    if not dp.engine_tokens and dp.engine_tokens_file is None:
+        allows.append(
+            "engines admitted without a token: whoever reaches the kvgov wire names any engine"
+            " id (every container of a pod shares its loopback)"
+        )
+    if (
+        policy.engine == "embedded"
+        and operator_data_file(policy.policy_dir, policy.data_file) is None
+    ):
+        allows.append("the packaged example policy data: its tenant 'demo' admits every engine")
+    if plain_api:
+        allows.append("the control plane in plain HTTP beyond loopback")
+    unsafe = [
+        name
+        for name, on in (
+            ("api.auth=false", not api.auth),
+            ("policy.engine=unsafe-allow-all", policy.engine == "unsafe-allow-all"),
+            ("dataplane.sealer=unsafe-plaintext", dp.sealer == "unsafe-plaintext"),
+            ("dataplane.events=unsafe-null", dp.events == "unsafe-null"),
+        )
+        if on
+    ]
+    if unsafe:
+        allows.append("settings production refuses: " + ", ".join(unsafe))
+    allows.append("keys the sidecar generates itself, and a ledger schema it migrates itself")
+    return {
+        "listeners": listeners,
+        "allows": allows,
+        "hint": "set environment=production (KVGOV_ENVIRONMENT=production, or environment ="
+        ' "production" in --config) for anything but a workstation (docs/operations.md)',
+    }
+
+
 async def run_sidecar(settings: Settings) -> None:
     """Build, start and serve until SIGTERM/SIGINT; then shut down gracefully."""
     import signal
@@ -894,6 +958,9 @@ async def run_sidecar(settings: Settings) -> None:
     from kvgov.proxy.api.server import api_config
     from kvgov.proxy.api.tls import api_tls_context
 
+    exposure = development_exposure(settings)
+    if exposure is not None:
+        log.warning("sidecar.development", extra=exposure)
     # the API's TLS files first: a missing or mismatched one stops start-up before anything
     # is built or listens
     tls = api_tls_context(settings.api)
