@@ -803,13 +803,22 @@ class Settings(BaseSettings):
             )
         return tokens
 
-    def read_engine_tokens(self) -> tuple[dict[str, SecretStr], list[str]]:
+    def read_engine_tokens(
+        self, *, revoke_all: bool = False
+    ) -> tuple[dict[str, SecretStr], list[str]]:
         """The engine tokens whose engine id is valid, and why each other entry was refused
         (its id's problem, never the token or the id). A running sidecar takes the valid ones
         of a changed file and keeps serving them (:meth:`kvgov.proxy.app.Sidecar`); start-up
-        refuses any (:attr:`engine_tokens`). A file that does not parse, or holds no valid
-        entry, raises :class:`ConfigError` naming the file: an empty token map would accept
-        any engine id."""
+        refuses any (:attr:`engine_tokens`). A file that does not read (not JSON: half
+        written; not an object; an entry that is not a token naming a string) raises
+        :class:`ConfigError` naming the file, and a running sidecar keeps the tokens in force.
+
+        A well-formed object with no valid entry (``{}``, or only refused ids) is what an
+        operator who removed the last token wrote: with ``revoke_all`` (a running sidecar,
+        whose server remembers that tokens were configured and then admits nobody) it is read
+        as no tokens, every one revoked (review r16, finding 3: the leaked token of a
+        single-token fleet kept working); without (start-up) it raises, as an empty map there
+        would leave a sidecar that had never been given a token."""
         dp = self.dataplane
         path = dp.engine_tokens_file
         if path is None:
@@ -821,7 +830,7 @@ class Settings(BaseSettings):
             data = json.loads(text)
         except (ValueError, RecursionError):
             raise ConfigError(f"{name} {path} is not JSON", hint=hint) from None
-        if not isinstance(data, dict) or not data:
+        if not isinstance(data, dict) or not (data or revoke_all):
             raise ConfigError(f"{name} {path} holds no tokens", hint=hint)
         tokens: dict[str, SecretStr] = {}
         refused: list[str] = []
@@ -840,7 +849,7 @@ class Settings(BaseSettings):
                 refused.append(f"an engine id {problem}")
                 continue
             tokens[token] = SecretStr(engine)
-        if not tokens:
+        if not tokens and not revoke_all:
             raise ConfigError(
                 f"{name} {path} holds no valid engine id: {'; '.join(sorted(set(refused)))}",
                 hint=f"an engine id is {ENGINE_ID_RULE}",

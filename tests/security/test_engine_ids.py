@@ -53,7 +53,9 @@ CONFUSING = {
 def test_a_hello_without_tokens_cannot_name_a_confusing_engine(engine_id: str) -> None:
     """Where the HELLO's id becomes the identity (a local peer, development)."""
     server: Any = SimpleNamespace(
-        config=SimpleNamespace(engine_tokens={}, allow_anonymous=True), _token_ids={}
+        config=SimpleNamespace(engine_tokens={}, allow_anonymous=True),
+        _token_ids={},
+        tokens_configured=False,
     )
     conn: Any = SimpleNamespace(unix=False, peer_uid=None)
     with pytest.raises(WireError) as err:

@@ -6,12 +6,19 @@ token still opened new connections, and the connections it had opened went on, u
 restart. Now the sidecar follows the file (``dataplane.engine_tokens_reload_interval_s``): a
 removed token opens no new connection and the connections it opened are closed, while the
 other engines' connections stay; a file that does not read leaves the tokens in force.
+
+Review r16 (finding 3): the shipped layout has one token, so removing the leaked one leaves
+``{}``; that file was refused as "no tokens" and the leaked token kept working until a restart.
+A file that reads but holds no valid token now revokes every token, and the sidecar then admits
+nobody, not even the Unix socket peer of its own uid that a sidecar never given tokens admits.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -36,13 +43,13 @@ WITHIN_S = 15.0
 VALUE = b"acme's prompt KV " * 1024
 
 
-def _settings(tmp_path: Path, db: doors.ProdDatabase) -> tuple[Settings, Path]:
+def _settings(tmp_path: Path, db: doors.ProdDatabase, **dataplane: Any) -> tuple[Settings, Path]:
     """A production sidecar's settings with its engine tokens in a file it looks at every
     ``EVERY_S``; and the file."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     tokens = tmp_path / "engine-tokens.json"
     tokens.write_text(json.dumps(doors.TOKENS))
-    st = doors.settings(tmp_path, db)
+    st = doors.settings(tmp_path, db, **dataplane)
     dp = st.dataplane.model_copy(
         update={
             "engine_tokens": {},
@@ -54,8 +61,10 @@ def _settings(tmp_path: Path, db: doors.ProdDatabase) -> tuple[Settings, Path]:
 
 
 @asynccontextmanager
-async def _sidecar(tmp_path: Path, db: doors.ProdDatabase) -> AsyncIterator[tuple[Sidecar, Path]]:
-    st, tokens = _settings(tmp_path, db)
+async def _sidecar(
+    tmp_path: Path, db: doors.ProdDatabase, **dataplane: Any
+) -> AsyncIterator[tuple[Sidecar, Path]]:
+    st, tokens = _settings(tmp_path, db, **dataplane)
     sc = await build_sidecar(st)
     await sc.start()
     try:
@@ -176,3 +185,132 @@ async def test_a_token_file_that_breaks_the_reader_does_not_stop_later_revocatio
         doors.replace_file(tokens, json.dumps(revoked))
         assert await run(_refused_within, acme, WITHIN_S) is not None, "the leaked token works"
         acme.close()
+
+
+#: files that parse to a JSON object holding no token the sidecar would take: emptied, or
+#: left with an entry whose engine id is refused (``lm:...``, :mod:`kvgov.engine_ids`)
+EMPTIED = ["{}", '{"tok-new": "lm:vllm"}']
+
+
+@pytest.mark.parametrize("emptied", EMPTIED, ids=["empty-object", "only-refused-ids"])
+async def test_emptying_the_token_file_revokes_every_token(
+    tmp_path: Path, prod_db: doors.ProdDatabase, emptied: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(review r16, finding 3) The shipped layout has one token for the whole Deployment; an
+    operator revokes it, as ``docs/deploy.md`` says, by removing it from the Secret: the file
+    becomes ``{}`` (or keeps an entry whose id is refused). That file was refused as "no
+    tokens" and the leaked token kept working, open connections and all, until a restart."""
+    caplog.set_level(logging.INFO)
+    async with _sidecar(tmp_path, prod_db) as (sc, tokens):
+        acme, globex = engine(sc, "tok-acme"), engine(sc, "tok-globex")
+        try:
+            async with doors.control_up(sc, "tok-demo"):
+                assert (await run(acme.put, doors.key(1, "acme"), VALUE, CTX)).ok
+                assert (await run(globex.put, doors.key(2, "globex"), VALUE, CTX)).ok
+                assert set(_engines(sc)) == {"vllm-acme", "vllm-globex", "vllm-demo"}
+                assert sc.server.controls
+
+                doors.replace_file(tokens, emptied)
+
+                refused = await run(_refused_within, acme, WITHIN_S)
+                assert refused is not None, (
+                    "every token removed from the file, and the leaked one still opens connections"
+                )
+                assert await doors.until(lambda: not _engines(sc), WITHIN_S), (
+                    f"connections opened with revoked tokens stay open: {_engines(sc)}"
+                )
+                assert not sc.server.controls, "a revoked engine's control channel stays open"
+                assert await run(_refused_within, globex, 2.0) is not None
+        finally:
+            acme.close()
+            globex.close()
+        logged = [r for r in caplog.records if r.getMessage() == "dataplane.tokens.all_revoked"]
+        assert len(logged) == 1 and logged[0].levelno == logging.ERROR, (
+            "revoking every engine token must be logged, once, as an error"
+        )
+        assert not any(
+            t in r.getMessage() + str(vars(r)) for r in caplog.records for t in doors.TOKENS
+        )
+
+
+async def test_after_every_token_is_revoked_a_unix_peer_of_the_sidecars_uid_is_refused(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    """The fix must not fall back to what a sidecar configured without tokens does: on its Unix
+    socket, admit a peer of its own uid (or root) as whatever engine it names. Once tokens were
+    configured, an empty map admits nobody (``engine tokens revoked``)."""
+    from kvgov.wire.codec import PROTOCOL_VERSION, FrameType
+    from tests.security.doors import RawWire
+
+    short = Path(tempfile.mkdtemp(prefix="kvr-"))  # a socket path must stay short
+    sock = short / "d.sock"
+    try:
+        async with _sidecar(tmp_path, prod_db, unix_path=str(sock)) as (sc, tokens):
+            acme = engine(sc, "tok-acme")
+            try:
+                assert (await run(acme.put, doors.key(1, "acme"), VALUE, CTX)).ok
+                doors.replace_file(tokens, "{}")
+                revoked = await run(_refused_within, acme, WITHIN_S)
+                assert revoked is not None, "every token removed, and the leaked one still works"
+            finally:
+                acme.close()
+            for hello in (
+                {"version": PROTOCOL_VERSION, "engine": "vllm-acme"},
+                {"version": PROTOCOL_VERSION, "engine": "vllm-acme", "role": "control"},
+            ):
+                raw = RawWire.unix(str(sock))
+                try:
+                    raw.send(FrameType.HELLO, 1, hello)
+                    reply = await run(raw.read)
+                    assert reply.error == "unauthenticated", (
+                        f"a token-less HELLO from the sidecar's own uid was admitted after every"
+                        f" token was revoked: {reply.meta}"
+                    )
+                    assert "revoked" in str(reply.meta.get("message", "")), reply.meta
+                    assert await run(raw.closed_by_peer)
+                finally:
+                    raw.close()
+            raw = RawWire.unix(str(sock))
+            try:
+                reply = await run(raw.hello, "tok-acme")
+                assert reply.error == "unauthenticated", reply.meta
+            finally:
+                raw.close()
+            assert not _engines(sc)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+async def test_a_valid_token_file_after_a_revocation_restores_admission(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    """Revoking every token is not a dead end: the file the operator writes next (the new
+    token) is taken, and only it opens connections."""
+    async with _sidecar(tmp_path, prod_db) as (sc, tokens):
+        acme = engine(sc, "tok-acme")
+        try:
+            assert (await run(acme.put, doors.key(1, "acme"), VALUE, CTX)).ok
+            doors.replace_file(tokens, "{}")
+            assert await run(_refused_within, acme, WITHIN_S) is not None, "the leaked token works"
+        finally:
+            acme.close()
+        doors.replace_file(tokens, json.dumps({"tok-acme-2": "vllm-acme"}))
+        fresh = engine(sc, "tok-acme-2")
+        try:
+
+            def admitted() -> bool:
+                try:
+                    return doors.value_of(fresh.get(doors.key(1, "acme"), CTX)) == VALUE
+                except WireError:
+                    return False
+
+            assert await run(doors.wait_for, admitted, WITHIN_S), "the new token opens nothing"
+        finally:
+            fresh.close()
+        stale = engine(sc, "tok-acme")
+        try:
+            with pytest.raises(WireError) as err:
+                await run(stale.get, doors.key(1, "acme"), CTX)
+        finally:
+            stale.close()
+        assert err.value.error is ErrorCode.UNAUTHENTICATED

@@ -279,7 +279,9 @@ def test_an_engine_id_that_is_not_text_authenticates_nothing(engine: str) -> Non
     """Where the engine id becomes the identity (no tokens: a local peer or anonymous), one
     the ledger cannot record is refused."""
     server: Any = SimpleNamespace(
-        config=SimpleNamespace(engine_tokens={}, allow_anonymous=True), _token_ids={}
+        config=SimpleNamespace(engine_tokens={}, allow_anonymous=True),
+        _token_ids={},
+        tokens_configured=False,
     )
     conn: Any = SimpleNamespace(unix=False, peer_uid=None)
     with pytest.raises(WireError) as err:

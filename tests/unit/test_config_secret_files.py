@@ -128,3 +128,52 @@ def test_connector_sidecar_uids_must_be_uids(raw: object) -> None:
         ConnectorSettings.from_extra_config(
             {"kvgov.endpoint": "unix:///run/kvgov/data.sock", "kvgov.sidecar_uids": raw}
         )
+
+
+@pytest.mark.parametrize(
+    ("content", "refused"),
+    [("{}", 0), (json.dumps({SECRET: "lm:vllm-0"}), 1), (json.dumps({SECRET: " vllm-0"}), 1)],
+    ids=["empty-object", "lm-id", "blank-id"],
+)
+def test_a_running_sidecar_reads_a_token_file_left_with_no_token_as_every_token_revoked(
+    tmp_path: Path, content: str, refused: int
+) -> None:
+    """(review r16, finding 3) The last token removed from the file: a running sidecar reads
+    no tokens (and revokes them all) where start-up refuses the file."""
+    path = tmp_path / "engine-tokens.json"
+    path.write_text(content)
+    s = load_settings(dataplane={"engine_tokens_file": path})
+    tokens, why = s.read_engine_tokens(revoke_all=True)
+    assert tokens == {}
+    assert len(why) == refused
+    assert not any(SECRET in r or "vllm-0" in r for r in why)
+    with pytest.raises(ConfigError, match="holds no"):
+        _ = s.engine_tokens
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "",
+        '{"' + SECRET + '": ',  # half written
+        json.dumps([SECRET]),
+        "null",
+        json.dumps({SECRET: 7}),
+        json.dumps({SECRET: ""}),
+        json.dumps({SECRET: "vllm-0"})[:-1] + ', "\\ud83d": "x"}',
+        "[" * 100_000,
+    ],
+    ids=["empty", "half-written", "list", "null", "number", "empty-id", "surrogate", "deep"],
+)
+def test_a_token_file_that_does_not_read_is_refused_even_when_running(
+    tmp_path: Path, content: str
+) -> None:
+    """What does not read is refused whole (the tokens in force stay), never taken as the
+    revocation of every token: a file caught half-way is not an operator's intent."""
+    path = tmp_path / "engine-tokens.json"
+    path.write_text(content)
+    s = load_settings(dataplane={"engine_tokens_file": path})
+    with pytest.raises(ConfigError) as exc:
+        s.read_engine_tokens(revoke_all=True)
+    assert str(path) in str(exc.value)
+    assert SECRET not in exc.value.diagnostics()

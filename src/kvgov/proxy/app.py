@@ -409,17 +409,23 @@ class Sidecar:
     async def _follow_engine_tokens(self) -> None:
         """Every ``dataplane.engine_tokens_reload_interval_s``, look at the engine token file
         (a mounted Secret); when it changed, read it and hand the tokens to the server, which
-        closes the connections of removed ones. A file that does not read (half written,
-        invalid, no valid entry) is refused and logged once, never its content; the tokens in
-        force stay (:func:`kvgov.follow.follow`). An entry whose engine id is refused
-        (:mod:`kvgov.engine_ids`: ``lm:...``, control characters) is left out, logged and
-        counted (``kvgov_dataplane_engine_tokens_refused``), and the file's other tokens are
-        taken: the left-out token opens nothing, and its connections are closed."""
+        closes the connections of removed ones. A file that does not read (half written, not
+        JSON, not an object, an entry that is not a token naming a string) is refused and
+        logged once, never its content; the tokens in force stay (:func:`kvgov.follow.follow`).
+        An entry whose engine id is refused (:mod:`kvgov.engine_ids`: ``lm:...``, control
+        characters) is left out, logged and counted (``kvgov_dataplane_engine_tokens_refused``),
+        and the file's other tokens are taken: the left-out token opens nothing, and its
+        connections are closed. A well-formed object left with no valid token (``{}``: the
+        last token removed) revokes them all: every token connection is closed, every HELLO is
+        refused (:meth:`~kvgov.proxy.dataplane.server.WireServer.authenticate`), and
+        ``dataplane.tokens.all_revoked`` is logged as an error, until the file holds a token."""
         path = self.settings.dataplane.engine_tokens_file
         assert path is not None
 
         async def apply() -> None:
-            tokens, refused = await asyncio.to_thread(self.settings.read_engine_tokens)
+            tokens, refused = await asyncio.to_thread(
+                partial(self.settings.read_engine_tokens, revoke_all=True)
+            )
             if refused:
                 self.metrics.engine_tokens_refused.inc(len(refused))
                 log.warning(
@@ -427,6 +433,14 @@ class Sidecar:
                     extra={"refused": len(refused), "reasons": sorted(set(refused))},
                 )
             closed = self.server.replace_tokens(tokens)
+            if not tokens:
+                # an operator revoked the last token (the shipped layout has one): every
+                # engine is cut off until the file holds a token again
+                log.error(
+                    "dataplane.tokens.all_revoked",
+                    extra={"connections_closed": closed, "refused": len(refused)},
+                )
+                return
             log.info(
                 "dataplane.tokens.reloaded",
                 extra={"tokens": len(tokens), "connections_closed": closed},

@@ -77,6 +77,10 @@ class WireServer:
             handshake.token_id(token): (token, engine.get_secret_value())
             for token, engine in config.engine_tokens.items()
         }
+        #: whether engine tokens were ever configured (at start, or by a reload); never
+        #: cleared: an empty map then means every token was revoked, and admits nobody,
+        #: never the peer-uid or anonymous admission of a sidecar run without tokens
+        self.tokens_configured = bool(self._token_ids)
 
     def token_current(self, tid: str, engine: str) -> bool:
         held = self._token_ids.get(tid)
@@ -94,14 +98,18 @@ class WireServer:
                 log.exception("dataplane.control.listener_failed")
 
     def replace_tokens(self, tokens: Mapping[str, SecretStr]) -> int:
-        """Take ``tokens`` (``{"token": "engine-id"}``, a non-empty set) from now on, and
-        close every connection opened with a token that no longer stands for its engine
-        (revoked, or given to another engine); the number closed. A HELLO half-way through
-        its handshake is checked again at its end (:meth:`token_current`)."""
+        """Take ``tokens`` (``{"token": "engine-id"}``) from now on, and close every
+        connection opened with a token that no longer stands for its engine (revoked, or given
+        to another engine); the number closed. A HELLO half-way through its handshake is
+        checked again at its end (:meth:`token_current`). An empty ``tokens`` revokes every
+        token: every connection opened with one is closed and, tokens having been configured,
+        every HELLO is refused until tokens are given again (:meth:`authenticate`)."""
         self._token_ids = {
             handshake.token_id(token): (token, engine.get_secret_value())
             for token, engine in tokens.items()
         }
+        if self._token_ids:
+            self.tokens_configured = True
         gone = [
             conn
             for conn in self.connections
@@ -255,8 +263,9 @@ class WireServer:
     def authenticate(self, meta: Mapping[str, Any], conn: WireConnection) -> Identity | Challenge:
         """Who a HELLO is from: with engine tokens configured, the :class:`Challenge` its
         token id calls for (the engine is admitted once it answers it,
-        :mod:`kvgov.wire.handshake`); else the engine it names, on a Unix socket from the
-        sidecar's own uid or root, or anywhere in development."""
+        :mod:`kvgov.wire.handshake`), or a refusal once every token was revoked; else (never
+        configured) the engine it names, on a Unix socket from the sidecar's own uid or root,
+        or anywhere in development."""
         engine = meta.get("engine")
         # the id a peer names becomes its identity where no tokens are configured: one a
         # receipt would show as another engine (``lm:...``, blanks, control characters) or the
@@ -275,7 +284,15 @@ class WireServer:
                 "a HELLO never carries the token: it names it (token_id) and proves it",
                 hint="docs/protocol.md, Authentication",
             )
-        if self._token_ids:
+        if self.tokens_configured:
+            if not self._token_ids:
+                # every token was revoked (an emptied token file): nobody is admitted, least
+                # of all by the fall-backs below, meant for a sidecar never given a token
+                raise WireError(
+                    ErrorCode.UNAUTHENTICATED,
+                    "engine tokens revoked",
+                    hint="docs/deploy.md, Rotating keys and tokens",
+                )
             tid, nonce, role = meta.get("token_id"), meta.get("nonce"), meta.get("role", "")
             if not isinstance(tid, str) or not handshake.is_nonce(nonce):
                 raise WireError(ErrorCode.UNAUTHENTICATED, "engine token required")
