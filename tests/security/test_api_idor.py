@@ -246,3 +246,69 @@ async def test_a_tenant_scoped_admin_cannot_act_on_another_tenant(
             record = TokenRepository(s).get(w.globex_token_id)
         assert record is not None
         assert record.revoked_at is None
+
+
+async def test_a_revoked_token_stays_revoked_whatever_its_row_says(
+    tmp_path: Path, prod_db: doors.ProdDatabase
+) -> None:
+    """Review r15, F3: the runtime role (every sidecar pod's) cleared the ``revoked_at`` of a
+    token an admin had revoked through ``DELETE /v1/tokens/{id}``, and the leaked token
+    authenticated again while the ledger said revoked. The row's revocation is now final for
+    that role (migration 0015), and the chained ``token:revoked`` event is what the API
+    believes: a superuser who switches the trigger off and clears the row revives nothing."""
+    import psycopg
+    from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
+
+    from kvgov.db.engine import make_engine
+
+    async with world(tmp_path, prod_db) as w:
+        c = w.client
+        admin = w.token(Role.ADMIN, None)
+        r = await c.post("/v1/tokens", json={"role": "auditor", "tenant": "globex"}, headers=admin)
+        assert r.status_code == 201, r.text
+        made = r.json()
+        leaked = {"Authorization": f"Bearer {made['token']}"}
+        assert (await c.get("/v1/entries", headers=leaked)).status_code == 200
+        r = await c.delete(f"/v1/tokens/{made['id']}", headers=admin)
+        assert r.status_code == 204, r.text
+        assert (await c.get("/v1/entries", headers=leaked)).status_code == 401
+
+        # the runtime role clears revoked_at: refused
+        runtime = make_engine(prod_db.url)
+        try:
+            with runtime.connect() as conn:
+                try:
+                    conn.execute(
+                        text("UPDATE api_tokens SET revoked_at = NULL WHERE id = :id"),
+                        {"id": made["id"]},
+                    )
+                    conn.commit()
+                except DBAPIError as exc:
+                    assert "never change" in str(exc), exc
+                else:
+                    r = await c.get("/v1/entries", headers=leaked)
+                    pytest.fail(
+                        "the runtime role cleared revoked_at of a token revoked through DELETE"
+                        f" /v1/tokens (token:revoked chained); it now answers {r.status_code}"
+                    )
+        finally:
+            runtime.dispose()
+        assert (await c.get("/v1/entries", headers=leaked)).status_code == 401
+
+        # a superuser (triggers off) clears it: the chained revocation still holds
+        with psycopg.connect(prod_db.superuser_dsn) as conn:
+            conn.execute("SET session_replication_role = replica")
+            cleared = conn.execute(
+                "UPDATE api_tokens SET revoked_at = NULL WHERE id = %s", (made["id"],)
+            ).rowcount
+            assert cleared == 1
+        r = await c.get("/v1/entries", headers=leaked)
+        assert r.status_code == 401, (
+            "a token revoked through DELETE /v1/tokens (token:revoked chained) authenticated"
+            f" again after its row's revoked_at was cleared: {r.status_code}"
+        )
+        # and by a fresh process, which has not seen it revoked (nothing remembered)
+        fresh = httpx.ASGITransport(app=create_control_app(w.sc.control_plane()))
+        async with httpx.AsyncClient(transport=fresh, base_url="http://kvgov.test") as c2:
+            assert (await c2.get("/v1/entries", headers=leaked)).status_code == 401

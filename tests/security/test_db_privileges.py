@@ -185,6 +185,85 @@ def test_runtime_role_cannot_move_or_re_key_a_cache_entry(
     assert _entries(deployment.admin_dsn) == before
 
 
+#: what would revive, widen or hijack a control-plane token whose row the API trusted (review
+#: r15, F3): the row's identity, role, scope and revocation are fixed once written (migration
+#: 0015's owner trigger); the chained ``token:revoked`` event stands behind the revocation anyway
+TOKEN_EDITS = {
+    "un-revoke": "UPDATE api_tokens SET revoked_at = NULL",
+    "move-revocation": "UPDATE api_tokens SET revoked_at = revoked_at + interval '1 day'",
+    "escalate-role": "UPDATE api_tokens SET role = 'admin'",
+    "widen-tenant": "UPDATE api_tokens SET tenant = NULL",
+    "move-tenant": "UPDATE api_tokens SET tenant = 'globex'",
+    "swap-hash": "UPDATE api_tokens SET token_hash = md5(token_hash) || md5(token_hash)",
+    "change-name": "UPDATE api_tokens SET name = 'ci-bot'",
+    "change-id": "UPDATE api_tokens SET id = md5(id)",
+    "backdate": "UPDATE api_tokens SET created_at = created_at - interval '1 year'",
+    "disable-token-guard": "ALTER TABLE api_tokens DISABLE TRIGGER api_tokens_identity",
+}
+
+
+@pytest.fixture(scope="module")
+def tokens(deployment: RoleDatabase) -> list[str]:
+    """An acme auditor token (revoked) and a global admin token (active), made and revoked as
+    the runtime role through the repository, as the sidecar's API does; their ids."""
+    from sqlalchemy.orm import Session
+
+    from kvgov.db.tokens import TokenRepository
+    from kvgov.types import Role
+
+    engine = make_engine(deployment.runtime_url)
+    try:
+        with Session(engine) as s:
+            repo = TokenRepository(s)
+            auditor, _ = repo.create(Role.AUDITOR, tenant="acme", name="acme-auditor")
+            admin, _ = repo.create(Role.ADMIN, name="alice-admin")
+            s.commit()
+            repo.revoke(auditor.id)
+            s.commit()
+    finally:
+        engine.dispose()
+    return [auditor.id, admin.id]
+
+
+def _token_rows(admin_dsn: str) -> list[tuple[object, ...]]:
+    with psycopg.connect(admin_dsn) as conn:
+        return conn.execute(
+            "SELECT id, name, token_hash, role, tenant, created_at, revoked_at FROM api_tokens"
+            " ORDER BY 1"
+        ).fetchall()
+
+
+@pytest.mark.parametrize("statement", list(TOKEN_EDITS.values()), ids=list(TOKEN_EDITS))
+def test_runtime_role_cannot_revive_widen_or_swap_an_api_token(
+    deployment: RoleDatabase, tokens: list[str], statement: str
+) -> None:
+    before = _token_rows(deployment.admin_dsn)
+    assert len(before) == 2 and sum(r[6] is not None for r in before) == 1
+    with psycopg.connect(deployment.dsn(deployment.runtime)) as conn:
+        try:
+            conn.execute(statement)
+        except (pg_errors.InsufficientPrivilege, pg_errors.RaiseException):
+            pass
+        else:
+            pytest.fail(f"the runtime role edited api_tokens: {statement!r} went through")
+        conn.rollback()
+        # what the API does to a row stays allowed (rolled back: the rows are shared): stamp
+        # its last use, and revoke an active token
+        assert conn.execute("UPDATE api_tokens SET last_used_at = now()").rowcount == 2
+        revoked = conn.execute(
+            "UPDATE api_tokens SET revoked_at = now() WHERE revoked_at IS NULL"
+        ).rowcount
+        assert revoked == 1
+        # a statement naming every column with the values the row has changes nothing
+        same = conn.execute(
+            "UPDATE api_tokens SET id = id, name = name, token_hash = token_hash, role = role,"
+            " tenant = tenant, created_at = created_at, revoked_at = revoked_at"
+        ).rowcount
+        assert same == 2
+        conn.rollback()
+    assert _token_rows(deployment.admin_dsn) == before
+
+
 # -- the grants are sufficient: a production deployment that runs as the runtime role ----------
 
 PASSWORD = "rt-pa55w0rd-never-logged"

@@ -40,20 +40,20 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     ) -> None:
         """Create a token and print it (shown only this once)."""
-        from kvgov.db.tokens import TokenRepository, new_token_id
+        from kvgov.db.tokens import TokenRepository, new_token, new_token_id
         from kvgov.types import EventKind, Role
 
         try:
             role_value = Role(role)
         except ValueError:
             raise fail(f"kvgov: unknown role {role!r} (use {_ROLES})", 2) from None
-        token_id = new_token_id()
+        token_id, raw = new_token_id(), new_token()
         with _session(ctx) as (session, record_event):
-            # recorded before it exists: the ledger may name a token whose commit failed, it
-            # never misses one that exists
-            record_event(EventKind.TOKEN_CREATED, token_id, role_value, tenant or None)
+            # recorded before it exists, with its digest: the ledger may name a token whose
+            # commit failed, it never misses one that exists
+            record_event(EventKind.TOKEN_CREATED, token_id, role_value, tenant or None, raw)
             record, token = TokenRepository(session).create(
-                role_value, tenant=tenant, name=name, token_id=token_id
+                role_value, tenant=tenant, name=name, token_id=token_id, token=raw
             )
             session.commit()
         if as_json:
@@ -108,7 +108,7 @@ def register(app: typer.Typer) -> None:
             session.rollback()  # end the read before the ledger writes (SQLite: one writer)
             if found is None:
                 raise fail(f"kvgov: {NotFoundError(f'no token with id {token_id!r}').message}")
-            record_event(EventKind.TOKEN_REVOKED, found.id, found.role, found.tenant)
+            record_event(EventKind.TOKEN_REVOKED, found.id, found.role, found.tenant, None)
             record = repo.revoke(token_id)
             session.commit()
         echo(f"revoked {record.id}")
@@ -131,18 +131,22 @@ def _as_dict(record: object) -> dict[str, object]:
 @contextmanager
 def _session(
     ctx: typer.Context,
-) -> Iterator[tuple[Session, Callable[[EventKind, str, Role, str | None], None]]]:
+) -> Iterator[tuple[Session, Callable[[EventKind, str, Role, str | None, str | None], None]]]:
     """A session on the ledger plus ``record_event``, which appends a token event to this
-    node's chain (durably, before the caller commits its change)."""
+    node's chain (durably, before the caller commits its change); a creation passes the new
+    token, whose digest the event records."""
     from kvgov.db.engine import make_engine, make_sessionmaker
 
     s = settings(ctx)
     engine = make_engine(s.database_url)
 
-    def record_event(kind: EventKind, token_id: str, role: Role, tenant: str | None) -> None:
+    def record_event(
+        kind: EventKind, token_id: str, role: Role, tenant: str | None, token: str | None
+    ) -> None:
         from kvgov.services.tokens import token_event
 
-        event = token_event(kind, token_id, role, tenant, f"cli:{getpass.getuser()}")
+        principal = f"cli:{getpass.getuser()}"
+        event = token_event(kind, token_id, role, tenant, principal, token=token)
         asyncio.run(append_events(s, engine, event))
 
     try:

@@ -40,6 +40,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from kvgov.db.engine import ExactJSON, JSONType, StrEnumType, UTCDateTime
 from kvgov.db.purge_index import PURGE_ID_INDEX, is_purge_step, purge_id_of
+from kvgov.db.token_index import TOKEN_ID_INDEX, is_token_event, token_id_of
 from kvgov.types import (
     EntryState,
     KeyState,
@@ -216,6 +217,14 @@ Index(
     purge_id_of(LedgerEvent.__table__.c.attrs),
     postgresql_where=is_purge_step(LedgerEvent.__table__.c.kind),
     sqlite_where=is_purge_step(LedgerEvent.__table__.c.kind),
+)
+# one API token's creation and revocation events, for the API's check of its row
+# (kvgov.db.token_index, migration 0015)
+Index(
+    TOKEN_ID_INDEX,
+    token_id_of(LedgerEvent.__table__.c.attrs),
+    postgresql_where=is_token_event(LedgerEvent.__table__.c.kind),
+    sqlite_where=is_token_event(LedgerEvent.__table__.c.kind),
 )
 
 
@@ -400,7 +409,12 @@ class Sidecar(Base):
 
 
 class ApiToken(Base):
-    """A control-plane bearer token; only a hash of the token is stored."""
+    """A control-plane bearer token; only a hash of the token is stored.
+
+    Once written, a row changes only by being revoked (``revoked_at``, once) and by its last
+    use being stamped: migration 0015's trigger refuses the rest (it lives in the migration
+    only). The API also checks the row against its chained token events (:mod:`kvgov.db.
+    tokens`)."""
 
     __tablename__ = "api_tokens"
 

@@ -6,6 +6,15 @@ lookup is one index probe on ``token_hash``. The raw token is shown once, at cre
 
 Like every repository here, :class:`TokenRepository` never commits: the CLI command or the API
 request that uses it owns the transaction.
+
+The row is not the whole story. The runtime role may INSERT and UPDATE ``api_tokens`` (the API
+creates and revokes tokens as that role), and migration 0015's trigger only fixes a row once it
+is written (review r15, F3). What the ledger says of a token is what counts: :meth:`TokenRepository.
+trail` reads its chained ``token:created`` / ``token:revoked`` events (one indexed lookup) and
+:func:`judge` weighs the row against them. A ``token:revoked`` event revokes the token whatever
+its row says; a row whose role, tenant or hash differs from every ``token:created`` event of
+its id is refused; a row with no ``token:created`` event at all (inserted by hand, or by the
+runtime role) is accepted but said loudly (:func:`tokens_unrecorded`).
 """
 
 from __future__ import annotations
@@ -13,20 +22,28 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
+from enum import StrEnum
 
-from sqlalchemy import select, update
+from sqlalchemy import Select, select, update
 from sqlalchemy.orm import Session
 
 from kvgov.db.engine import utcnow
-from kvgov.db.models import ApiToken
+from kvgov.db.models import ApiToken, LedgerEvent
+from kvgov.db.token_index import is_token_event, token_id_of
 from kvgov.errors import NotFoundError
-from kvgov.types import Role
+from kvgov.types import EventKind, Role
 
 TOKEN_PREFIX = "kvgov_"  # noqa: S105 - a prefix, not a secret
 _MAX_TOKEN_CHARS = 256
+#: the attrs key of a ``token:created`` event's :func:`creation_digest`
+DIGEST_KEY = "token_digest"
+#: token events of one token id read at most (an honest token has one creation and a
+#: revocation or two; more are someone with the runtime role inserting junk)
+_TRAIL_ROWS = 64
 
 
 def new_token() -> str:
@@ -39,6 +56,14 @@ def new_token_id() -> str:
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def creation_digest(token_hash: str) -> str:
+    """What a ``token:created`` event records of the token: a SHA-256 of its stored hash
+    (domain-separated). The stored hash is a SHA-256 of 256 random bits, so this names the
+    token without helping anyone find it (or the stored hash, which a database reader has
+    anyway): it only lets the API tell whether a row's hash is the one its creation recorded."""
+    return hashlib.sha256(b"kvgov token:created\x00" + token_hash.encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +83,105 @@ class TokenRecord:
         return self.revoked_at is None
 
 
+@dataclass(frozen=True, slots=True)
+class Creation:
+    """What one chained ``token:created`` event says of its token (None: not said)."""
+
+    role: str | None
+    tenant: str | None
+    #: :func:`creation_digest` of the token's hash (None: an event of a release before 0015)
+    digest: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Trail:
+    """A token's chained events: whether any revokes it, and what each creation says."""
+
+    revoked: bool
+    created: tuple[Creation, ...]
+
+
+class Standing(StrEnum):
+    """A token row weighed against its chained events (:func:`judge`)."""
+
+    #: a creation event names its role, tenant and hash
+    RECORDED = "recorded"
+    #: a creation event of a release before 0015 (no hash digest) names its role and tenant
+    RECORDED_LEGACY = "recorded_legacy"
+    #: a ``token:revoked`` event is chained: revoked, whatever the row says
+    REVOKED = "revoked"
+    #: creation events exist, none names this row's role, tenant and hash: the row was edited
+    CONTRADICTED = "contradicted"
+    #: no creation event: the row was inserted outside ``kvgov token``/``/v1/tokens``
+    UNRECORDED = "unrecorded"
+
+
+def judge(record: TokenRecord, trail: Trail, token_hash: str | None) -> Standing:
+    """Weigh ``record`` against ``trail``. ``token_hash`` is the row's hash (the presented
+    token's); None skips the hash (a dashboard session, whose sign-in checked it)."""
+    if trail.revoked:
+        return Standing.REVOKED
+    if not trail.created:
+        return Standing.UNRECORDED
+    digest = None if token_hash is None else creation_digest(token_hash)
+    legacy = False
+    for made in trail.created:
+        if made.role != record.role.value or made.tenant != record.tenant:
+            continue
+        if made.digest is None:
+            legacy = True
+        elif digest is None or hmac.compare_digest(made.digest.encode(), digest.encode()):
+            return Standing.RECORDED
+    return Standing.RECORDED_LEGACY if legacy else Standing.CONTRADICTED
+
+
+def _creation(tenant: str | None, attrs: object) -> Creation:
+    """One ``token:created`` row's :class:`Creation` (a row of junk matches no token)."""
+    if not isinstance(attrs, dict):
+        return Creation(role=None, tenant=tenant, digest="")
+    role = attrs.get("role")
+    digest: str | None = None
+    if DIGEST_KEY in attrs:
+        value = attrs[DIGEST_KEY]
+        digest = value if isinstance(value, str) else ""  # present but junk: matches nothing
+    return Creation(role=role if isinstance(role, str) else None, tenant=tenant, digest=digest)
+
+
+class _Counter:
+    """Distinct token ids found :attr:`Standing.UNRECORDED` since start (the metric's
+    source), and whether each was said already."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+
+    def first(self, token_id: str) -> bool:
+        """Count ``token_id``; whether this is its first time."""
+        with self._lock:
+            if token_id in self._seen:
+                return False
+            self._seen.add(token_id)
+            return True
+
+    @property
+    def count(self) -> int:
+        return len(self._seen)
+
+
+_UNRECORDED = _Counter()
+
+
+def tokens_unrecorded() -> int:
+    """Token ids used since the process started whose row no chained ``token:created`` event
+    explains (someone inserted them into ``api_tokens`` by hand, or with the runtime role)."""
+    return _UNRECORDED.count
+
+
+def unrecorded_first_seen(token_id: str) -> bool:
+    """Count ``token_id`` as :attr:`Standing.UNRECORDED`; whether it is new (to be logged)."""
+    return _UNRECORDED.first(token_id)
+
+
 def _record(row: ApiToken) -> TokenRecord:
     return TokenRecord(
         id=row.id,
@@ -67,6 +191,18 @@ def _record(row: ApiToken) -> TokenRecord:
         created_at=row.created_at,
         revoked_at=row.revoked_at,
         last_used_at=row.last_used_at,
+    )
+
+
+def trail_query(token_id: str) -> Select[str, str | None, dict[str, object]]:
+    """The kind, tenant and attrs of ``token_id``'s chained token events, revocations first:
+    what :meth:`TokenRepository.trail` runs (named here so its plan can be read back)."""
+    t = LedgerEvent.__table__.c
+    return (
+        select(t.kind, t.tenant, t.attrs)
+        .where(is_token_event(t.kind), token_id_of(t.attrs) == token_id)
+        .order_by(t.kind.desc())  # 'token:revoked' sorts after 'token:created'
+        .limit(_TRAIL_ROWS)
     )
 
 
@@ -81,11 +217,16 @@ class TokenRepository:
         tenant: str | None = None,
         name: str = "",
         token_id: str | None = None,
+        token: str | None = None,
     ) -> tuple[TokenRecord, str]:
         """Store a new token; returns its record and the raw token (shown once, never stored).
 
-        ``token_id`` lets the caller record the creation in the ledger before this write."""
-        token = new_token()
+        ``token_id`` and ``token`` (from :func:`new_token`) let the caller record the creation
+        in the ledger, with the token's :func:`creation_digest`, before this write."""
+        if token is None:
+            token = new_token()
+        elif not token.startswith(TOKEN_PREFIX) or len(token) > _MAX_TOKEN_CHARS:
+            raise ValueError("not a kvgov token")
         row = ApiToken(
             id=token_id or new_token_id(),
             name=name or f"{role.value}-token",
@@ -111,6 +252,18 @@ class TokenRepository:
         if row.revoked_at is not None:
             return None
         return _record(row)
+
+    def trail(self, token_id: str) -> Trail:
+        """``token_id``'s chained token events: one probe of ``ix_ledger_events_token_id``
+        (migration 0015), revocations first."""
+        rows = self._session.execute(trail_query(token_id)).all()
+        revoked = any(kind == EventKind.TOKEN_REVOKED.value for kind, _, _ in rows)
+        created = tuple(
+            _creation(tenant, attrs)
+            for kind, tenant, attrs in rows
+            if kind == EventKind.TOKEN_CREATED.value
+        )
+        return Trail(revoked=revoked, created=created)
 
     def get(self, token_id: str) -> TokenRecord | None:
         row = self._session.get(ApiToken, token_id)

@@ -2,6 +2,8 @@
 
 Bearer tokens (``Authorization: Bearer kvgov_...``) are looked up by their SHA-256 in the
 ``api_tokens`` table (see :mod:`kvgov.db.tokens`); the raw token is never stored or logged.
+The row is then weighed against the token's chained events (:func:`check_ledger`): the runtime
+database role that every sidecar holds may write ``api_tokens``, never rewrite the ledger.
 Each token has a role and optionally a tenant:
 
 - ``auditor`` reads the compliance API; ``admin`` also purges and manages tokens and keys;
@@ -23,6 +25,7 @@ import base64
 import hashlib
 import hmac
 import json
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -37,7 +40,14 @@ from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
 from kvgov.db.engine import make_sessionmaker, utcnow
-from kvgov.db.tokens import TokenRecord, TokenRepository
+from kvgov.db.tokens import (
+    Standing,
+    TokenRecord,
+    TokenRepository,
+    hash_token,
+    judge,
+    unrecorded_first_seen,
+)
 from kvgov.errors import AuthError, ForbiddenError, KvgovError
 from kvgov.ledger.events import Event, EventSink
 from kvgov.ledger.verify import VerifyReport
@@ -81,9 +91,21 @@ class ApiContext:
     #: chains the ledger must hold (the serving sidecar's own)
     expected_chains: tuple[str, ...] = ()
     _sessions: Callable[[], Session] = field(init=False, repr=False)
+    #: token ids a chained ``token:revoked`` event was seen for: a revocation is permanent, so
+    #: these are refused without asking the ledger again (bounded by the table's rows)
+    _revoked: set[str] = field(init=False, repr=False, default_factory=set)
+    _revoked_lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self._sessions = make_sessionmaker(self.engine)
+
+    def seen_revoked(self, token_id: str) -> bool:
+        with self._revoked_lock:
+            return token_id in self._revoked
+
+    def remember_revoked(self, token_id: str) -> None:
+        with self._revoked_lock:
+            self._revoked.add(token_id)
 
     def session(self) -> Session:
         return self._sessions()
@@ -197,6 +219,54 @@ bearer_scheme = HTTPBearer(
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
 
 
+def check_ledger(
+    ctx: ApiContext, session: Session, record: TokenRecord, token_hash: str | None
+) -> None:
+    """:class:`AuthError` unless the token's chained events bear its row out (review r15, F3).
+
+    One indexed lookup of the token's events per request (none once it was seen revoked): a
+    ``token:revoked`` event refuses it whatever ``revoked_at`` says, and a row whose role,
+    tenant or hash (``token_hash``; None: not checked) no ``token:created`` event of its id
+    names is refused. A row with no creation event at all is served, and logged and counted
+    (``api.token.unrecorded``, :func:`kvgov.db.tokens.tokens_unrecorded`): it was inserted
+    outside ``kvgov token`` and ``/v1/tokens``."""
+    if ctx.seen_revoked(record.id):
+        raise AuthError("invalid or revoked token")
+    standing = judge(record, TokenRepository(session).trail(record.id), token_hash)
+    if standing is Standing.REVOKED:
+        ctx.remember_revoked(record.id)
+        if record.revoked_at is None:
+            log.error(
+                "api.token.revocation_undone",
+                extra={
+                    "token_id": record.id,
+                    "hint": "a token:revoked event is chained for this token, yet its row is not"
+                    " revoked: someone cleared revoked_at (the token stays refused)",
+                },
+            )
+        raise AuthError("invalid or revoked token")
+    if standing is Standing.CONTRADICTED:
+        log.error(
+            "api.token.contradicted",
+            extra={
+                "token_id": record.id,
+                "hint": "no token:created event of this id names the row's role, tenant and"
+                " hash: the row was edited after its creation (refused)",
+            },
+        )
+        raise AuthError("invalid or revoked token")
+    if standing is Standing.UNRECORDED and unrecorded_first_seen(record.id):
+        log.warning(
+            "api.token.unrecorded",
+            extra={
+                "token_id": record.id,
+                "role": record.role.value,
+                "hint": "no token:created event is chained for this token: it was inserted into"
+                " api_tokens outside kvgov token and /v1/tokens",
+            },
+        )
+
+
 def verify_token(ctx: ApiContext, token: str) -> Principal:
     """The principal of a raw bearer token; :class:`AuthError` for unknown or revoked tokens."""
     with ctx.session() as session:
@@ -204,6 +274,7 @@ def verify_token(ctx: ApiContext, token: str) -> Principal:
         record = repo.verify(token)
         if record is None:
             raise AuthError("invalid or revoked token")
+        check_ledger(ctx, session, record, hash_token(token))
         now = utcnow()
         if record.last_used_at is None or now - record.last_used_at > _TOUCH_EVERY:
             repo.touch(record.id, now)
@@ -214,8 +285,10 @@ def verify_token(ctx: ApiContext, token: str) -> Principal:
 def principal_by_token_id(ctx: ApiContext, token_id: str) -> Principal:
     with ctx.session() as session:
         record = TokenRepository(session).get(token_id)
-    if record is None or record.revoked_at is not None:
-        raise AuthError("the session's token was revoked")
+        if record is None or record.revoked_at is not None:
+            raise AuthError("the session's token was revoked")
+        # the hash was checked at sign-in; the row's revocation, role and tenant are now
+        check_ledger(ctx, session, record, None)
     return principal_for(record)
 
 

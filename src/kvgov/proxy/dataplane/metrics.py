@@ -11,6 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvgov.db.tokens import tokens_unrecorded
 from kvgov.ledger.checkpoint_scan import scans_capped
 
 _LATENCY_BUCKETS = (
@@ -167,6 +168,14 @@ class DataPlaneMetrics:
             registry=r,
         )
         self.ledger_checkpoint_scans_capped.set_function(lambda: float(scans_capped()))
+        self.api_tokens_unrecorded = Gauge(
+            "kvgov_api_tokens_unrecorded",
+            "API tokens used since start whose row no chained token:created event explains"
+            " (inserted into api_tokens outside kvgov token and /v1/tokens, e.g. with the"
+            " runtime database role; each logged once as api.token.unrecorded)",
+            registry=r,
+        )
+        self.api_tokens_unrecorded.set_function(lambda: float(tokens_unrecorded()))
         self.journal_unapplied = Gauge(
             "kvgov_ledger_journal_unapplied_events",
             "Events in the local ledger journal that the database does not hold yet",

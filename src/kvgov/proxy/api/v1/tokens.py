@@ -2,7 +2,8 @@
 
 Creating or revoking a token is a ledger event (``token:created`` / ``token:revoked``), recorded
 before the change is written: the ledger may name a token whose commit then failed, never the
-other way round (and on SQLite the single writer is never waited on while holding a write).
+other way round (and on SQLite the single writer is never waited on while holding a write). The
+API believes those events over the row (:mod:`kvgov.services.tokens`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Response, status
 from fastapi.concurrency import run_in_threadpool
 
-from kvgov.db.tokens import TokenRecord, TokenRepository, new_token_id
+from kvgov.db.tokens import TokenRecord, TokenRepository, new_token, new_token_id
 from kvgov.errors import NotFoundError
 from kvgov.proxy.api.auth import Context, GlobalAdmin
 from kvgov.proxy.api.problems import problem_responses
@@ -69,15 +70,17 @@ async def list_tokens(principal: GlobalAdmin, ctx: Context) -> list[TokenOut]:
     responses=problem_responses(401, 403, 422),
 )
 async def create_token(body: TokenCreate, principal: GlobalAdmin, ctx: Context) -> TokenCreated:
-    token_id = new_token_id()
+    token_id, raw = new_token_id(), new_token()
     await ctx.sink.append(
-        token_event(EventKind.TOKEN_CREATED, token_id, body.role, body.tenant, principal.id)
+        token_event(
+            EventKind.TOKEN_CREATED, token_id, body.role, body.tenant, principal.id, token=raw
+        )
     )
 
     def run() -> tuple[TokenRecord, str]:
         with ctx.session() as session:
             out = TokenRepository(session).create(
-                body.role, tenant=body.tenant, name=body.name, token_id=token_id
+                body.role, tenant=body.tenant, name=body.name, token_id=token_id, token=raw
             )
             session.commit()
             return out
