@@ -197,3 +197,46 @@ async def test_without_a_kek_rotation_is_503_and_changes_nothing(
     assert r.status_code == 503, r.text
     assert r.json()["code"] == "unavailable"
     assert SqlKeyStore(world.engine).versions() == []
+
+
+async def test_a_rotation_the_ledger_cannot_record_changes_nothing(
+    world: ApiWorld, client: httpx.AsyncClient, sidecar_keyring: Keyring
+) -> None:
+    """r15 F6 (API side): the key event is appended before the keyring rotates, so a ledger
+    that refuses it (backpressure, database down) leaves the key as it was."""
+    import asyncio
+
+    from kvgov.errors import LedgerBackpressureError
+    from kvgov.ledger.events import Appended, Event
+
+    sidecar_keyring.seal("globex", CK, b"v1 data")
+    real = world.ctx.sink
+
+    class FullForKeys:
+        """The sidecar's sink with no room for key events (api:access still lands)."""
+
+        def submit(self, event: Event) -> asyncio.Future[Appended]:
+            if event.kind in (EventKind.KEY_ROTATED, EventKind.KEY_CREATED):
+                raise LedgerBackpressureError("ledger queue full")
+            return real.submit(event)
+
+        async def append(self, event: Event) -> Appended:
+            if event.kind in (EventKind.KEY_ROTATED, EventKind.KEY_CREATED):
+                raise LedgerBackpressureError("ledger queue full")
+            return await real.append(event)
+
+    world.ctx.sink = FullForKeys()
+    try:
+        r = await client.post(
+            "/v1/keys/rotate", json={"tenant": "globex"}, headers=bearer(world.tokens.admin)
+        )
+    finally:
+        world.ctx.sink = real
+    versions = [(k.version, k.state) for k in SqlKeyStore(world.engine).versions("globex")]
+    assert versions == [(1, "active")], (
+        f"POST /v1/keys/rotate rotated globex's key although the ledger refused the event"
+        f" ({r.status_code}): {versions}"
+    )
+    assert r.status_code == 503, r.text
+    assert parse_header(sidecar_keyring.seal("globex", CK, b"more")).key_version == 1
+    assert key_events(world) == []

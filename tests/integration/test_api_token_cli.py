@@ -111,3 +111,66 @@ def test_bad_role_and_unknown_id_fail(env: str):
     assert code == 2 and "unknown role" in out
     code, out = _run("token", "revoke", "00000000-0000-0000-0000-000000000000")
     assert code == 1 and "no token" in out
+
+
+@pytest.mark.parametrize("tenant", ["", "bad tenant!", "acme\x1b[2K"])
+def test_a_malformed_tenant_is_refused_not_widened(env: str, tenant: str):
+    """r15 F4: ``--tenant "$TENANT"`` with an empty ``$TENANT`` made a token for every
+    tenant (``"tenant": null``); a malformed one made a token scoped to a tenant that can
+    never exist. Both exit 2 and create nothing, and the ledger records nothing."""
+    code, out = _run("token", "create", "--role", "admin", "--tenant", tenant, "--json")
+    assert code == 2, f"`--tenant {tenant!r}` made a token (exit {code}): {out}"
+    assert "tenant" in out
+    engine = make_engine(env)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(select(ApiToken.id)).all() == []
+            assert conn.execute(select(LedgerEvent.kind)).all() == []
+    finally:
+        engine.dispose()
+
+
+def test_the_api_refuses_a_malformed_tenant(env: str, tmp_path: Path):
+    code, out = _run("token", "create", "--role", "admin", "--json")
+    assert code == 0, out
+    admin = json.loads(out)["token"]
+    engine = make_engine(env)
+    writer = WriterThread(engine, "api-node")
+    try:
+        ctx = ApiContext(
+            settings=Settings(data_dir=tmp_path / "kvgov"),
+            engine=engine,
+            sink=writer.sink,
+            pseudonymizer=Pseudonymizer(secrets.token_bytes(32)),
+            session_secret=secrets.token_bytes(32),
+        )
+        with TestClient(build_api(ctx)) as client:
+            for tenant in ("", "bad tenant!", "acme\x1b[2K", "-acme"):
+                body = {"role": "admin", "tenant": tenant}
+                got = client.post("/v1/tokens", json=body, headers=bearer(admin))
+                assert got.status_code == 422, f"POST /v1/tokens tenant {tenant!r}: {got.text}"
+            ok = client.post(
+                "/v1/tokens", json={"role": "auditor", "tenant": "acme"}, headers=bearer(admin)
+            )
+            assert ok.status_code == 201 and ok.json()["tenant"] == "acme", ok.text
+        with engine.connect() as conn:
+            tenants = conn.execute(select(ApiToken.tenant).order_by(ApiToken.created_at)).all()
+        assert [t for (t,) in tenants] == [None, "acme"]
+    finally:
+        writer.close()
+        engine.dispose()
+
+
+def test_the_repository_refuses_an_empty_tenant(env: str):
+    from kvgov.db.engine import make_sessionmaker
+    from kvgov.db.tokens import TokenRepository
+    from kvgov.errors import InvalidInputError
+    from kvgov.types import Role
+
+    engine = make_engine(env)
+    try:
+        with make_sessionmaker(engine)() as session:
+            with pytest.raises(InvalidInputError, match="tenant"):
+                TokenRepository(session).create(Role.ADMIN, tenant="")
+    finally:
+        engine.dispose()

@@ -177,3 +177,27 @@ def test_rotate_and_list(cfg: Settings, engine: Engine) -> None:
 def test_bad_usage(cfg: Settings) -> None:
     code, _ = kvgov("keys", "shred", "--yes")
     assert code == 2
+
+
+@pytest.mark.parametrize("command", ["shred", "rotate"])
+def test_a_run_that_cannot_record_changes_nothing(
+    cfg: Settings, engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """r15 F6: without a readable signing key the command refuses before touching the store,
+    so no shred or rotation exists that the ledger does not record."""
+    ring = keyring(cfg, engine)
+    sealed = ring.seal("acme", CK, b"acme data")
+    before = [(r.key_id, r.version, r.state) for r in SqlKeyStore(engine).versions("acme")]
+    monkeypatch.setenv("KVGOV_LEDGER__SIGNING_KEY_PATH", str(tmp_path / "missing.key"))
+    args = ["keys", command, "--tenant", "acme"] + (["--yes"] if command == "shred" else [])
+    code, out = kvgov(*args)
+    after = [(r.key_id, r.version, r.state) for r in SqlKeyStore(engine).versions("acme")]
+    assert after == before, (
+        f"kvgov keys {command} changed acme's keys although it could not record it"
+        f" (exit {code}): {before} -> {after}; {out}"
+    )
+    assert code == 2, out
+    assert "nothing was changed" in out
+    assert keyring(cfg, engine).open(sealed, tenant="acme", cache_key=CK) == b"acme data"
+    assert ledger_rows(engine, EventKind.KEY_SHREDDED) == []
+    assert ledger_rows(engine, EventKind.KEY_ROTATED) == []

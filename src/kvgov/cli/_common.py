@@ -2,12 +2,22 @@
 
 Exit codes: 0 success; 1 the command ran and found a failure (integrity broken, purge
 incomplete, tests failed); 2 bad usage or configuration; 3 an unexpected kvgov error.
+
+Text from the database is the runtime role's to write (``chains``, ``api_tokens``, ``tenants``,
+``purge_steps`` ...: :data:`kvgov.db.grants.RUNTIME_PRIVILEGES`), so a human-readable line
+never carries it raw: :func:`shown` escapes every control character, DEL and the bidi
+controls in such a field, and :func:`echo` and :func:`fail` escape whatever control
+characters other than newline and tab reach them anyway. Otherwise a chain id holding
+``\r\x1b[1A\x1b[2K`` erases ``kvgov audit verify``'s ``BROKEN`` line on an operator's
+terminal (click strips CSI only when the output is not a TTY). ``--json`` output is safe as
+it is: :func:`json.dumps` escapes every non-ASCII and control character.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,16 +61,54 @@ def settings(ctx: typer.Context) -> Settings:
     return state(ctx).settings
 
 
+def _escapes(codes: Iterable[int]) -> dict[int, str]:
+    named = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
+    return {c: named.get(c) or (f"\\x{c:02x}" if c <= 0xFF else f"\\u{c:04x}") for c in codes}
+
+
+#: what a terminal acts on rather than shows: C0, DEL, C1, the bidi embeddings, overrides,
+#: isolates and marks (they reorder what follows: "Trojan Source"), line/paragraph separators
+_CONTROLS = _escapes(
+    [
+        *range(0x20),
+        *range(0x7F, 0xA0),
+        0x061C,
+        0x200E,
+        0x200F,
+        *range(0x202A, 0x202F),
+        *range(0x2066, 0x206A),
+        0x2028,
+        0x2029,
+    ]
+)
+#: :func:`shown`: also the backslash, so an escape is never confused with text that looks
+#: like one
+_FIELD = str.maketrans({**_CONTROLS, ord("\\"): "\\\\"})
+#: :func:`echo`'s backstop: the lines it is given may be several (newline, tab kept)
+_LINES = str.maketrans({c: e for c, e in _CONTROLS.items() if chr(c) not in "\n\t"})
+
+
+def shown(value: object) -> str:
+    """``value`` as text safe to print on a terminal: control characters (newline and tab
+    included), DEL and bidi controls as visible escapes (``\\r``, ``\\x1b``, ``\\u202e``). For every
+    string from the database, a ledger row, a file or a peer that a human-readable line
+    shows."""
+    return str(value).translate(_FIELD)
+
+
 def emit_json(data: object) -> None:
+    # ensure_ascii (the default): every control and non-ASCII character is a \uNNNN escape
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def echo(message: str) -> None:
-    typer.echo(message)
+def echo(message: str, *, err: bool = False) -> None:
+    """Print a line; control characters other than newline and tab are escaped (a field that
+    missed :func:`shown` still cannot drive the terminal)."""
+    typer.echo(message.translate(_LINES), err=err)
 
 
 def fail(message: str, code: int = EXIT_FAILED) -> typer.Exit:
-    typer.echo(message, err=True)
+    echo(message, err=True)
     return typer.Exit(code)
 
 

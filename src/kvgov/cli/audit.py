@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from kvgov.cli._common import EXIT_FAILED, EXIT_USAGE, echo, emit_json, fail, settings
+from kvgov.cli._common import EXIT_FAILED, EXIT_USAGE, echo, emit_json, fail, settings, shown
 
 #: ``kvgov.ledger.seals.DEFAULT_MAX_UNSIGNED_AGE`` in seconds (not imported: the CLI loads the
 #: ledger lazily)
@@ -58,16 +58,16 @@ def register(app: typer.Typer) -> None:
             for chain_id in chains:
                 try:
                     if adopt and sign_genesis(engine, chain_id, key):
-                        echo(f"{chain_id}: genesis signed")
+                        echo(f"{shown(chain_id)}: genesis signed")
                     info = write_checkpoint(engine, chain_id, key)
                 except LedgerError as exc:
-                    echo(f"{chain_id}: NOT signed: {exc.diagnostics()}")
+                    echo(f"{shown(chain_id)}: NOT signed: {shown(exc.diagnostics())}")
                     refused = True
                     continue
                 if info is None:
-                    echo(f"{chain_id}: head already signed (or chain empty)")
+                    echo(f"{shown(chain_id)}: head already signed (or chain empty)")
                     continue
-                echo(f"{chain_id}: signed seq {info.seq} head {info.head_hash}")
+                echo(f"{shown(chain_id)}: signed seq {info.seq} head {shown(info.head_hash)}")
                 if note:
                     echo(info.note())
         finally:
@@ -137,24 +137,27 @@ def register(app: typer.Typer) -> None:
                     state = ", closed" if c.closed else ""
                     legacy = ", legacy genesis" if c.genesis == "legacy" else ""
                     echo(
-                        f"ok     {c.chain_id}: {c.events} events, head {c.head_seq}, "
+                        f"ok     {shown(c.chain_id)}: {c.events} events, head {c.head_seq}, "
                         f"{c.checkpoints} checkpoints{unsigned}{state}{legacy} "
-                        f"(key {c.key_fingerprint})"
+                        f"(key {shown(c.key_fingerprint)})"
                     )
                 else:
-                    echo(f"BROKEN {c.chain_id}: {first.problem} at seq {first.seq}: {first.detail}")
+                    echo(
+                        f"BROKEN {shown(c.chain_id)}: {first.problem} at seq {first.seq}: "
+                        f"{shown(first.detail)}"
+                    )
                     # every other finding too: a junk row first must not hide tampering after it
                     for other in sorted(c.findings, key=lambda f: f.seq):
                         if other is not first:
                             echo(
-                                f"       {c.chain_id}: also {other.problem} at seq {other.seq}: "
-                                f"{other.detail}"
+                                f"       {shown(c.chain_id)}: also {other.problem} at seq "
+                                f"{other.seq}: {shown(other.detail)}"
                             )
             for problem in report.problems:
-                echo(f"BROKEN ledger: {problem}")
+                echo(f"BROKEN ledger: {shown(problem)}")
             if not report.chains and not report.problems:
                 echo("ledger is empty")
-            echo(f"trusted keys: {', '.join(report.trusted or []) or 'none'}")
+            echo(f"trusted keys: {shown(', '.join(report.trusted or []) or 'none')}")
         if not report.ok:
             raise typer.Exit(EXIT_FAILED)
 
@@ -230,6 +233,7 @@ def register(app: typer.Typer) -> None:
             emit_json({**report.to_dict(), "mark": mark, "unapplied": len(unapplied)})
         else:
             state = "in use by a running sidecar" if report.in_use else "not in use"
+            # repr: quoted, controls escaped
             echo(f"journal {report.directory}: chain {report.chain_id!r}, {state}")
             for seg in report.segments:
                 span = f"records {seg.first}-{seg.last}" if seg.records else "no records"

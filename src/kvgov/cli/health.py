@@ -173,5 +173,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"cannot use {trust} to verify the API: {reason}", err=True)
             raise typer.Exit(1) from None
         ok, seen = check(url, timeout, context)
-        typer.echo(f"{url}: {seen}", err=not ok)
+        from kvgov.cli._common import echo, shown
+
+        echo(f"{url}: {shown(seen)}", err=not ok)  # what the peer answered: never raw
         raise typer.Exit(0 if ok else 1)

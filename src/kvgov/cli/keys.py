@@ -6,26 +6,31 @@
 
 User ids are pseudonymised (the ledger's keyed HMAC) before they name a key; nothing prints key
 material. Rotation and shredding are recorded in the ledger (``key:rotated`` / ``key:created``,
-``key:shredded``) on a chain of the CLI's own. Shredding here destroys the wrapped rows; a
+``key:shredded``) on a chain of the CLI's own, *before* the key store changes, as token and
+tenant changes are: the run starts its ledger writer (signing key loaded, session opened) and
+appends first, and one that cannot changes nothing (exit 2). The ledger may so name a change
+whose write then failed, or a version another process reached first; it never misses one
+this run made. Shredding here destroys the wrapped rows; a
 running sidecar drops its in-memory copies within ``keys.revalidate_interval_s``. The
 right-to-be-forgotten path is still ``kvgov purge``, which calls the same shred and also deletes
 the ciphertext and the engines' copies. Rotation, the
 ledger events and what a key listing shows come from :mod:`kvgov.services.keys`, which
 ``POST /v1/keys/rotate`` and ``GET /v1/keys`` use too.
-Exit 0 done, 1 done but not recorded in the ledger, 2 bad usage or configuration.
+Exit 0 done; 1 done, but a version created or destroyed by another process meanwhile could not
+be recorded; 2 bad usage or configuration, or the ledger could not record (nothing changed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Annotated, Any
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from kvgov.cli._common import EXIT_FAILED, echo, emit_json, settings
+from kvgov.cli._common import EXIT_FAILED, EXIT_USAGE, echo, emit_json, fail, settings, shown
 from kvgov.cli.userid import UserFileOpt, user_id
 from kvgov.config import Settings
 from kvgov.types import EventKind, KeyState
@@ -33,6 +38,8 @@ from kvgov.types import EventKind, KeyState
 if TYPE_CHECKING:
     from kvgov.keys.keyring import KeyInfo
     from kvgov.keys.store import WrappedKeyStore
+    from kvgov.ledger.events import Event
+    from kvgov.ledger.writer import LedgerWriter
 
 TenantOpt = Annotated[str, typer.Option("--tenant", "-t", help="Tenant.")]
 UserOpt = Annotated[
@@ -63,7 +70,7 @@ def register(app: typer.Typer) -> None:
         echo(f"{'KEY ID':<48} {'VER':>4} {'STATE':<9} {'USAGE':>12} CREATED")
         for k in rows:
             echo(
-                f"{k.key_id:<48} {k.version:>4} {k.state:<9} {k.usage_count:>12}"
+                f"{shown(k.key_id):<48} {k.version:>4} {shown(k.state):<9} {k.usage_count:>12}"
                 f" {k.created_at.isoformat(timespec='seconds')}"
             )
 
@@ -77,24 +84,36 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Start a new key version for new data; older versions stay readable (retired)."""
         from kvgov.keys.keyring import Keyring
-        from kvgov.services.keys import rotate_key
+        from kvgov.services.keys import check_scope, planned_rotation, rotate_key
 
         cfg = settings(ctx)
         subject = _pseudonym(cfg, tenant, user_id(user, user_file))
-        with _store(cfg) as store:
-            done = rotate_key(
-                Keyring.from_settings(cfg, store),
-                tenant,
-                subject,
-                principal="cli",
-                reason="cli rotate",
-            )
-        info = done.key
-        recorded = _record(cfg, done.events)
+        check_scope(tenant, subject)  # the names, before the ledger is opened
+
+        async def run() -> tuple[KeyInfo, list[dict[str, Any]] | None]:
+            with _store(cfg) as store:
+                ring = Keyring.from_settings(cfg, store)  # the KEK too, before anything
+                async with _ledger(cfg) as ledger:
+                    planned = await asyncio.to_thread(
+                        planned_rotation, ring, tenant, subject, principal="cli", reason=_ROTATE
+                    )
+                    recorded = await ledger.record_first([planned])
+                    done = await asyncio.to_thread(
+                        rotate_key,
+                        ring,
+                        tenant,
+                        subject,
+                        principal="cli",
+                        reason=_ROTATE,
+                        recorded=planned,
+                    )
+                    return done.key, await ledger.record_after(recorded, done.events)
+
+        info, recorded = _run(run)
         if as_json:
             emit_json({"rotated": _as_dict(info), "ledger": recorded})
         else:
-            echo(f"{info.key_id}: new writes use v{info.version}; older versions retired")
+            echo(f"{shown(info.key_id)}: new writes use v{info.version}; older versions retired")
             _echo_recorded(recorded)
         if recorded is None:
             raise typer.Exit(EXIT_FAILED)
@@ -115,7 +134,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Crypto-shred a tenant's keys (all of them) or one user's keys: irreversible."""
         from kvgov.keys.keyring import key_id_for
-        from kvgov.services.keys import key_event
 
         if user_file == "-" and not (yes or dry_run):
             raise typer.BadParameter("--user-file - reads standard input: add --yes (or --dry-run)")
@@ -124,11 +142,7 @@ def register(app: typer.Typer) -> None:
         subject = _pseudonym(cfg, tenant, user)
         key_id_for(tenant, subject)  # validates the names before anything is asked
         with _store(cfg) as store:
-            live = [
-                _info(r)
-                for r in store.versions(tenant)
-                if r.state is not KeyState.DESTROYED and (subject is None or r.user == subject)
-            ]
+            live = _live(store, tenant, subject)
             if dry_run:
                 _report_shred(live, None, as_json=as_json, dry_run=True)
                 return
@@ -143,12 +157,7 @@ def register(app: typer.Typer) -> None:
                     " unrecoverable.",
                     abort=True,
                 )
-            destroyed = [_info(r) for r in store.destroy(tenant, subject)]
-        events = [
-            key_event(EventKind.KEY_SHREDDED, k, subject, principal="cli", reason="cli shred")
-            for k in destroyed
-        ]
-        recorded = _record(cfg, events)
+        destroyed, recorded = _run(lambda: _shred(cfg, tenant, subject))
         _report_shred(destroyed, recorded, as_json=as_json, dry_run=False)
         if recorded is None:
             raise typer.Exit(EXIT_FAILED)
@@ -194,36 +203,105 @@ def _as_dict(k: KeyInfo) -> dict[str, Any]:
     return key_record(k)
 
 
-def _record(cfg: Settings, events: Sequence[Any]) -> list[dict[str, Any]] | None:
-    """Append ``events`` on a chain of this CLI run; None (and a message) if that failed."""
-    if not events:
-        return []
-    from kvgov.errors import KvgovError
+_T = TypeVar("_T")
+_ROTATE = "cli rotate"
+_SHRED = "cli shred"
 
+
+class _RefusedError(Exception):
+    """The ledger could not record the change: nothing was changed."""
+
+
+def _run(main: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
     try:
-        return asyncio.run(_append(cfg, events))
-    except KvgovError as exc:
-        typer.echo(f"kvgov: NOT recorded in the ledger: {exc.diagnostics()}", err=True)
-        return None
+        return asyncio.run(main())
+    except _RefusedError as exc:
+        raise fail(f"kvgov: {exc}: nothing was changed", EXIT_USAGE) from None
 
 
-async def _append(cfg: Settings, events: Sequence[Any]) -> list[dict[str, Any]]:
+async def _shred(
+    cfg: Settings, tenant: str, subject: str | None
+) -> tuple[list[KeyInfo], list[dict[str, Any]] | None]:
+    """Record ``key:shredded`` for every live version in scope, then destroy them."""
+    from kvgov.services.keys import key_event
+
+    def events(keys: Sequence[KeyInfo]) -> list[Event]:
+        return [
+            key_event(EventKind.KEY_SHREDDED, k, subject, principal="cli", reason=_SHRED)
+            for k in keys
+        ]
+
+    with _store(cfg) as store:
+        async with _ledger(cfg) as ledger:
+            live = await asyncio.to_thread(_live, store, tenant, subject)
+            recorded = await ledger.record_first(events(live))
+            destroyed = [_info(r) for r in await asyncio.to_thread(store.destroy, tenant, subject)]
+            # a version created since the listing (a sidecar's first seal) is destroyed too
+            planned = {(k.key_id, k.version) for k in live}
+            later = [k for k in destroyed if (k.key_id, k.version) not in planned]
+            return destroyed, await ledger.record_after(recorded, events(later))
+
+
+def _live(store: WrappedKeyStore, tenant: str, subject: str | None) -> list[KeyInfo]:
+    return [
+        _info(r)
+        for r in store.versions(tenant)
+        if r.state is not KeyState.DESTROYED and (subject is None or r.user == subject)
+    ]
+
+
+class _Ledger:
+    """This run's chain, its writer started: :meth:`record_first` before the store changes
+    (failure: :class:`_RefusedError`), :meth:`record_after` for what the change made besides."""
+
+    def __init__(self, writer: LedgerWriter) -> None:
+        self._writer = writer
+
+    async def record_first(self, events: Sequence[Event]) -> list[dict[str, Any]]:
+        from kvgov.errors import KvgovError
+        from kvgov.services.keys import record
+
+        try:
+            return await record(self._writer, events)
+        except KvgovError as exc:
+            raise _RefusedError(f"the ledger could not record it: {exc.diagnostics()}") from exc
+
+    async def record_after(
+        self, recorded: list[dict[str, Any]], events: Sequence[Event]
+    ) -> list[dict[str, Any]] | None:
+        """``recorded`` plus where ``events`` landed; None (and a message) if that failed."""
+        from kvgov.errors import KvgovError
+        from kvgov.services.keys import record
+
+        try:
+            return recorded + await record(self._writer, events)
+        except KvgovError as exc:
+            echo(f"kvgov: NOT recorded in the ledger: {exc.diagnostics()}", err=True)
+            return None
+
+
+@asynccontextmanager
+async def _ledger(cfg: Settings) -> AsyncIterator[_Ledger]:
+    """Start this run's ledger writer (signing key loaded, session opened), or refuse."""
     from kvgov.db.engine import make_engine
+    from kvgov.errors import KvgovError
     from kvgov.ledger.chain import load_signing_key
     from kvgov.ledger.writer import LedgerWriter
-    from kvgov.services.keys import record
 
     engine = make_engine(cfg.database_url, pool_size=2)
-    writer = LedgerWriter(
-        engine,
-        chain_id=f"{cfg.chain_id}/keys-cli/{uuid.uuid4().hex[:12]}",
-        signing_key=load_signing_key(cfg.signing_key_path),
-        description="kvgov keys (CLI)",
-    )
     try:
-        await writer.start()
         try:
-            return await record(writer, events)
+            writer = LedgerWriter(
+                engine,
+                chain_id=f"{cfg.chain_id}/keys-cli/{uuid.uuid4().hex[:12]}",
+                signing_key=load_signing_key(cfg.signing_key_path),
+                description="kvgov keys (CLI)",
+            )
+            await writer.start()
+        except KvgovError as exc:
+            raise _RefusedError(f"cannot start the ledger writer: {exc.diagnostics()}") from exc
+        try:
+            yield _Ledger(writer)
         finally:
             await writer.close(checkpoint=True)  # sign the head: `audit verify` trusts it
     finally:
@@ -233,7 +311,8 @@ async def _append(cfg: Settings, events: Sequence[Any]) -> list[dict[str, Any]]:
 def _echo_recorded(recorded: list[dict[str, Any]] | None) -> None:
     if recorded:
         echo(
-            f"  ledger: {recorded[0]['chain_id']} seq {', '.join(str(r['seq']) for r in recorded)}"
+            f"  ledger: {shown(recorded[0]['chain_id'])} seq"
+            f" {', '.join(str(r['seq']) for r in recorded)}"
         )
 
 
@@ -253,5 +332,5 @@ def _report_shred(
         return
     echo("dry run: nothing was changed; would destroy:" if dry_run else "destroyed:")
     for k in keys:
-        echo(f"  {k.key_id} v{k.version}")
+        echo(f"  {shown(k.key_id)} v{k.version}")
     _echo_recorded(recorded)

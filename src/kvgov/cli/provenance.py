@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvgov.cli._common import EXIT_FAILED, echo, emit_json, fail, settings
+from kvgov.cli._common import EXIT_FAILED, echo, emit_json, fail, settings, shown
 from kvgov.cli.userid import UserFileOpt, user_id
 
 if TYPE_CHECKING:
@@ -109,19 +109,19 @@ def _print(answer: RequestProvenance | UserReuse) -> None:
 
     if isinstance(answer, RequestProvenance):
         echo(
-            f"request {answer.request_id} of tenant {answer.tenant}: "
+            f"request {shown(answer.request_id)} of tenant {shown(answer.tenant)}: "
             f"{len(answer.chunks)} cached chunk(s) loaded"
         )
         for c in answer.chunks:
             made = c.created
             echo(
-                f"  #{c.position} {str(c.key_digest)[:16]}  from request "
-                f"{made.request_id if made else None} by user "
-                f"{str(made.user if made else None)[:12]} at "
+                f"  #{c.position} {shown(str(c.key_digest)[:16])}  from request "
+                f"{shown(made.request_id if made else None)} by user "
+                f"{shown(str(made.user if made else None)[:12])} at "
                 f"{made.created_at.isoformat() if made else None}  "
-                f"[{c.sensitivity}, policy {made.policy_revision if made else None}]"
+                f"[{shown(c.sensitivity)}, policy {shown(made.policy_revision if made else None)}]"
             )
         return
-    echo(f"user {answer.user[:12]} in {answer.tenant}: chunks reused by")
+    echo(f"user {shown(answer.user[:12])} in {shown(answer.tenant)}: chunks reused by")
     for r in answer.requests:
-        echo(f"  {r.request_id}: {r.chunks} chunk(s)")
+        echo(f"  {shown(r.request_id)}: {r.chunks} chunk(s)")

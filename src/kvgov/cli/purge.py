@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvgov.cli._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, emit_json, settings
+from kvgov.cli._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, echo, emit_json, settings, shown
 from kvgov.cli.userid import UserFileOpt, user_id
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def register(app: typer.Typer) -> None:
         if ctx.invoked_subcommand is not None:
             return
         if not tenant:
-            typer.echo(ctx.get_help())
+            echo(ctx.get_help())
             raise typer.Exit(EXIT_USAGE)
         from kvgov.db.purge_views import PurgeRequest
 
@@ -118,7 +118,7 @@ def register(app: typer.Typer) -> None:
         try:
             doc = json.loads(file.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as exc:
-            typer.echo(f"not a receipt: {exc}", err=True)
+            echo(f"not a receipt: {shown(exc)}", err=True)
             raise typer.Exit(EXIT_FAILED) from exc
         result = check(doc, trusted)
         if result.ok and purge_id is not None and result.purge_id != purge_id:
@@ -139,9 +139,9 @@ def register(app: typer.Typer) -> None:
             )
         else:
             mark = "valid" if result.ok else "INVALID"
-            typer.echo(f"receipt {result.purge_id or '?'}: {mark} ({result.reason})")
+            echo(f"receipt {shown(result.purge_id or '?')}: {mark} ({shown(result.reason)})")
             if result.ok:
-                typer.echo(f"  purge state: {result.state}; signed by key {result.key_id}")
+                echo(f"  purge state: {shown(result.state)}; signed by key {shown(result.key_id)}")
         raise typer.Exit(EXIT_OK if result.ok else EXIT_FAILED)
 
     app.add_typer(group)
@@ -169,7 +169,7 @@ async def _purge(
             return EXIT_OK
         known, variants = await service.subject_check(req)
         if known is False:  # on stderr: --json keeps stdout the job's document
-            typer.echo(_unknown_subject(req, variants), err=True)
+            echo(_unknown_subject(req, variants), err=True)
         if confirm:
             what = f"user {req.user!r} in tenant {req.tenant!r}" if req.user else None
             what = what or f"ALL data of tenant {req.tenant!r}"
@@ -179,7 +179,7 @@ async def _purge(
             if as_json:
                 emit_json(job_document(job).model_dump(mode="json"))
             else:
-                typer.echo(f"purge {job.id} created ({job.state}); `kvgov purge status {job.id}`")
+                echo(f"purge {job.id} created ({job.state}); `kvgov purge status {job.id}`")
             return EXIT_OK
         job = await service.wait(job.id)
         late = await service.late_evictions(job)
@@ -224,31 +224,31 @@ def _report(
     if as_json:
         emit_json(job_document(job, late).model_dump(mode="json"))
     else:
-        typer.echo(f"purge {job.id}: {job.state}")
+        echo(f"purge {shown(job.id)}: {shown(job.state)}")
         from kvgov.services.purge.documents import Receipt
 
         document = (job.receipt or {}).get("receipt")
         if document:
             receipt = Receipt.model_validate(document)
-            typer.echo(f"  subject: {receipt.subject or '(whole tenant)'}")
-            typer.echo(f"  entries purged: {receipt.entries_purged}")
-            typer.echo(f"  deleted per tier: {receipt.tiers}")
-            typer.echo(f"  keys destroyed: {len(receipt.keys_destroyed)}")
-            typer.echo(f"  engines acknowledged: {list(receipt.engines.acknowledged)}")
+            echo(f"  subject: {shown(receipt.subject or '(whole tenant)')}")
+            echo(f"  entries purged: {receipt.entries_purged}")
+            echo(f"  deleted per tier: {shown(receipt.tiers)}")
+            echo(f"  keys destroyed: {len(receipt.keys_destroyed)}")
+            echo(f"  engines acknowledged: {shown(list(receipt.engines.acknowledged))}")
             _print_late(late)
             for line in receipt.incomplete:
-                typer.echo(f"  NOT DONE: {line}")
+                echo(f"  NOT DONE: {shown(line)}")
             erasure = receipt.ledger.erasure_event if receipt.ledger else None
-            typer.echo(f"  erasure event: {erasure.model_dump() if erasure else None}")
+            echo(f"  erasure event: {shown(erasure.model_dump() if erasure else None)}")
             check = verify_receipt(job.receipt, trusted, job=ReceiptFor.of(job))
             mark = "valid" if check.ok else "INVALID"
-            typer.echo(f"  receipt signature: {mark} ({check.reason})")
+            echo(f"  receipt signature: {mark} ({shown(check.reason)})")
         else:
             for step in job.steps:
-                typer.echo(f"  {step.label}: {step.state}")
+                echo(f"  {shown(step.label)}: {shown(step.state)}")
             _print_late(late)
         if out is not None and job.receipt is not None:
-            typer.echo(f"  receipt written to {out}")
+            echo(f"  receipt written to {out}")
     if job.state in (PurgeState.INCOMPLETE, PurgeState.FAILED):
         return EXIT_FAILED
     return EXIT_OK
@@ -257,9 +257,9 @@ def _report(
 def _print_late(late: Sequence[ChainedLateEviction]) -> None:
     """One line per EVICT an engine acknowledged after the job's step (chained)."""
     for e in late:
-        typer.echo(
-            f"  engine reached late: {e.engine} removed {e.removed} of {e.digests} digest(s)"
-            f" at {e.recorded_at.isoformat()} (ledger {e.chain_id}#{e.seq})"
+        echo(
+            f"  engine reached late: {shown(e.engine)} removed {e.removed} of {e.digests}"
+            f" digest(s) at {e.recorded_at.isoformat()} (ledger {shown(e.chain_id)}#{e.seq})"
         )
 
 
@@ -278,19 +278,19 @@ def _unknown_subject(req: PurgeRequest, variants: int) -> str:
 
 
 def _print_plan(plan: PurgePlan) -> None:
-    typer.echo("dry run: nothing was changed")
-    typer.echo(f"  subject: {plan.subject or '(whole tenant)'} in tenant {plan.tenant}")
-    typer.echo(f"  entries in scope: {plan.entries_in_scope} {plan.entries_by_state}")
-    typer.echo(f"  present in reachable tiers: {plan.present_in_reachable_tiers}")
-    typer.echo(f"  keys to destroy: {len(plan.keys_to_destroy)}")
-    typer.echo(f"  ledger payloads to erase: {plan.payloads_to_erase}")
-    typer.echo(f"  sidecars to ask: {list(plan.sidecars) or 'none registered'}")
-    typer.echo(f"  vLLM engines to reset: {list(plan.vllm_engines) or 'none configured'}")
+    echo("dry run: nothing was changed")
+    echo(f"  subject: {shown(plan.subject or '(whole tenant)')} in tenant {shown(plan.tenant)}")
+    echo(f"  entries in scope: {plan.entries_in_scope} {shown(plan.entries_by_state)}")
+    echo(f"  present in reachable tiers: {plan.present_in_reachable_tiers}")
+    echo(f"  keys to destroy: {len(plan.keys_to_destroy)}")
+    echo(f"  ledger payloads to erase: {plan.payloads_to_erase}")
+    echo(f"  sidecars to ask: {shown(list(plan.sidecars) or 'none registered')}")
+    echo(f"  vLLM engines to reset: {shown(list(plan.vllm_engines) or 'none configured')}")
     if plan.subject_known is False:
-        typer.echo("  WARNING: the ledger has no record of this user id in this tenant (ids are")
-        typer.echo("  matched exactly, as the gateway sent them): the purge would find nothing")
+        echo("  WARNING: the ledger has no record of this user id in this tenant (ids are")
+        echo("  matched exactly, as the gateway sent them): the purge would find nothing")
         if plan.spelling_variants_known:
-            typer.echo(
+            echo(
                 f"  {plan.spelling_variants_known} other spelling(s) of it (case, surrounding"
                 " spaces or Unicode form) have data: check the id"
             )

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from kvgov.cli._common import EXIT_USAGE, append_events, echo, emit_json, fail, settings
+from kvgov.cli._common import EXIT_USAGE, append_events, echo, emit_json, fail, settings, shown
 
 
 def register(app: typer.Typer) -> None:
@@ -39,7 +39,9 @@ def register(app: typer.Typer) -> None:
             emit_json([{"id": r.id, "retention_s": r.retention_s} for r in records])
             return
         for r in records:
-            echo(f"{r.id}\tretention={'-' if r.retention_s is None else f'{r.retention_s}s'}")
+            echo(
+                f"{shown(r.id)}\tretention={'-' if r.retention_s is None else f'{r.retention_s}s'}"
+            )
 
     @group.command("retention")
     def retention(

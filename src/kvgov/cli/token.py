@@ -14,7 +14,16 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvgov.cli._common import EXIT_OK, append_events, echo, emit_json, fail, settings
+from kvgov.cli._common import (
+    EXIT_OK,
+    EXIT_USAGE,
+    append_events,
+    echo,
+    emit_json,
+    fail,
+    settings,
+    shown,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -34,24 +43,37 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         role: Annotated[str, typer.Option("--role", "-r", help=f"Role: {_ROLES}.")],
         tenant: Annotated[
-            str | None, typer.Option("--tenant", "-t", help="Limit the token to one tenant.")
+            str | None,
+            typer.Option(
+                "--tenant", "-t", help="Limit the token to one tenant (omit: every tenant)."
+            ),
         ] = None,
         name: Annotated[str, typer.Option("--name", "-n", help="A label for the token.")] = "",
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     ) -> None:
         """Create a token and print it (shown only this once)."""
+        from kvgov.db.tenants import TENANT_ID
         from kvgov.db.tokens import TokenRepository, new_token, new_token_id
         from kvgov.types import EventKind, Role
 
         try:
             role_value = Role(role)
         except ValueError:
-            raise fail(f"kvgov: unknown role {role!r} (use {_ROLES})", 2) from None
+            raise fail(f"kvgov: unknown role {role!r} (use {_ROLES})", EXIT_USAGE) from None
+        # a given --tenant is a tenant id: `--tenant "$TENANT"` with $TENANT empty must not
+        # quietly widen the token to every tenant (omit the option for that)
+        if tenant is not None and not TENANT_ID.fullmatch(tenant):
+            raise fail(
+                f"kvgov: invalid --tenant {tenant!r}: a tenant id is 1-128 letters,"
+                " digits, '.', '_' or '-', starting with a letter or digit (omit --tenant for a"
+                " token of every tenant)",
+                EXIT_USAGE,
+            )
         token_id, raw = new_token_id(), new_token()
         with _session(ctx) as (session, record_event):
             # recorded before it exists, with its digest: the ledger may name a token whose
             # commit failed, it never misses one that exists
-            record_event(EventKind.TOKEN_CREATED, token_id, role_value, tenant or None, raw)
+            record_event(EventKind.TOKEN_CREATED, token_id, role_value, tenant, raw)
             record, token = TokenRepository(session).create(
                 role_value, tenant=tenant, name=name, token_id=token_id, token=raw
             )
@@ -59,10 +81,10 @@ def register(app: typer.Typer) -> None:
         if as_json:
             emit_json({**_as_dict(record), "token": token})
             return
-        echo(f"token id: {record.id}")
-        echo(f"role:     {record.role.value}")
-        echo(f"tenant:   {record.tenant or '(all tenants)'}")
-        echo(f"name:     {record.name}")
+        echo(f"token id: {shown(record.id)}")
+        echo(f"role:     {shown(record.role.value)}")
+        echo(f"tenant:   {shown(record.tenant or '(all tenants)')}")
+        echo(f"name:     {shown(record.name)}")
         echo("")
         echo(token)
         echo("")
@@ -89,8 +111,11 @@ def register(app: typer.Typer) -> None:
         for r in records:
             last = r.last_used_at.strftime("%Y-%m-%d %H:%M:%S") if r.last_used_at else "-"
             state = "active" if r.active else "revoked"
-            tenant = r.tenant or "*"
-            echo(f"{r.id:36}  {r.role.value:7}  {tenant:16}  {state:7}  {last:19}  {r.name}")
+            tenant = shown(r.tenant or "*")
+            echo(
+                f"{shown(r.id):36}  {shown(r.role.value):7}  {tenant:16}  {state:7}  {last:19}"
+                f"  {shown(r.name)}"
+            )
 
     @group.command("revoke")
     def revoke(
@@ -111,7 +136,7 @@ def register(app: typer.Typer) -> None:
             record_event(EventKind.TOKEN_REVOKED, found.id, found.role, found.tenant, None)
             record = repo.revoke(token_id)
             session.commit()
-        echo(f"revoked {record.id}")
+        echo(f"revoked {shown(record.id)}")
         raise typer.Exit(EXIT_OK)
 
     app.add_typer(group)

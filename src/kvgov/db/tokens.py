@@ -33,8 +33,9 @@ from sqlalchemy.orm import Session
 
 from kvgov.db.engine import utcnow
 from kvgov.db.models import ApiToken, LedgerEvent
+from kvgov.db.tenants import TENANT_ID
 from kvgov.db.token_index import is_token_event, token_id_of
-from kvgov.errors import NotFoundError
+from kvgov.errors import InvalidInputError, NotFoundError
 from kvgov.types import EventKind, Role
 
 TOKEN_PREFIX = "kvgov_"  # noqa: S105 - a prefix, not a secret
@@ -222,7 +223,11 @@ class TokenRepository:
         """Store a new token; returns its record and the raw token (shown once, never stored).
 
         ``token_id`` and ``token`` (from :func:`new_token`) let the caller record the creation
-        in the ledger, with the token's :func:`creation_digest`, before this write."""
+        in the ledger, with the token's :func:`creation_digest`, before this write. ``tenant``
+        None is a token of every tenant; anything else must be a tenant id
+        (:class:`InvalidInputError`): an empty string never widens the scope to all."""
+        if tenant is not None and not TENANT_ID.fullmatch(tenant):
+            raise InvalidInputError(f"invalid tenant id {tenant!r} for a token")
         if token is None:
             token = new_token()
         elif not token.startswith(TOKEN_PREFIX) or len(token) > _MAX_TOKEN_CHARS:
@@ -232,7 +237,7 @@ class TokenRepository:
             name=name or f"{role.value}-token",
             token_hash=hash_token(token),
             role=Role(role),
-            tenant=tenant or None,
+            tenant=tenant,
             created_at=utcnow(),
             revoked_at=None,
             last_used_at=None,

@@ -180,6 +180,12 @@ class Keyring(Sealing):
             raise KeyManagementError(f"key {key_id} v{entry.handle.version} vanished")
         return KeyInfo.of(row)
 
+    def next_version(self, tenant: str, user: str | None = None) -> int:
+        """The version :meth:`rotate` would create now (1 for a scope without a key): what a
+        caller records before it rotates. Another process rotating meanwhile moves it on."""
+        latest = self._store.latest(key_id_for(tenant, user))
+        return 1 if latest is None else latest.version + 1
+
     def shred(self, tenant: str, user: str | None = None) -> builtins.list[KeyInfo]:
         """Crypto-shred: destroy every version of the scope (``user=None``: every key of the
         tenant, user keys included) in the store and in memory. Returns what was destroyed."""

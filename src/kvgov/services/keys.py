@@ -25,7 +25,7 @@ import asyncio
 import contextvars
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from kvgov.errors import KvgovError, LedgerBackpressureError
@@ -47,10 +47,13 @@ class KeyRotator(Protocol):
 
     def rotate(self, tenant: str, user: str | None = None) -> KeyInfo: ...
 
+    def next_version(self, tenant: str, user: str | None = None) -> int: ...
+
 
 @dataclass(frozen=True, slots=True)
 class Rotation:
-    """A rotation done: the new version and the ledger events that record it."""
+    """A rotation done: the new version and the ledger events still to record (none when
+    the event :func:`planned_rotation` gave, recorded beforehand, names it)."""
 
     key: KeyInfo
     events: list[Event]
@@ -75,14 +78,26 @@ def key_event(
     kind: EventKind, key: KeyInfo, subject: str | None, *, principal: str, reason: str
 ) -> Event:
     """The ledger event for one key version created, rotated or shredded."""
+    return _event(kind, key.key_id, key.tenant, subject, key.version, principal, reason)
+
+
+def _event(  # noqa: PLR0917 - the event's fields, each once
+    kind: EventKind,
+    key_id: str,
+    tenant: str,
+    subject: str | None,
+    version: int,
+    principal: str,
+    reason: str,
+) -> Event:
     return Event(
         kind=kind,
-        tenant=key.tenant,
+        tenant=tenant,
         actor=subject,
         principal=principal,
         outcome=Outcome.OK,
         reason=reason,
-        attrs={"key_id": key.key_id, "version": key.version},
+        attrs={"key_id": key_id, "version": version},
     )
 
 
@@ -92,22 +107,53 @@ def check_scope(tenant: str, subject: str | None) -> str:
     return key_id_for(tenant, subject)
 
 
-def rotate_key(
+def _rotation_event(
+    key_id: str, tenant: str, subject: str | None, version: int, *, principal: str, reason: str
+) -> Event:
+    kind = EventKind.KEY_CREATED if version == 1 else EventKind.KEY_ROTATED
+    return _event(kind, key_id, tenant, subject, version, principal, reason)
+
+
+def planned_rotation(
     rotator: KeyRotator, tenant: str, subject: str | None, *, principal: str, reason: str
+) -> Event:
+    """The event of the rotation :func:`rotate_key` is about to make, to record *before* it
+    (as token and tenant changes are): a run whose ledger cannot record then changes nothing.
+    Hand it to :func:`rotate_key` as ``recorded``. Blocking (one database read)."""
+    key_id = check_scope(tenant, subject)
+    version = rotator.next_version(tenant, subject)
+    return _rotation_event(key_id, tenant, subject, version, principal=principal, reason=reason)
+
+
+def rotate_key(
+    rotator: KeyRotator,
+    tenant: str,
+    subject: str | None,
+    *,
+    principal: str,
+    reason: str,
+    recorded: Event | None = None,
 ) -> Rotation:
     """Start a new version of the scope's key (the first one if it has none yet).
 
     ``subject`` is the user's pseudonym (None: the tenant key). Older versions stay readable
-    (retired). Blocking (database and KEK calls): run it off the event loop.
+    (retired). ``recorded``: the :func:`planned_rotation` event already in the ledger; the
+    returned events are then empty, unless another process rotated in between and this made
+    a later version (then its event: the ledger may name a version another process made, it
+    never misses one this made). Blocking (database and KEK calls): run it off the event loop.
     """
-    check_scope(tenant, subject)
+    key_id = check_scope(tenant, subject)
     token = _RECORDED_BY_CALLER.set(True)  # the returned events record it, not a listener
     try:
         info = rotator.rotate(tenant, subject)
     finally:
         _RECORDED_BY_CALLER.reset(token)
-    kind = EventKind.KEY_CREATED if info.version == 1 else EventKind.KEY_ROTATED
-    return Rotation(info, [key_event(kind, info, subject, principal=principal, reason=reason)])
+    event = _rotation_event(
+        key_id, tenant, subject, info.version, principal=principal, reason=reason
+    )
+    if recorded is not None and replace(event, occurred_at=recorded.occurred_at) == recorded:
+        return Rotation(info, [])
+    return Rotation(info, [event])
 
 
 async def record(sink: EventSink, events: Sequence[Event]) -> list[dict[str, Any]]:

@@ -105,6 +105,8 @@ class KeyRotated(BaseModel):
 class _ApiKeyring(Protocol):  # what the routes need of kvgov.keys.keyring.Keyring
     def rotate(self, tenant: str, user: str | None = None) -> KeyInfo: ...
 
+    def next_version(self, tenant: str, user: str | None = None) -> int: ...
+
     def flush_usage(self) -> None: ...
 
 
@@ -218,6 +220,17 @@ async def rotate_key(
     except KeyManagementError as exc:
         raise InvalidInputError(exc.message) from exc
     ring = _keyring(request, ctx)
+    # recorded before the keyring changes (as token changes are): a ledger that cannot take
+    # the event (backpressure, database down) fails the request with nothing rotated
+    planned = await run_in_threadpool(
+        keys_service.planned_rotation,
+        ring,
+        body.tenant,
+        subject,
+        principal=principal.id,
+        reason="api rotate",
+    )
+    first = await ctx.sink.append(planned)
     done = await run_in_threadpool(
         keys_service.rotate_key,
         ring,
@@ -225,6 +238,8 @@ async def rotate_key(
         subject,
         principal=principal.id,
         reason="api rotate",
+        recorded=planned,
     )
-    recorded = await keys_service.record(ctx.sink, done.events)
+    recorded = [{"chain_id": first.chain_id, "seq": first.seq}]
+    recorded += await keys_service.record(ctx.sink, done.events)
     return KeyRotated(rotated=key_out(done.key), ledger=[LedgerPosition(**r) for r in recorded])

@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvgov.db.models import TENANT
+from kvgov.db.tenants import TENANT_ID
 from kvgov.types import EntryState, Role, Scope, Sensitivity
 
 _PSEUDO = "3f9c2a51b0d84e6f9a7c11d2e8b45a90"
@@ -287,5 +289,8 @@ class TokenCreate(BaseModel):
     )
 
     role: Role
-    tenant: str | None = Field(default=None, min_length=1, max_length=128)
+    #: a tenant id, as every other tenant input (null: every tenant; never "" for that)
+    tenant: str | None = Field(
+        default=None, min_length=1, max_length=TENANT, pattern=TENANT_ID.pattern
+    )
     name: str = Field(default="", max_length=128)
