@@ -58,6 +58,15 @@ class LedgerSealError(LedgerError):
     code = "ledger_seal"
 
 
+class SealScanCappedError(LedgerError):
+    """A chain's seals could not be read within their bound: more rows that do not verify than
+    one read examines (someone with the runtime database role inserted junk into
+    ``chain_seals``: :mod:`kvgov.ledger.seals.scan`). Nothing that needs the chain's seals can
+    be judged meanwhile, so it is refused (fail closed), never judged on part of them."""
+
+    code = "ledger_seals_capped"
+
+
 class IntegrityError(LedgerError):
     """The ledger's hash chain or a checkpoint signature does not verify."""
 

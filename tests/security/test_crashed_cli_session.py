@@ -65,6 +65,8 @@ env = foreign.env
 sqlite_env = foreign.sqlite_env
 runtime_role = foreign.runtime_role
 
+#: the chain's key, which the seals read back are checked against
+NODE_PUBLIC = public_key_bytes(NODE_KEY)
 #: the default lease of a CLI command's session (``ledger.neighbour_session_max_s``)
 LEASE_S = 300
 #: how long after the command was killed the attacker strikes: well past its lease
@@ -293,7 +295,9 @@ def test_an_honest_cli_command_beside_the_sidecar_verifies_long_after_its_lease(
     chain = _clean(ledger, clock, chain_id)
     assert chain.events == 6 and chain.sessions == 2 and chain.closed
     with ledger.attacker.connect() as conn:
-        opens = [s for s in read_seals(conn, chain_id) if s.kind == "open"]
+        opens = [
+            s for s in read_seals(conn, chain_id, NODE_PUBLIC, reader="test") if s.kind == "open"
+        ]
     assert [s.lease for s in opens] == [None, timedelta(seconds=LEASE_S)]  # the CLI's, signed
 
 
@@ -330,7 +334,9 @@ def test_a_killed_cli_commands_own_rows_stay_its_own(
     asyncio.run(run())
     assert _clean(ledger, clock, chain_id).events == 4
     with ledger.attacker.connect() as conn:
-        closes = [s for s in read_seals(conn, chain_id) if s.kind == "close"]
+        closes = [
+            s for s in read_seals(conn, chain_id, NODE_PUBLIC, reader="test") if s.kind == "close"
+        ]
     assert len(closes) == 1  # the sidecar's alone
 
 
@@ -361,7 +367,7 @@ def test_a_cli_command_outliving_its_lease_renews_its_session(ledger: Ledger, cl
     chain = _clean(ledger, clock, chain_id)
     assert chain.events == 5 and chain.closed
     with ledger.attacker.connect() as conn:
-        seals = read_seals(conn, chain_id)
+        seals = read_seals(conn, chain_id, NODE_PUBLIC, reader="test")
     leased = [s for s in seals if s.kind == "open" and s.lease is not None]
     assert len(leased) >= 4  # its first open, and a renewal at each write after the first
     closes = {s.writer_session for s in seals if s.kind == "close"}

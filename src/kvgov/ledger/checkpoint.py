@@ -184,8 +184,10 @@ def _check_signable(
     by someone without the key), a head appended after the chain's writer closed it (no
     writer session holds the chain open there), or a head a foreign seal names (appended to
     the live chain by someone else; ``kvgov audit checkpoint`` refuses it, its live
-    ``writer`` skips it: False)."""
-    found = read_standing(conn, chain_id, public)
+    ``writer`` skips it: False). Seals past their read's cap (:mod:`kvgov.ledger.seals.scan`)
+    refuse it too (:class:`~kvgov.errors.SealScanCappedError`): a head is never signed on part of
+    them."""
+    found = read_standing(conn, chain_id, public, reader="checkpoint")
     if not found.vouched:
         raise LedgerError(
             f"chain {chain_id!r} has no genesis signed by this key: no writer holding the key "

@@ -56,6 +56,7 @@ from sqlalchemy.orm import Session
 from kvgov.boundedjson import is_undecodable
 from kvgov.db.models import Chain, LedgerEvent, table
 from kvgov.db.purge_index import is_purge_step, purge_id_of
+from kvgov.errors import SealScanCappedError
 from kvgov.ledger.chain import link
 from kvgov.ledger.checkpoint_scan import verified_checkpoints
 from kvgov.ledger.seals import Span, Standing, read_standing
@@ -150,11 +151,17 @@ class _Signed:
 
 
 def _vouched(conn: Connection, chain_id: str, trusted: Collection[bytes]) -> _Signed | None:
-    """What ``chain_id``'s seals prove, when a trusted key holds it and signed its genesis."""
+    """What ``chain_id``'s seals prove, when a trusted key holds it and signed its genesis.
+    None too when its seals hold more junk than one read examines
+    (:mod:`kvgov.ledger.seals.scan`, logged and counted there): the chain proves nothing
+    until they are removed (fail closed: the receipt says ``incomplete``)."""
     key = conn.execute(select(Chain.public_key).where(Chain.chain_id == chain_id)).scalar()
     if key is None or bytes(key) not in trusted:
         return None
-    standing = read_standing(conn, chain_id, bytes(key))
+    try:
+        standing = read_standing(conn, chain_id, bytes(key), reader="purge_trail")
+    except SealScanCappedError:
+        return None
     return _Signed(conn, chain_id, bytes(key), standing) if standing.vouched else None
 
 

@@ -24,7 +24,10 @@ A seal or checkpoint row no key of the chain signed (``key_mismatch``, ``bad_sig
 runtime role can insert one at will) is reported and verification goes on: the checks after it
 (a signed head past the chain's end, events no writer session covers, the unsigned tail) still
 run, so one junk row cannot hide tampering after it. Only a checkpoint that verifies signs a
-head.
+head. Every seal row is read, in one streamed statement, and checked once
+(:func:`kvgov.ledger.seals.read_every`, through the seals' memo of signature results): linear in
+the rows, however many junk ones there are; the first :data:`REPORTED_INVALID` that do not
+verify are reported by name, the rest in one finding that counts them.
 
 What this can and cannot see: a row changed, removed, inserted or moved anywhere is found; the
 newest events after the last checkpoint can be cut off or rewritten (with recomputed hashes) by
@@ -48,7 +51,7 @@ from sqlalchemy import Engine, Row, select
 
 from kvgov.boundedjson import is_undecodable
 from kvgov.db.engine import utcnow
-from kvgov.db.models import Chain, ChainSeal, Checkpoint, EventPayload, LedgerEvent, table
+from kvgov.db.models import Chain, Checkpoint, EventPayload, LedgerEvent, table
 from kvgov.ledger.chain import (
     ENCODING_VERSION,
     GENESIS_HASH,
@@ -63,13 +66,19 @@ from kvgov.ledger.chain import (
 from kvgov.ledger.seals import (
     CLOCK_SKEW,
     DEFAULT_MAX_UNSIGNED_AGE,
-    Seal,
+    MAX_INVALID,
+    OTHER_KEY,
     SealKind,
+    SealScan,
     Standing,
-    standing,
+    judged,
+    read_every,
 )
 
 _STREAM_ROWS = 5000
+#: seal rows that do not verify reported by name per chain; the rest are counted in one
+#: finding (a flood of junk rows makes a bounded report, still failing the chain)
+REPORTED_INVALID = 100
 
 
 class Problem(StrEnum):
@@ -260,8 +269,8 @@ def _verify_chain(
     limits: _TailLimits,
 ) -> None:
     checkpoints = _checkpoints(engine, chain.chain_id)
-    seals = _seals(engine, chain.chain_id)
-    wanted = {cp.seq for cp in checkpoints} | {s.seq for s in seals}
+    seals = _seals(engine, chain.chain_id, public_key, created_at)
+    wanted = {cp.seq for cp in checkpoints} | {s.seq for s in seals.valid}
     hashes_at: dict[int, str] = {}
     digests: dict[int, str] = {}
     expected, prev, before_prev = 1, GENESIS_HASH, GENESIS_HASH
@@ -343,8 +352,10 @@ def _verify_chain(
         (cp.seq, cp.head_hash, cp.signed_at, bytes(cp.signature), bytes(cp.public_key))
         for cp in checkpoints
     ]
-    found = standing(seals, public_key, created_at, signed_heads, chain.chain_id, now=limits.now)
-    sealed_to, sealed_at = _check_seals(chain, found, hashes_at, verified_to)
+    found = judged(
+        seals.valid, seals.invalid, public_key, signed_heads, chain.chain_id, now=limits.now
+    )
+    sealed_to, sealed_at = _check_seals(chain, found, hashes_at, verified_to, seals.more_invalid)
     signed_to = max(signed_to, sealed_to)
     if sealed_at is not None:
         newest = sealed_at if newest is None else max(newest, sealed_at)
@@ -384,15 +395,32 @@ def _only_junk(chain: ChainReport) -> bool:
 
 
 def _check_seals(
-    chain: ChainReport, found: Standing, hashes_at: dict[int, str], verified_to: int
+    chain: ChainReport,
+    found: Standing,
+    hashes_at: dict[int, str],
+    verified_to: int,
+    more_invalid: int = 0,
 ) -> tuple[int, datetime | None]:
-    """Report the seals that fail and check the valid ones against the chain; the highest
-    position they sign and when the newest of them was signed."""
+    """Report the seals that fail (the first :data:`REPORTED_INVALID` by name, then how many
+    more) and check the valid ones against the chain; the highest position they sign and when
+    the newest of them was signed."""
     chain.genesis = found.genesis
     chain.sessions = sum(s.kind == SealKind.OPEN for s in found.valid)
     for seal, why in found.invalid:
-        problem = Problem.KEY_MISMATCH if "another key" in why else Problem.BAD_SIGNATURE
+        problem = Problem.KEY_MISMATCH if why == OTHER_KEY else Problem.BAD_SIGNATURE
         chain.findings.append(Finding(problem, seal.seq, f"{seal.name} seal: {why}"))
+    if more_invalid:
+        last = max((seal.seq for seal, _ in found.invalid), default=0)
+        chain.findings.append(
+            Finding(
+                Problem.BAD_SIGNATURE,
+                last,
+                f"{more_invalid} more seal rows do not verify under the chain's key (junk: "
+                "someone with the runtime database role is inserting into chain_seals; "
+                "receipts, the writer and checkpoints refuse to judge this chain while more "
+                f"than {MAX_INVALID} are there)",
+            )
+        )
     signed_to, newest = 0, None
     for seal in found.valid:
         if seal.kind == SealKind.GENESIS:
@@ -500,13 +528,13 @@ def _occurred_at(engine: Engine, chain_id: str, seq: int) -> datetime | None:
     return found
 
 
-def _seals(engine: Engine, chain_id: str) -> list[Seal]:
-    t = table(ChainSeal)
+def _seals(
+    engine: Engine, chain_id: str, public_key: bytes, created_at: datetime | None
+) -> SealScan:
+    """Every seal row of the chain, checked once each (:func:`~kvgov.ledger.seals.read_every`:
+    streamed, linear; the junk past the first :data:`REPORTED_INVALID` rows counted)."""
     with engine.connect() as conn:
-        rows = conn.execute(
-            select(t).where(t.c.chain_id == chain_id).order_by(t.c.seq, t.c.signed_at, t.c.kind)
-        )
-        return [Seal.from_row(r) for r in rows]
+        return read_every(conn, chain_id, public_key, created_at, keep=REPORTED_INVALID)
 
 
 def _malformed(seq: int) -> Finding:

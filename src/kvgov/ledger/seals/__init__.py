@@ -62,12 +62,16 @@ The package, one purpose a module (each imports only the ones listed after it):
 - :mod:`.store`: the ``chain_seals`` rows: sign and store each kind, read them back, and a
   chain's :class:`Standing` from the database; and how a checkpoint row is keyed and stored
   (:func:`.store.write_checkpoint_row`, imported from there);
+- :mod:`.scan`: reading a chain's seals at a bounded cost, the one reader of ``chain_seals``
+  rows (:func:`read_valid`; :func:`read_every` for ``audit verify``): rows that cannot matter
+  are not read, and a read that meets more than :data:`MAX_INVALID` rows that do not verify
+  (junk the runtime role inserted) fails closed, loudly;
 - :mod:`.coverage`: what valid seals say about a chain, without a database: the positions the
   sessions cover, each session's :class:`Span` (which heads were signed while it held them:
   what a purge receipt counts events by), the first gap, the signature checks behind
   :class:`Standing`, and the bounds on the unsigned tail;
 - :mod:`.notes`: the seal kinds, the text each kind signs and :class:`Seal`, one row that checks
-  its own signature.
+  its own signature (every check remembered: a row read again costs no second check).
 
 Import from here: the names below are the package's public surface.
 """
@@ -82,6 +86,7 @@ from kvgov.ledger.seals.coverage import (
     covered,
     first_gap,
     foreign_ranges,
+    judged,
     session_end,
     span_of,
     standing,
@@ -90,6 +95,7 @@ from kvgov.ledger.seals.coverage import (
 from kvgov.ledger.seals.notes import (
     FOREIGN_SEP,
     MAX_LEASE_S,
+    OTHER_KEY,
     SEAL_ORIGIN,
     Seal,
     SealKind,
@@ -98,6 +104,13 @@ from kvgov.ledger.seals.notes import (
     neighbour_id,
     session_lease,
     session_note,
+)
+from kvgov.ledger.seals.scan import (
+    MAX_INVALID,
+    SealScan,
+    read_every,
+    read_valid,
+    scans_capped,
 )
 from kvgov.ledger.seals.sessions import (
     WRITER_LOCK_CLASS,
@@ -123,7 +136,9 @@ __all__ = [
     "CLOCK_SKEW",
     "DEFAULT_MAX_UNSIGNED_AGE",
     "FOREIGN_SEP",
+    "MAX_INVALID",
     "MAX_LEASE_S",
+    "OTHER_KEY",
     "SEAL_ORIGIN",
     "WRITER_LOCK_CLASS",
     "Claim",
@@ -131,6 +146,7 @@ __all__ = [
     "Range",
     "Seal",
     "SealKind",
+    "SealScan",
     "Span",
     "Standing",
     "adopt_legacy",
@@ -141,13 +157,17 @@ __all__ = [
     "foreign_note",
     "foreign_ranges",
     "genesis_note",
+    "judged",
     "keep_open",
     "neighbour_id",
     "new_session",
     "open_session",
+    "read_every",
     "read_seals",
     "read_standing",
+    "read_valid",
     "resume",
+    "scans_capped",
     "session_end",
     "session_lease",
     "session_note",

@@ -270,16 +270,30 @@ def standing(
     """Check every seal's signature against ``public_key`` (the chain's own: the caller checks
     that it is trusted) and decide whether the chain is vouched for. ``checkpoints``: ``(seq,
     head_hash, signed_at, signature, public_key)`` rows, for the legacy rule. ``now``: the time
-    coverage is judged at (:attr:`Standing.now`)."""
+    coverage is judged at (:attr:`Standing.now`). Seals read from the database come checked
+    already (:mod:`.scan`, bounded): :func:`judged` takes them."""
     valid: list[Seal] = []
     invalid: list[tuple[Seal, str]] = []
     for seal in seals:
-        if seal.public_key != public_key:
-            invalid.append((seal, "signed by another key than the chain's"))
-        elif not seal.signature_ok(public_key, created_at):
-            invalid.append((seal, "signature does not verify"))
-        else:
+        fault = seal.fault(public_key, created_at)
+        if fault is None:
             valid.append(seal)
+        else:
+            invalid.append((seal, fault))
+    return judged(valid, invalid, public_key, checkpoints, chain_id, now=now)
+
+
+def judged(
+    valid: list[Seal],
+    invalid: list[tuple[Seal, str]],
+    public_key: bytes,
+    checkpoints: Iterable[tuple[int, str, datetime, bytes, bytes]],
+    chain_id: str,
+    *,
+    now: datetime | None = None,
+) -> Standing:
+    """:func:`standing` of seals whose signatures were checked already (``valid``, in ``(seq,
+    signed_at)`` order, and ``invalid``, with why): whether the chain is vouched for."""
     if any(s.kind == SealKind.GENESIS for s in valid):
         return Standing("signed", valid, invalid, now)
     first_seal = min((s.signed_at for s in valid), default=None)

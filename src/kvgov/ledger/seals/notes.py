@@ -1,10 +1,18 @@
 """The seal notes: the kinds of seal, the text each kind signs (the formats drawn in
 :mod:`kvgov.ledger.seals`) and :class:`Seal`, one ``chain_seals`` row that checks its own
-signature. No database here: :mod:`.store` reads and writes the rows."""
+signature. No database here: :mod:`.store` and :mod:`.scan` read and write the rows.
+
+Every seal signature check goes through :func:`_verifies`, a bounded process-wide memo of pure
+results keyed by what the check reads (the key, the signature, the note): a row read again
+(the next receipt's cross-check, the writer's next transaction, a copy of a valid genesis under
+another key, whose note is the same) costs no second Ed25519 check. A signature or key of
+another length than Ed25519's never verifies and is never remembered (the runtime role chooses
+a junk row's bytes: the memo's entries stay small)."""
 
 from __future__ import annotations
 
 import base64
+import functools
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -18,6 +26,17 @@ from kvgov.errors import LedgerError, LedgerSealError
 from kvgov.ledger.chain import GENESIS_HASH, format_time, is_chain_hash
 
 SEAL_ORIGIN = "kvgov.ledger.seal/v1"
+
+#: an Ed25519 signature's and public key's lengths (anything else never verifies)
+SIGNATURE_BYTES = 64
+KEY_BYTES = 32
+#: signature results remembered process-wide (a result is a pure function of its inputs): at
+#: least the honest seals of the chains a process judges, beside the junk one read may meet
+MEMO_SIZE = 8192
+
+#: why a seal is not the chain's word (:meth:`Seal.fault`)
+OTHER_KEY = "signed by another key than the chain's"
+BAD_SIGNATURE = "signature does not verify"
 
 
 class SealKind(StrEnum):
@@ -251,11 +270,30 @@ class Seal:
             return False
         if self.kind == SealKind.GENESIS and (self.seq != 0 or self.head_hash != GENESIS_HASH):
             return False
+        if len(self.signature) != SIGNATURE_BYTES or len(public_key) != KEY_BYTES:
+            return False
         try:
             note = self.note(created_at)
-            if note is None:
-                return False
-            Ed25519PublicKey.from_public_bytes(public_key).verify(self.signature, note)
-        except (InvalidSignature, ValueError, LedgerError):
+        except (ValueError, LedgerError):
             return False
-        return True
+        return note is not None and _verifies(public_key, self.signature, note)
+
+    def fault(self, public_key: bytes, created_at: datetime | None) -> str | None:
+        """Why this row is not the word of the chain whose key is ``public_key`` (None: it
+        is): :data:`OTHER_KEY` or :data:`BAD_SIGNATURE`."""
+        if self.public_key != public_key:
+            return OTHER_KEY
+        if not self.signature_ok(public_key, created_at):
+            return BAD_SIGNATURE
+        return None
+
+
+@functools.lru_cache(maxsize=MEMO_SIZE)
+def _verifies(public_key: bytes, signature: bytes, note: bytes) -> bool:
+    """Whether ``signature`` is ``public_key``'s Ed25519 signature over ``note``: a pure
+    result, remembered (the module docstring)."""
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, note)
+    except (InvalidSignature, ValueError):
+        return False
+    return True

@@ -14,7 +14,7 @@ from sqlalchemy import Connection, Engine, select
 
 from kvgov.db.engine import SQLITE_BEGIN_IMMEDIATE, utcnow
 from kvgov.db.models import Chain, LedgerEvent, table
-from kvgov.errors import LedgerError
+from kvgov.errors import LedgerError, SealScanCappedError
 from kvgov.ledger.batch import Disclaimed, Head, HeadCheck, read_head
 from kvgov.ledger.chain import GENESIS_HASH, link_target, public_key_bytes
 from kvgov.ledger.seals.coverage import Standing, span_of
@@ -50,35 +50,43 @@ def open_session(
     whose stored hash is malformed (:func:`~kvgov.ledger.batch.read_head`: logged
     ``ledger.chain.malformed_head``) is opened on as its
     :func:`~kvgov.ledger.chain.link_target`: the writer starts, and does not crash-loop on a
-    row it cannot remove (review r13, F2)."""
+    row it cannot remove (review r13, F2). Nor on junk seals past their read's cap
+    (:mod:`.scan`: logged ``ledger.seal.scan_capped``): the chain is not judged (no legacy
+    adoption, no gap logged) and the session opens all the same."""
     head = read_head(conn, chain_id)  # locks the chain
-    public = public_key_bytes(key)
     if created is not None:
         write_genesis(conn, chain_id, key, created)
     else:
-        found = read_standing(conn, chain_id, public)
-        for seal, why in found.invalid:
-            log.error(
-                "ledger.seal.invalid",
-                extra={"chain_id": chain_id, "seal": seal.name, "error": why},
-            )
-        if found.genesis != "signed":
-            adopt_legacy(conn, chain_id, key, found, head)
-        gap = found.gap(head[0])
-        if gap is not None and found.vouched:
-            log.error(
-                "ledger.chain.appended_after_close",
-                extra={
-                    "chain_id": chain_id,
-                    "first_seq": gap.first,
-                    "last_seq": gap.last,
-                    "closed_at": gap.closed_at,
-                },
-            )
+        with contextlib.suppress(SealScanCappedError):  # logged and counted by the read
+            _judge_at_start(conn, chain_id, key, head)
     write_session_seal(
         conn, chain_id, key, SealKind.OPEN, session=session, head=head, exclusive=exclusive
     )
     return head
+
+
+def _judge_at_start(conn: Connection, chain_id: str, key: Ed25519PrivateKey, head: Head) -> None:
+    """What a writer's start finds of an existing chain: seals that do not verify and events
+    appended after a close are logged (verification reports them), a legacy chain adopted."""
+    found = read_standing(conn, chain_id, public_key_bytes(key), reader="open_session")
+    for seal, why in found.invalid:
+        log.error(
+            "ledger.seal.invalid",
+            extra={"chain_id": chain_id, "seal": seal.name, "error": why},
+        )
+    if found.genesis != "signed":
+        adopt_legacy(conn, chain_id, key, found, head)
+    gap = found.gap(head[0])
+    if gap is not None and found.vouched:
+        log.error(
+            "ledger.chain.appended_after_close",
+            extra={
+                "chain_id": chain_id,
+                "first_seq": gap.first,
+                "last_seq": gap.last,
+                "closed_at": gap.closed_at,
+            },
+        )
 
 
 def adopt_legacy(
@@ -134,7 +142,7 @@ def keep_open(
     (the command stalled past its lease) is re-opened at ``head``, not where it stopped
     covering: rows appended since are not its to vouch for."""
     now = utcnow()
-    found = read_standing(conn, chain_id, public_key_bytes(key), now=now)
+    found = read_standing(conn, chain_id, public_key_bytes(key), now=now, reader="keep_open")
     mine = next((s for s in found.valid if s.kind == SealKind.OPEN and s.session == session), None)
     if mine is None:
         return session
@@ -313,7 +321,7 @@ def sign_genesis(engine: Engine, chain_id: str, key: Ed25519PrivateKey) -> bool:
             if bytes(row[0]) != public:
                 raise LedgerError(f"chain {chain_id!r} is signed by another key")
             read_head(conn, chain_id)  # locks the chain
-            if read_standing(conn, chain_id, public).genesis == "signed":
+            if read_standing(conn, chain_id, public, reader="adopt").genesis == "signed":
                 return False
             write_genesis(conn, chain_id, key, row[1])
             return True

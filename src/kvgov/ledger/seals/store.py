@@ -1,5 +1,6 @@
 """The ``chain_seals`` rows: sign and store a genesis, an open or close, or a foreign seal (in
-the caller's transaction), read a chain's seals back, and read its :class:`Standing`.
+the caller's transaction), read a chain's seals back (through :mod:`.scan`, bounded), and read
+its :class:`Standing`.
 
 A seal's primary key is ``(chain_id, kind, session)``, and the runtime database role may INSERT
 into ``chain_seals``: a key the writer computes from what that role can read (the session id in
@@ -31,7 +32,7 @@ from kvgov.db.models import Chain, ChainSeal, Checkpoint, table
 from kvgov.errors import LedgerSealError
 from kvgov.ledger.chain import GENESIS_HASH, public_key_bytes
 from kvgov.ledger.checkpoint_scan import verified_checkpoints
-from kvgov.ledger.seals.coverage import Standing, standing
+from kvgov.ledger.seals.coverage import Standing, judged
 from kvgov.ledger.seals.notes import (
     FOREIGN_SEP,
     KEY_SEP,
@@ -41,6 +42,7 @@ from kvgov.ledger.seals.notes import (
     genesis_note,
     session_note,
 )
+from kvgov.ledger.seals.scan import read_valid
 from kvgov.logging import get_logger
 
 log = get_logger(__name__)
@@ -274,31 +276,39 @@ def write_checkpoint_row(
     )
 
 
-def read_seals(conn: Connection, chain_id: str) -> list[Seal]:
-    t = table(ChainSeal)
-    rows = conn.execute(
-        select(t).where(t.c.chain_id == chain_id).order_by(t.c.seq, t.c.signed_at, t.c.kind)
-    )
-    return [Seal.from_row(r) for r in rows]
+def read_seals(conn: Connection, chain_id: str, public_key: bytes, *, reader: str) -> list[Seal]:
+    """The valid opens, closes and foreign seals of ``chain_id`` (``public_key``: the chain's),
+    opens and closes at or below its head, in ``(seq, signed_at)`` order: what a judge of who
+    covers which positions needs, and no genesis (:func:`~.scan.read_valid`: bounded, raises
+    :class:`~kvgov.errors.SealScanCappedError` past its cap of rows that do not verify)."""
+    return read_valid(conn, chain_id, public_key, None, reader=reader, genesis=False).valid
 
 
 def read_standing(
-    conn: Connection, chain_id: str, public_key: bytes, *, now: datetime | None = None
+    conn: Connection,
+    chain_id: str,
+    public_key: bytes,
+    *,
+    now: datetime | None = None,
+    reader: str = "read_standing",
 ) -> Standing:
     """:func:`standing` of ``chain_id`` from the database (``public_key``: the chain's), judged
     at ``now`` (default: this clock's, read once, so one standing answers alike throughout: a
-    neighbour session's lease, :func:`~.coverage.span_of`). Its checkpoints matter only to the
-    legacy rule (no valid genesis: is there a checkpoint of the key signed before any valid
-    seal?), so they are read only then, and only through
-    :func:`~kvgov.ledger.checkpoint_scan.verified_checkpoints` (at or below the head, signed
-    before the first valid seal, bounded): the runtime role may insert any number of rows, and
-    a chain with a genesis, every chain a writer registered since seals, reads none."""
+    neighbour session's lease, :func:`~.coverage.span_of`). Its seals are read through
+    :func:`~.scan.read_valid` (bounded: past its cap of rows that do not verify it raises
+    :class:`~kvgov.errors.SealScanCappedError`, logged as ``reader``'s, and the caller fails
+    closed). Its checkpoints matter only to the legacy rule (no valid genesis: is there a
+    checkpoint of the key signed before any valid seal?), so they are read only then, and only
+    through :func:`~kvgov.ledger.checkpoint_scan.verified_checkpoints` (at or below the head,
+    signed before the first valid seal, bounded): the runtime role may insert any number of
+    rows, and a chain with a genesis, every chain a writer registered since seals, reads none."""
     chains = table(Chain)
     created_at = conn.execute(
         select(chains.c.created_at).where(chains.c.chain_id == chain_id)
     ).scalar()
     at = utcnow() if now is None else now
-    found = standing(read_seals(conn, chain_id), public_key, created_at, (), chain_id, now=at)
+    seals = read_valid(conn, chain_id, public_key, created_at, reader=reader)
+    found = judged(seals.valid, seals.invalid, public_key, (), chain_id, now=at)
     if found.genesis == "signed":
         return found
     first_seal = min((s.signed_at for s in found.valid), default=None)
@@ -306,11 +316,11 @@ def read_standing(
         conn,
         chain_id,
         public_key,
-        reader="read_standing",
+        reader=reader,
         on_chain=False,
         signed_before=first_seal,
     )
     if next(legacy, None) is None:
         return found
-    # what standing() decides given that checkpoint, without checking every seal again
+    # what judged() decides given that checkpoint, without checking every seal again
     return Standing("legacy", found.valid, found.invalid, at)

@@ -30,7 +30,11 @@ writer that is not exclusive, rows an earlier crashed session (not a neighbour's
 (``docs/ledger.md``, "Chain seals").
 
 The comparison uses the head the transaction reads anyway: a batch whose head is the known one
-costs nothing more; the seals are read only when it moved.
+costs nothing more; the seals are read only when it moved, and then at a bounded cost
+(:func:`kvgov.ledger.seals.read_seals`, :mod:`kvgov.ledger.seals.scan`: junk rows the runtime
+role inserted into ``chain_seals`` are checked once per process, and past the read's cap of rows
+that do not verify it raises, which fails the transaction as a seal failure below: retried and
+alerted on, the events wait; the watch never judges on part of the seals).
 
 A transaction that finds the head moved also keeps the writer's own session covering the
 chain (:func:`kvgov.ledger.seals.keep_open`, in that transaction, before the writer's rows): a
@@ -208,7 +212,7 @@ class ForeignWatch:
 
     def _seal_foreign(self, conn: Connection, known: Head, head: Head) -> Disclaimed:
         runs = unexplained(
-            read_seals(conn, self.chain_id),
+            read_seals(conn, self.chain_id, self._public, reader="foreign_watch"),
             self._public,
             set(self._sessions),
             known[0],

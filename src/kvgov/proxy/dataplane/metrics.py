@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvgov.db.tokens import tokens_unrecorded
 from kvgov.ledger.checkpoint_scan import scans_capped
+from kvgov.ledger.seals.scan import scans_capped as seal_scans_capped
 
 _LATENCY_BUCKETS = (
     0.0001,
@@ -176,6 +177,16 @@ class DataPlaneMetrics:
             registry=r,
         )
         self.api_tokens_unrecorded.set_function(lambda: float(tokens_unrecorded()))
+        self.ledger_seal_scans_capped = Gauge(
+            "kvgov_ledger_seal_scans_capped",
+            "Reads of a chain's seals (a receipt's cross-check, a job view, a restore, the"
+            " writer's start, checkpoints, close and foreign watch) that stopped at their cap of"
+            " rows that do not verify, since start: someone with the runtime database role is"
+            " inserting junk into chain_seals, and nothing that needed them was judged (receipts"
+            " say incomplete, the writer retries; until the rows are removed)",
+            registry=r,
+        )
+        self.ledger_seal_scans_capped.set_function(lambda: float(seal_scans_capped()))
         self.journal_unapplied = Gauge(
             "kvgov_ledger_journal_unapplied_events",
             "Events in the local ledger journal that the database does not hold yet",
