@@ -22,6 +22,7 @@ import os
 import re
 import tomllib
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote_plus, urlsplit
@@ -47,6 +48,7 @@ from pydantic_settings import (
 from kvgov.engine_ids import ENGINE_ID_MAX, engine_id_problem, id_text_problem
 from kvgov.errors import ConfigError
 from kvgov.types import Environment
+from kvgov.urlreach import POSTGRES_CURE, Reach, postgres_reach, redis_reach
 from kvgov.wire.codec import utf8
 
 _MIB = 1024 * 1024
@@ -113,6 +115,12 @@ class DatabaseSettings(_Section):
     migration_statement_timeout_s: float = Field(default=600.0, ge=0.0, allow_inf_nan=False)
     #: how long ``kvgov db upgrade`` waits for another process's upgrade to finish; 0: no limit
     migration_wait_s: float = Field(default=900.0, ge=0.0, allow_inf_nan=False)
+    #: production refuses a URL (runtime or owner) that reaches beyond this host (not
+    #: loopback, not a Unix socket) unless it says ``sslmode=verify-full`` (or ``verify-ca``)
+    #: and ``sslrootcert`` itself (``docs/database.md``, "TLS"). Set this only where a service
+    #: mesh encrypts and authenticates the connection to the database (mTLS); every start that
+    #: uses it logs ``database.tls.unverified`` at WARNING
+    cleartext_network_ok: bool = False
 
     @model_validator(mode="after")
     def _one_source_each(self) -> DatabaseSettings:
@@ -278,6 +286,11 @@ class TierSettings(_Section):
     #: a file holding that URL (a mounted Secret; read when used, surrounding whitespace
     #: ignored): set this or ``redis_url``, not both
     redis_url_file: Path | None = None
+    #: production refuses a Redis URL beyond this host (not loopback, not ``unix://``) that is
+    #: not ``rediss://`` with the server's certificate and name checked (``docs/tiers.md``).
+    #: Set this only where a service mesh encrypts and authenticates the connection (mTLS);
+    #: every start that uses it logs ``tiers.redis.tls_unverified`` at WARNING
+    redis_cleartext_network_ok: bool = False
     redis_prefix: str = "kvgov:"
     #: seconds between TTL sweeps
     sweep_interval_s: float = Field(default=30.0, ge=0.1)
@@ -579,6 +592,9 @@ class Settings(BaseSettings):
         extra="forbid",
         frozen=True,
         validate_default=True,
+        # a validation error's text would quote its input, whose URLs and tokens are secrets
+        # (load_settings shows only each error's message; this covers Settings(...) itself)
+        hide_input_in_errors=True,
     )
 
     environment: Environment = Environment.DEVELOPMENT
@@ -664,6 +680,7 @@ class Settings(BaseSettings):
         url = self.database.url.get_secret_value()
         if url.startswith("sqlite") or not (url or self.database.url_file):
             problems.append("production needs a Postgres ledger (database.url or url_file)")
+        problems += self._inline_transport_problems()
         if not self.database.runtime_role:
             problems.append(
                 "database.runtime_role is empty: sidecars must connect as a role that does not"
@@ -768,15 +785,20 @@ class Settings(BaseSettings):
         a database URL (else the Redis tier's)."""
         if path is None:
             url = value.get_secret_value()
-            self._check_url(url, name.removesuffix("_file"), database=database)
-            return url
-        url = _read_setting_file(name, path).strip()
-        if not url:
-            what = "the database URL" if database else "the Redis URL"
-            raise ConfigError(f"{name} {path} is empty", hint=f"it must hold {what}")
-        if database and self.environment is Environment.PRODUCTION and url.startswith("sqlite"):
-            raise ConfigError(f"{name} {path} names SQLite: production needs a Postgres ledger")
-        self._check_url(url, f"{name} {path}", database=database)
+            where = name.removesuffix("_file")
+        else:
+            url = _read_setting_file(name, path).strip()
+            where = f"{name} {path}"
+            if not url:
+                what = "the database URL" if database else "the Redis URL"
+                raise ConfigError(f"{name} {path} is empty", hint=f"it must hold {what}")
+            if database and self.environment is Environment.PRODUCTION and url.startswith("sqlite"):
+                raise ConfigError(f"{name} {path} names SQLite: production needs a Postgres ledger")
+        self._check_url(url, where, database=database)
+        if url and self.environment is Environment.PRODUCTION:
+            problem = self._transport_problem(where, url, database=database)
+            if problem:
+                raise ConfigError(problem)
         return url
 
     @staticmethod
@@ -787,6 +809,125 @@ class Settings(BaseSettings):
         if problem:
             what = "database URL" if database else "Redis URL"
             raise ConfigError(f"{name}: the {what} is malformed: {problem}")
+
+    def _inline_transport_problems(self) -> list[str]:
+        """Production: the URLs given inline that reach beyond this host without verified TLS
+        (those in files are checked when read, :meth:`_url`)."""
+        db = self.database
+        problems: list[str] = []
+        for name, secret, database in (
+            ("database.url", db.url, True),
+            ("database.migration_url", db.migration_url, True),
+            ("tiers.redis_url", self.tiers.redis_url, False),
+        ):
+            url = secret.get_secret_value()
+            if not url or url_password_problem(url):
+                continue  # unset; or malformed, which is refused (named) when it is read
+            problem = self._transport_problem(name, url, database=database)
+            if problem:
+                problems.append(problem)
+        return problems
+
+    def _reach(self, url: str, *, database: bool) -> Reach | None:
+        """Where ``url`` connects and whether it demands a verified server; None for a URL
+        this check has nothing to say of (SQLite, refused in production on its own; a scheme
+        :func:`kvgov.db.engine.make_engine` refuses)."""
+        if not database:
+            return redis_reach(url)
+        if not url.startswith("postgresql"):
+            return None
+        return postgres_reach(url, os.environ)
+
+    def _transport_problem(self, where: str, url: str, *, database: bool) -> str | None:
+        """Why production refuses ``url`` (setting ``where``) for its transport, or None: it
+        reaches beyond this host without TLS that proves the server, and the setting's mesh
+        opt-out is off. Names the setting, the hosts and what to add; never the URL."""
+        reach = self._reach(url, database=database)
+        if reach is None or not reach.exposed:
+            return None
+        opt_out = "database.cleartext_network_ok" if database else _REDIS_OPT_OUT
+        if reach.unreadable is not None:
+            what = "sslmode=verify-full and sslrootcert" if database else "rediss://"
+            return _scrubbed(
+                f"{where}: cannot tell where the URL connects ({reach.unreadable}); production"
+                f" needs one it can read, with {what} beyond this host",
+                url,
+            )
+        if (
+            self.database.cleartext_network_ok
+            if database
+            else self.tiers.redis_cleartext_network_ok
+        ):
+            return None
+        hosts = ", ".join(reach.beyond)
+        mesh = (
+            "; behind a mesh that encrypts and authenticates the connection (mTLS) set"
+            f" {opt_out} (kvgov then logs a warning at every start)"
+        )
+        if database:
+            env = [n for n in ("PGSSLMODE", "PGSSLROOTCERT") if os.environ.get(n)]
+            unseen = (
+                f" ({' and '.join(env)} in the environment do not count: the URL itself must"
+                " say it, as every process that reads it gets it)"
+                if env
+                else ""
+            )
+            why = (
+                "libpq then trusts whatever ~/.postgresql/root.crt the connecting process has"
+                if reach.lacks_ca
+                else "libpq then does not prove the server (and unless sslmode is require,"
+                " falls back to plaintext when whoever answers declines TLS), so whoever is on"
+                " the path can answer in the database's place and keep the role's session"
+            )
+            text = (
+                f"{where} connects to {hosts} with {reach.said}: {why}; add"
+                f" ?{POSTGRES_CURE} to the URL ('&' if it has a query already; the CA that"
+                ' issued the database server\'s certificate, docs/database.md, "TLS")'
+                f"{unseen}, or reach the database on loopback or a Unix socket{mesh}"
+            )
+        else:
+            text = (
+                f"{where} connects to {hosts} with {reach.said}: the Redis password and the"
+                " tier's traffic cross the network to whoever answers; use rediss:// (the"
+                " server's certificate and name checked: leave ssl_cert_reqs and"
+                " ssl_check_hostname at their defaults, ssl_ca_certs=<CA file> for a private"
+                f" CA), or a Redis on loopback or unix://{mesh}"
+            )
+        return _scrubbed(text, url)
+
+    def unverified_transports(self, *uses: TransportUse) -> list[UnverifiedTransport]:
+        """Production: the URLs of ``uses`` (``runtime``: the sidecar's and the CLI's ledger
+        URL; ``migration``: ``kvgov db upgrade``'s; ``redis``: the Redis tier's) that reach
+        beyond this host without verified TLS because their mesh opt-out says so: what a
+        start logs at WARNING. Reads the URL files (:class:`ConfigError` as when used)."""
+        if self.environment is not Environment.PRODUCTION:
+            return []
+        db, tiers = self.database, self.tiers
+        runtime = ("database.url", db.url, db.url_file)
+        sources: dict[TransportUse, tuple[str, SecretStr, Path | None]] = {
+            "runtime": runtime,
+            "migration": (
+                ("database.migration_url", db.migration_url, db.migration_url_file)
+                if db.migration_url.get_secret_value() or db.migration_url_file
+                else runtime
+            ),
+            "redis": ("tiers.redis_url", tiers.redis_url, tiers.redis_url_file),
+        }
+        found: list[UnverifiedTransport] = []
+        for use in dict.fromkeys(uses):
+            name, value, path = sources[use]
+            database = use != "redis"
+            url = self._url(value, path, f"{name}_file", database=database)
+            reach = self._reach(url, database=database) if url else None
+            if reach is not None and reach.exposed:
+                setting = name if path is None else f"{name}_file"
+                opt_out = "database.cleartext_network_ok" if database else _REDIS_OPT_OUT
+                found.append(
+                    UnverifiedTransport(
+                        use, setting, _scrubbed(", ".join(reach.beyond), url), opt_out
+                    )
+                )
+        return found
 
     @property
     def engine_tokens(self) -> dict[str, SecretStr]:
@@ -916,6 +1057,31 @@ class Settings(BaseSettings):
             return self.ledger.chain_id
         host = os.uname().nodename
         return f"{host}:{self.data_dir.resolve().as_posix()}"
+
+
+_REDIS_OPT_OUT = "tiers.redis_cleartext_network_ok"
+#: which connection :meth:`Settings.unverified_transports` is asked of
+TransportUse = Literal["runtime", "migration", "redis"]
+
+
+@dataclass(frozen=True)
+class UnverifiedTransport:
+    """A URL that reaches beyond this host without verified TLS under its mesh opt-out."""
+
+    use: TransportUse
+    #: the setting it came from (``database.url``, ``database.url_file`` ...)
+    setting: str
+    #: where it connects (host names and addresses, never the URL)
+    hosts: str
+    #: the opt-out that admits it
+    opt_out: str
+
+
+def _scrubbed(text: str, url: str) -> str:
+    """``text`` with every piece of ``url``'s password that a driver could quote replaced."""
+    for secret in url_secret_parts(url):
+        text = text.replace(secret, "***")
+    return text
 
 
 class _ShorthandSource(PydanticBaseSettingsSource):

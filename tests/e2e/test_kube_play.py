@@ -80,7 +80,8 @@ def _secrets(work: Path, db: RoleDatabase, tls: TlsIdentity) -> dict[str, dict[s
             "engine-tokens.json": json.dumps({TOKEN: ENGINE}).encode(),
             "engine-token": TOKEN.encode(),
         },
-        "kvgov-database": {"url": db.runtime_url.encode()},
+        # the ledger is this host's (loopback: no TLS asked); the manifests mount a CA anyway
+        "kvgov-database": {"url": db.runtime_url.encode(), "ca.crt": tls.ca.read_bytes()},
         "kvgov-database-owner": {"url": db.owner_url.encode()},
         "kvgov-api-tls": {"tls.crt": tls.cert.read_bytes(), "tls.key": tls.key.read_bytes()},
         # the token kvgov shows OPA (read only with policy.engine=opa; the test runs embedded)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,10 +25,13 @@ import yaml
 
 from kvgov.config import LOOPBACK_HOSTS, load_settings
 from kvgov.types import Environment
+from kvgov.urlreach import POSTGRES_CURE
 
 ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ["development", "production"]
+#: the CA of the ledger database's server, as the documented URLs' sslrootcert names it
+DATABASE_CA = Path(POSTGRES_CURE.rpartition("sslrootcert=")[2])
 #: native sidecars are on by default from 1.29 (beta) and GA in 1.33
 K8S_VERSIONS = ["1.29.0", "1.37.0"]
 #: the egress destinations' selectors (docs/deploy.md names the labels operators set)
@@ -245,7 +249,14 @@ def test_settings_load_and_secrets_come_from_secret_files(
         assert mount.get("readOnly") is True, path
         return volumes[mount["name"]]
 
-    assert source(settings.database.url_file)["secret"]["secretName"] == "kvgov-database"
+    database = source(settings.database.url_file)["secret"]
+    assert database["secretName"] == "kvgov-database"
+    # beside the URL, the CA its sslrootcert names (docs/database.md, "TLS"; review r16)
+    assert [(i["key"], i["path"]) for i in database["items"]] == [
+        ("url", settings.database.url_file.name),
+        ("ca.crt", "ca.crt"),
+    ]
+    assert settings.database.url_file.parent / "ca.crt" == DATABASE_CA
     tokens = source(settings.dataplane.engine_tokens_file)["secret"]
     assert tokens["secretName"] == "kvgov-engine-tokens"
     # per fleet: the KEK, the signing key and the pseudonym key, from one Secret, copied 0400
@@ -319,6 +330,22 @@ def test_migration_job_runs_db_upgrade_as_the_owner(
     volumes = {v["name"]: v for v in job["template"]["spec"]["volumes"]}
     assert volumes[mount["name"]]["secret"]["secretName"] == "kvgov-database-owner"
     assert job["template"]["spec"]["restartPolicy"] == "Never"
+    # the CA the owner's URL names too (sslrootcert), from Secret kvgov-database
+    (ca_mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == DATABASE_CA.parent.as_posix()]
+    ca_volume = volumes[ca_mount["name"]]["secret"]
+    assert ca_volume["secretName"] == "kvgov-database"
+    assert {"key": "ca.crt", "path": DATABASE_CA.name} in ca_volume["items"]
+
+
+def test_the_documented_database_urls_verify_the_server() -> None:
+    """Review r16, finding 2: the setup step's URLs asked libpq for nothing (sslmode=prefer:
+    no certificate checked, plaintext when refused). They name the CA the manifests mount."""
+    deploy = (ROOT / "docs" / "deploy.md").read_text()
+    urls = re.findall(r"postgresql\+psycopg://kvgov_\w+:[^'\s]*", deploy)
+    assert len(urls) >= 2, urls
+    for url in urls:
+        assert url.endswith(f"?sslmode=verify-full&sslrootcert={DATABASE_CA}"), url
+    assert f"sslrootcert={DATABASE_CA}" in (ROOT / "docs" / "database.md").read_text()
 
 
 def test_production_runs_opa_as_its_own_sidecar_before_kvgov() -> None:

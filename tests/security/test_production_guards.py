@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from pydantic import ValidationError
 
 import kvgov
 from kvgov.config import Settings, load_settings
-from kvgov.errors import ConfigError
+from kvgov.errors import ConfigError, KvgovError
 from kvgov.ledger.chain import generate_signing_key_file
 from kvgov.ledger.pseudonym import Pseudonymizer, generate_pseudonym_key_file
 from kvgov.proxy.app import build_sidecar
@@ -426,3 +427,293 @@ def test_the_opa_token_file_is_read_at_start_and_never_quoted(tmp_path: Path) ->
         assert OPA_TOKEN not in caught.value.diagnostics()
     with pytest.raises(ValidationError, match="not both"):
         Settings(policy={"opa_token": OPA_TOKEN, "opa_token_file": token_file})
+
+
+# -- review r16, finding 2: the ledger's connection without verified TLS ---------------------
+#
+# Attack: nothing required the ledger's Postgres connection to use TLS that authenticates the
+# server. libpq's default, sslmode=prefer, verifies no certificate and falls back to plaintext
+# when whoever answers says "N" to SSLRequest; sslmode=require encrypts but proves nothing of
+# the server. An attacker on the pod-to-database path (a node, a mirrored port, a neighbour on a
+# flat network) answered in the database's place, relayed the password exchange (no channel
+# binding without TLS) and kept the authenticated runtime-role session: an INSERT into
+# api_tokens of an admin token of their own, or answers the sidecar trusts rewritten. Production
+# now refuses a Postgres URL beyond this host (not loopback, not a Unix socket) that does not
+# itself say sslmode=verify-full (or verify-ca) and sslrootcert, and a Redis URL beyond this
+# host that is not rediss:// with the certificate checked; each has an opt-out for a mesh that
+# does mTLS, logged at WARNING at start.
+
+DB_PASSWORD = "Ledg3r-r16-Passw0rd"
+REMOTE_DB = f"postgresql+psycopg://kvgov_runtime:{DB_PASSWORD}@db.example.internal/kvgov"
+CA = "/etc/kvgov/database/ca.crt"
+VERIFIED = f"sslmode=verify-full&sslrootcert={CA}"
+#: a ledger these settings name but no test here connects to (they are only validated)
+_NO_DB = ProdDatabase(url="postgresql+psycopg://kvgov_runtime@127.0.0.1:1/kvgov", runtime_role="r")
+#: what a URL says of TLS that authenticates nothing: no sslmode (libpq: prefer), prefer,
+#: require (encrypted, server unproven), verify-full without a CA to verify against
+UNVERIFIED = ["", "?sslmode=prefer", "?sslmode=require", "?sslmode=verify-full", "?sslmode=allow"]
+OPEN_LEDGER = (
+    "DID NOT RAISE: production accepted a ledger URL without verified TLS (libpq"
+    " sslmode=prefer: unauthenticated, downgradable; runtime-role session hijack)"
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_libpq_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """libpq's own environment for where and how it connects, as a container starts: unset."""
+    for name in ("PGHOST", "PGHOSTADDR", "PGSERVICE", "PGSSLMODE", "PGSSLROOTCERT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _prod(tmp_path: Path, *, tiers: dict[str, Any] | None = None, **database: Any) -> Settings:
+    """``doors.settings`` (production, everything else provisioned) with its ``database``
+    section replaced by ``database`` (and ``tiers`` merged), validated again."""
+    data = doors.settings(tmp_path, _NO_DB).model_dump()
+    data["dataplane"]["engine_tokens"] = doors.TOKENS
+    data["database"] = {"runtime_role": "kvgov_runtime", **database}
+    data["tiers"] = {**data["tiers"], **(tiers or {})}
+    return Settings(**data)
+
+
+def _refusal(build: Callable[[], object], when_open: str = OPEN_LEDGER) -> str:
+    """What refusing ``build()`` says (a ValidationError, or a ConfigError when a URL file is
+    read); the test fails with ``when_open`` when it is accepted."""
+    try:
+        build()
+    except ValidationError as exc:
+        return str(exc)
+    except ConfigError as exc:
+        return exc.diagnostics()
+    pytest.fail(when_open)
+
+
+def _names_the_cure(text: str, setting: str, host: str = "db.example.internal") -> None:
+    assert DB_PASSWORD not in text and "Ledg3r" not in text, text
+    assert setting in text and host in text, text
+    assert "sslmode=verify-full" in text and "sslrootcert" in text, text
+    assert "database.cleartext_network_ok" in text, text
+
+
+@pytest.mark.parametrize("query", UNVERIFIED)
+@pytest.mark.parametrize("setting", ["url", "migration_url"])
+def test_production_refuses_a_ledger_url_without_verified_tls(
+    tmp_path: Path, setting: str, query: str
+) -> None:
+    extra = {} if setting == "url" else {"url": f"{REMOTE_DB}?{VERIFIED}"}
+    text = _refusal(lambda: _prod(tmp_path, **{setting: REMOTE_DB + query}, **extra))
+    _names_the_cure(text, f"database.{setting}")
+
+
+@pytest.mark.parametrize("query", UNVERIFIED)
+@pytest.mark.parametrize("setting", ["url_file", "migration_url_file"])
+def test_production_refuses_a_ledger_url_file_without_verified_tls(
+    tmp_path: Path, setting: str, query: str
+) -> None:
+    """The shipped manifests' way: the URL in a mounted Secret, read when used."""
+    url_file = tmp_path / "url"
+    url_file.write_text(REMOTE_DB + query + "\n")
+    extra = {} if setting == "url_file" else {"url": f"{REMOTE_DB}?{VERIFIED}"}
+    settings = _prod(tmp_path, **{setting: url_file}, **extra)
+    prop = "database_url" if setting == "url_file" else "migration_database_url"
+    text = _refusal(lambda: getattr(settings, prop))
+    _names_the_cure(text, f"database.{setting} {url_file}")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        # the query's host is where psycopg connects: the authority's is replaced
+        f"postgresql+psycopg://u:{DB_PASSWORD}@127.0.0.1/kvgov?host=db.example.internal",
+        # hostaddr is the address dialled whatever host says (host: what the certificate names)
+        f"postgresql+psycopg://u:{DB_PASSWORD}@/kvgov?host=/run/postgresql&hostaddr=10.0.3.7",
+        f"postgresql+psycopg://u:{DB_PASSWORD}@127.0.0.1/kvgov?hostaddr=10.0.3.7",
+        # libpq tries every host of a list
+        f"postgresql+psycopg://u:{DB_PASSWORD}@/kvgov?host=127.0.0.1,db.example.internal",
+        f"postgresql+psycopg://u:{DB_PASSWORD}@/kvgov?host=127.0.0.1:5432&host=db.example:5432",
+        # a service's host is in pg_service.conf, which the URL does not show
+        f"postgresql+psycopg://u:{DB_PASSWORD}@/kvgov?service=ledger",
+        # libpq takes the last sslmode, SQLAlchemy both: not a verified URL either way
+        f"{REMOTE_DB}?sslmode=verify-full&sslrootcert={CA}&sslmode=disable",
+        f"{REMOTE_DB}?sslmode=verify-full&sslrootcert=",
+        f"{REMOTE_DB}?sslmode=verify-full&sslrootcert={CA}&sslrootcert=/tmp/ca.crt",
+        # a spelling of loopback libpq resolves but kvgov does not read: fail closed
+        f"postgresql+psycopg://u:{DB_PASSWORD}@localhost.evil.example/kvgov",
+    ],
+)
+def test_production_reads_where_libpq_connects(tmp_path: Path, url: str) -> None:
+    text = _refusal(lambda: _prod(tmp_path, url=url))
+    assert "sslmode" in text and DB_PASSWORD not in text, text
+
+
+@pytest.mark.parametrize(
+    ("env", "value"), [("PGHOST", "db.example.internal"), ("PGHOSTADDR", "10.0.3.7")]
+)
+def test_production_reads_libpqs_environment_for_where_it_connects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: str, value: str
+) -> None:
+    """A URL with no host (the Unix socket) goes where PGHOST says, and any host to the
+    address PGHOSTADDR says, when the URL does not name one itself."""
+    monkeypatch.setenv(env, value)
+    url = f"postgresql+psycopg://u:{DB_PASSWORD}@/kvgov"
+    text = _refusal(lambda: _prod(tmp_path, url=url))
+    assert value in text and "sslmode" in text and DB_PASSWORD not in text, text
+
+
+def test_libpqs_sslmode_environment_does_not_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PGSSLMODE/PGSSLROOTCERT would give libpq verify-full, but only in the process that has
+    them (not the migration Job, not an operator's shell): the URL itself must say it."""
+    monkeypatch.setenv("PGSSLMODE", "verify-full")
+    monkeypatch.setenv("PGSSLROOTCERT", CA)
+    text = _refusal(lambda: _prod(tmp_path, url=REMOTE_DB))
+    assert "PGSSLMODE" in text and DB_PASSWORD not in text, text
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"{REMOTE_DB}?{VERIFIED}",
+        f"{REMOTE_DB}?sslmode=verify-ca&sslrootcert={CA}&connect_timeout=5",
+        f"postgresql://kvgov_runtime:{DB_PASSWORD}@db.example.internal:6432/kvgov?{VERIFIED}",
+        f"postgresql+psycopg://u:{DB_PASSWORD}@127.0.0.1:5432/kvgov",
+        f"postgresql+psycopg://u:{DB_PASSWORD}@127.0.0.53/kvgov",
+        f"postgresql+psycopg://u:{DB_PASSWORD}@localhost/kvgov",
+        f"postgresql+psycopg://u:{DB_PASSWORD}@[::1]:5432/kvgov",
+        f"postgresql+psycopg://u:{DB_PASSWORD}@/kvgov?host=/run/postgresql",
+        f"postgresql+psycopg://u:{DB_PASSWORD}@/kvgov",  # libpq's default socket directory
+        f"postgresql+psycopg://u:{DB_PASSWORD}@db.example.internal/kvgov?hostaddr=127.0.0.1",
+    ],
+)
+def test_production_accepts_verified_tls_and_this_hosts_ledger(tmp_path: Path, url: str) -> None:
+    settings = _prod(tmp_path, url=url, migration_url=url)
+    assert settings.database_url == url
+    url_file = tmp_path / "url"
+    url_file.write_text(url)
+    assert _prod(tmp_path, url_file=url_file).database_url == url
+
+
+def test_load_settings_refuses_it_without_quoting_the_password(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a production pod's environment gives it (``KVGOV_DATABASE_URL``, the shorthand)."""
+    base = doors.settings(tmp_path, _NO_DB)
+    for name in [k for k in os.environ if k.startswith("KVGOV_")]:
+        monkeypatch.delenv(name)
+    env = {
+        "KVGOV_ENVIRONMENT": "production",
+        "KVGOV_DATA_DIR": str(base.data_dir),
+        "KVGOV_DATABASE_URL": f"{REMOTE_DB}?sslmode=require&password={DB_PASSWORD}",
+        "KVGOV_DATABASE__RUNTIME_ROLE": "kvgov_runtime",
+        "KVGOV_KEYS__KEK_PATH": str(base.keys.kek_path),
+        "KVGOV_POLICY__DATA_FILE": str(base.policy.data_file),
+        "KVGOV_DATAPLANE__ENGINE_TOKENS": json.dumps(doors.TOKENS),
+        "KVGOV_PURGE__NO_GPU_PREFIX_CACHE": "true",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    text = _refusal(load_settings)
+    _names_the_cure(text, "database.url")
+    assert "sslmode=require" in text, text
+
+
+async def test_the_database_opt_out_is_accepted_and_logged_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Behind a mesh that encrypts and authenticates the connection to the database (mTLS),
+    ``database.cleartext_network_ok`` lifts the refusal, and every start says so: the
+    sidecar's, and ``kvgov db upgrade``'s for the owner's URL."""
+    import logging
+
+    from kvgov.db.engine import migrate
+
+    runtime = f"postgresql+psycopg://kvgov_runtime:{DB_PASSWORD}@db.example.invalid/kvgov"
+    owner = f"postgresql+psycopg://kvgov_owner:{DB_PASSWORD}@owner.example.invalid/kvgov"
+    settings = _prod(
+        tmp_path,
+        url=runtime + "?connect_timeout=2",
+        migration_url=owner + "?connect_timeout=2",
+        cleartext_network_ok=True,
+    )
+    assert settings.production_problems() == []
+    with caplog.at_level(logging.WARNING, logger="kvgov"):
+        with pytest.raises(KvgovError) as failed:
+            await build_sidecar(settings)  # no such database: it stops after the warning
+        with pytest.raises(KvgovError) as failed_migration:
+            migrate(settings)
+    warned = [r for r in caplog.records if r.getMessage() == "database.tls.unverified"]
+    assert [
+        (r.levelno, getattr(r, "setting", None), getattr(r, "hosts", None)) for r in warned
+    ] == [
+        (logging.WARNING, "database.url", "db.example.invalid"),
+        (logging.WARNING, "database.migration_url", "owner.example.invalid"),
+    ]
+    assert all(getattr(r, "opt_out", None) == "database.cleartext_network_ok" for r in warned)
+    said = " ".join(str(vars(r)) for r in caplog.records)
+    said += failed.value.diagnostics() + failed_migration.value.diagnostics()
+    assert DB_PASSWORD not in said, said
+
+
+# -- the same for the Redis tier's URL (its password crosses the network) -------------------
+
+REDIS_PASSWORD = "R3dis-r16-Passw0rd"
+REMOTE_REDIS = f"redis://:{REDIS_PASSWORD}@redis.example.internal:6379/0"
+OPEN_REDIS = (
+    "DID NOT RAISE: production accepted a Redis tier URL beyond this host without verified"
+    " TLS (its password in the clear)"
+)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        REMOTE_REDIS,
+        REMOTE_REDIS.replace("redis://", "rediss://") + "?ssl_cert_reqs=none",
+        REMOTE_REDIS.replace("redis://", "rediss://") + "?ssl_cert_reqs=optional",
+        REMOTE_REDIS.replace("redis://", "rediss://") + "?ssl_check_hostname=false",
+        f"redis://:{REDIS_PASSWORD}@/0?host=redis.example.internal",
+    ],
+)
+def test_production_refuses_a_redis_url_without_verified_tls(tmp_path: Path, url: str) -> None:
+    tiers = {"chain": ["memory", "redis"]}
+    text = _refusal(
+        lambda: _prod(tmp_path, url=_NO_DB.url, tiers={**tiers, "redis_url": url}), OPEN_REDIS
+    )
+    url_file = tmp_path / "redis-url"
+    url_file.write_text(url)
+    settings = _prod(tmp_path, url=_NO_DB.url, tiers={**tiers, "redis_url_file": url_file})
+    text += _refusal(lambda: settings.redis_url, OPEN_REDIS)
+    assert REDIS_PASSWORD not in text and "R3dis" not in text, text
+    assert "redis.example.internal" in text and "rediss://" in text, text
+    assert "tiers.redis_url" in text and f"tiers.redis_url_file {url_file}" in text, text
+    assert "tiers.redis_cleartext_network_ok" in text, text
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        REMOTE_REDIS.replace("redis://", "rediss://"),
+        REMOTE_REDIS.replace("redis://", "rediss://") + "?ssl_ca_certs=/etc/kvgov/redis/ca.crt",
+        f"redis://:{REDIS_PASSWORD}@127.0.0.1:6379/0",
+        f"redis://:{REDIS_PASSWORD}@localhost/0",
+        "unix:///run/redis/redis.sock?db=0",
+    ],
+)
+def test_production_accepts_a_verified_or_local_redis(tmp_path: Path, url: str) -> None:
+    settings = _prod(tmp_path, url=_NO_DB.url, tiers={"redis_url": url})
+    assert settings.redis_url == url
+
+
+def test_the_redis_opt_out_is_accepted(tmp_path: Path) -> None:
+    settings = _prod(
+        tmp_path,
+        url=_NO_DB.url,
+        tiers={"redis_url": REMOTE_REDIS, "redis_cleartext_network_ok": True},
+    )
+    assert settings.redis_url == REMOTE_REDIS
+    (found,) = settings.unverified_transports("runtime", "migration", "redis")
+    assert (found.use, found.setting, found.hosts) == (
+        "redis",
+        "tiers.redis_url",
+        "redis.example.internal",
+    )

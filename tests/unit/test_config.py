@@ -10,6 +10,11 @@ from kvgov.config import load_settings
 from kvgov.errors import ConfigError
 from kvgov.types import Environment
 
+#: a production ledger URL beyond this host: TLS that proves the server (review r16, finding 2)
+PROD_DB_URL = (
+    "postgresql+psycopg://kvgov@db/kvgov?sslmode=verify-full&sslrootcert=/etc/kvgov/database/ca.crt"
+)
+
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,7 +141,7 @@ def test_production_refuses_the_benchmarks_null_collaborators() -> None:
 def test_production_accepts_a_safe_configuration(tmp_path: Path) -> None:
     s = load_settings(
         environment="production",
-        database={"url": "postgresql+psycopg://kvgov@db/kvgov", "runtime_role": "kvgov_runtime"},
+        database={"url": PROD_DB_URL, "runtime_role": "kvgov_runtime"},
         keys={"kek_path": str(tmp_path / "kek.key")},
         dataplane={"engine_tokens": {"t0ken-value": "engine-a"}},
         purge={"vllm_engines": ["http://127.0.0.1:8000"]},
@@ -151,7 +156,7 @@ def test_production_refuses_a_purge_that_resets_no_gpu_prefix_cache(tmp_path: Pa
     now refuses it unless the operator says the engines keep no GPU prefix cache."""
     safe: dict[str, object] = {
         "environment": "production",
-        "database": {"url": "postgresql+psycopg://kvgov@db/kvgov", "runtime_role": "kvgov_rt"},
+        "database": {"url": PROD_DB_URL, "runtime_role": "kvgov_rt"},
         "keys": {"kek_path": str(tmp_path / "kek.key")},
         "dataplane": {"engine_tokens": {"t0ken-value": "engine-a"}},
     }
@@ -175,7 +180,7 @@ def test_production_refuses_the_cleartext_wire_beyond_loopback(tmp_path: Path) -
     unless the operator says a mesh encrypts pod traffic."""
     safe: dict[str, object] = {
         "environment": "production",
-        "database": {"url": "postgresql+psycopg://kvgov@db/kvgov", "runtime_role": "rt"},
+        "database": {"url": PROD_DB_URL, "runtime_role": "rt"},
         "keys": {"kek_path": str(tmp_path / "kek.key")},
         "purge": {"no_gpu_prefix_cache": True},
     }
@@ -197,7 +202,7 @@ def test_production_needs_a_runtime_role(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"database\.runtime_role is empty"):
         load_settings(
             environment="production",
-            database={"url": "postgresql+psycopg://kvgov@db/kvgov"},
+            database={"url": PROD_DB_URL},
             keys={"kek_path": str(tmp_path / "kek.key")},
             dataplane={"engine_tokens": {"t0ken-value": "engine-a"}},
             purge={"no_gpu_prefix_cache": True},

@@ -463,7 +463,14 @@ def known_revisions() -> set[str]:
 
 def migrate(settings: Settings, revision: str = "head") -> list[str]:
     """``kvgov db upgrade``: migrate as the owner role (``database.migration_url``), then grant
-    ``database.runtime_role`` its privileges; the revisions applied (see :func:`upgrade`)."""
+    ``database.runtime_role`` its privileges; the revisions applied (see :func:`upgrade`).
+    A production owner's URL that a mesh opt-out admits without verified TLS is logged at
+    WARNING first (``database.tls.unverified``)."""
+    for found in settings.unverified_transports("migration"):
+        log.warning(
+            "database.tls.unverified",
+            extra={"setting": found.setting, "hosts": found.hosts, "opt_out": found.opt_out},
+        )
     return upgrade(
         settings.migration_database_url,
         revision,

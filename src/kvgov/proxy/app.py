@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from kvgov import __version__
-from kvgov.config import LOOPBACK_HOSTS, Settings
+from kvgov.config import LOOPBACK_HOSTS, Settings, TransportUse
 from kvgov.connectors.tiers.chain import TierChain
 from kvgov.connectors.tiers.factory import build_tiers
 from kvgov.db.engine import utcnow
@@ -630,6 +630,21 @@ async def build_sidecar(
         return sidecar
 
 
+def _warn_unverified_transports(settings: Settings, *, ledger: bool) -> None:
+    """Every start says which of its connections production admits beyond this host without
+    verified TLS because a mesh opt-out says something else (mTLS) protects them: the
+    operator's word, which nothing here can check (review r16, finding 2)."""
+    uses: list[TransportUse] = ["runtime"] if ledger else []
+    if "redis" in settings.tiers.chain:
+        uses.append("redis")
+    for found in settings.unverified_transports(*uses):
+        event = "tiers.redis.tls_unverified" if found.use == "redis" else "database.tls.unverified"
+        log.warning(
+            event,
+            extra={"setting": found.setting, "hosts": found.hosts, "opt_out": found.opt_out},
+        )
+
+
 async def _build_sidecar(
     settings: Settings,
     policy: PolicyEngine | None,
@@ -650,6 +665,7 @@ async def _build_sidecar(
     ]
     if unsafe and settings.environment is not Environment.DEVELOPMENT:
         raise ConfigError(f"{', '.join(unsafe)}: benchmarks only; set environment=development")
+    _warn_unverified_transports(settings, ledger=recorded or sealed)
     metrics = DataPlaneMetrics()
     executor = ThreadPoolExecutor(max_workers=dp.crypto_threads, thread_name_prefix="kvgov-crypto")
     sender = ThreadPoolExecutor(max_workers=dp.send_threads, thread_name_prefix="kvgov-send")
