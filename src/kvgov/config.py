@@ -57,6 +57,8 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 TierName = Literal["memory", "filesystem", "redis"]
 _DEFAULT_CHAIN: tuple[TierName, ...] = ("memory", "filesystem")
+#: the filesystem tier's bound where ``tiers.filesystem_max_bytes`` is unset (development only)
+DEV_FILESYSTEM_MAX_BYTES = 4 * 1024 * _MIB
 _DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 #: bounds of ``tiers.shared_reconcile_interval_s`` (seconds; 0 is allowed too: start only)
 _MIN_RECONCILE_S = 0.1
@@ -279,6 +281,14 @@ class TierSettings(_Section):
     #: filesystem tier root; empty means ``<data_dir>/tiers/fs``
     filesystem_path: Path | None = None
     filesystem_fsync: bool = True
+    #: the most bytes the filesystem tier keeps on disk (each file counted whole, in blocks,
+    #: with the puts being written): before a put would pass it, the least recently used
+    #: entries are evicted (``kv:evict``, as the memory tier's), and a larger value is refused.
+    #: Unset: :data:`DEV_FILESYSTEM_MAX_BYTES` in development; production refuses a chain with
+    #: ``filesystem`` without it (a tier that grows until its volume is full gets the pod
+    #: evicted, journal and all: ``docs/tiers.md``, "Disk bound"). Leave the tier's volume
+    #: ~10% more room than this (its directories, a crash's leftovers)
+    filesystem_max_bytes: int | None = Field(default=None, ge=_MIB)
     #: the Redis tier's URL (``redis://[:password@]host:port/db``); it may hold a password, so
     #: it is a secret and never logged. Empty, with no ``redis_url_file``, means
     #: ``redis://127.0.0.1:6379/0``
@@ -750,6 +760,15 @@ class Settings(BaseSettings):
                 f"dataplane.lm_host={dp.lm_host} exposes the handshake-less lm:// listener "
                 "beyond this host: bind it to 127.0.0.1 (the engine in the same pod)"
             )
+        if "filesystem" in self.tiers.chain and self.tiers.filesystem_max_bytes is None:
+            problems.append(
+                "tiers.chain has filesystem and tiers.filesystem_max_bytes is unset: the tier"
+                " would grow with every unique prompt until its volume is full, and a"
+                " Kubernetes emptyDir past its sizeLimit gets the pod evicted at once, with the"
+                " ledger journal's acknowledged events on the same pod; set the bound about"
+                " 10% under the tier's volume (the shipped manifests: 16 GiB on an 18Gi"
+                " emptyDir of its own, docs/deploy.md)"
+            )
         return problems
 
     # -- derived paths ---------------------------------------------------------------------
@@ -1050,6 +1069,13 @@ class Settings(BaseSettings):
     @property
     def filesystem_tier_path(self) -> Path:
         return self.tiers.filesystem_path or self.data_dir / "tiers" / "fs"
+
+    @property
+    def filesystem_tier_max_bytes(self) -> int:
+        """``tiers.filesystem_max_bytes``, or (development, where it is unset)
+        :data:`DEV_FILESYSTEM_MAX_BYTES`."""
+        bound = self.tiers.filesystem_max_bytes
+        return DEV_FILESYSTEM_MAX_BYTES if bound is None else bound
 
     @property
     def chain_id(self) -> str:

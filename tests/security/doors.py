@@ -104,7 +104,12 @@ def settings(tmp_path: Path, db: ProdDatabase, **dataplane: Any) -> Settings:
             "buffer_pool_bytes": 64 << 20,
             **dataplane,
         },
-        tiers={"chain": ["memory", "filesystem"], "filesystem_fsync": False},
+        tiers={
+            "chain": ["memory", "filesystem"],
+            "filesystem_fsync": False,
+            # production refuses the filesystem tier unbounded (review r16, finding 1)
+            **known_tiers(filesystem_max_bytes=1 << 30),
+        },
         # no vLLM here: the engines are the tests' clients (a test of the GPU step sets its own)
         purge={"no_gpu_prefix_cache": True},
     )
@@ -230,6 +235,13 @@ def known_dataplane(**wanted: Any) -> dict[str, Any]:
     from kvgov.config import DataPlaneSettings
 
     return {k: v for k, v in wanted.items() if k in DataPlaneSettings.model_fields}
+
+
+def known_tiers(**wanted: Any) -> dict[str, Any]:
+    """The tier settings of ``wanted`` that this build has (as :func:`known_dataplane`)."""
+    from kvgov.config import TierSettings
+
+    return {k: v for k, v in wanted.items() if k in TierSettings.model_fields}
 
 
 class WireProbe:

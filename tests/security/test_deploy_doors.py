@@ -307,6 +307,84 @@ def test_every_secret_volume_names_its_items(overlay: str) -> None:
     assert not whole, whole
 
 
+# -- the filesystem tier's disk (review r16, finding 1) ---------------------------------------
+
+#: the failure while the tier had no bound (the tier and the journal on the 20Gi ``state``)
+UNBOUNDED = (
+    "the filesystem tier on the 20Gi state emptyDir has no size bound: a tenant's unique"
+    " prompts fill it and the kubelet evicts the pod (0-1 s grace), taking the journal with it"
+)
+_QUANTITY = re.compile(r"([0-9]+)(Ki|Mi|Gi|Ti)?")
+_MIB = 1 << 20
+#: ``kvgov_ledger_journal_bytes`` past this pages (docs/deploy.md, "What to alert on")
+JOURNAL_ALERT = 10 << 30
+
+
+def quantity(text: str) -> int:
+    """Bytes of a Kubernetes quantity as the manifests write sizes (``20Gi``)."""
+    match = _QUANTITY.fullmatch(text)
+    assert match is not None, f"unexpected quantity {text!r}"
+    power = {None: 0, "Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40}[match.group(2)]
+    return int(match.group(1)) << power
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_filesystem_tier_and_the_journal_fit_their_volumes(
+    overlay: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The filesystem tier wrote every put (only its TTL removed entries) on the ``state``
+    emptyDir beside the ledger journal: past the volume's ``sizeLimit`` the kubelet evicts
+    the pod with a 0-1 s grace period, and the journal's acknowledged events and the chain's
+    final checkpoint go with it. Now the tier has a bound (``tiers.filesystem_max_bytes``)
+    and a disk emptyDir of its own with room for it (its fan-out directories and a crash's
+    leftovers: 5 % at least); the journal keeps ``state``, with room for twice the journal
+    size at which docs/deploy.md's alert fires (a database that falls behind grows it)."""
+    from kvgov.config import TierSettings
+
+    docs = render(overlay)
+    pod = one(docs, "Deployment", "kvgov-inference")["spec"]["template"]["spec"]
+    kvgov = containers(pod)["kvgov"]
+    env = dict(container_env(docs, {**pod, "enableServiceLinks": False}, kvgov))
+    settings = load_with(env, monkeypatch)
+    assert "filesystem" in settings.tiers.chain
+    assert "filesystem_max_bytes" in TierSettings.model_fields, UNBOUNDED
+    bound = settings.tiers.filesystem_max_bytes
+    assert bound is not None, "the manifests set no KVGOV_TIERS__FILESYSTEM_MAX_BYTES"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+
+    def mount_of(path: Path) -> dict[str, Any]:
+        """The kvgov container's mount that holds ``path`` (the deepest one)."""
+        holding = [m for m in kvgov["volumeMounts"] if path.is_relative_to(m["mountPath"])]
+        assert holding, f"{path} is on no volume (the root filesystem is read-only)"
+        return max(holding, key=lambda m: len(Path(m["mountPath"]).parts))
+
+    tier_mount, journal_mount = (
+        mount_of(settings.filesystem_tier_path),
+        mount_of(settings.journal_path),
+    )
+    assert tier_mount["name"] != journal_mount["name"], (
+        f"the filesystem tier shares the {tier_mount['name']} volume with the journal"
+    )
+    # a directory kvgov makes inside the mount (the mount's own root is not private)
+    assert settings.filesystem_tier_path != Path(tier_mount["mountPath"])
+    tier = volumes[tier_mount["name"]]["emptyDir"]
+    assert "medium" not in tier, "a memory emptyDir would count against the pod's memory"
+    room = quantity(tier["sizeLimit"])
+    assert room >= bound * 1.05, f"tiers.filesystem_max_bytes={bound} on a {tier['sizeLimit']}"
+    assert room <= bound * 1.25, "most of the tier's volume is left unused"
+    journal = volumes[journal_mount["name"]]["emptyDir"]
+    assert "medium" not in journal  # disk: survives container restarts
+    # an idle journal holds a segment or two; one whose database is away grows until the
+    # alert of docs/deploy.md (10 GiB, "half the state sizeLimit") and must not be evicted there
+    segments = 2 * settings.ledger.journal_segment_mib * _MIB
+    assert quantity(journal["sizeLimit"]) >= max(2 * JOURNAL_ALERT, segments + JOURNAL_ALERT)
+    # nothing but kvgov mounts either (vLLM writes its own volumes: not kvgov's bound)
+    for name, c in containers(pod).items():
+        if name != "kvgov":
+            used = {m["name"] for m in c.get("volumeMounts", [])}
+            assert tier_mount["name"] not in used and journal_mount["name"] not in used, name
+
+
 # -- what r8 checked and found sound ---------------------------------------
 
 

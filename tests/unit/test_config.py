@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgov.config import load_settings
+from kvgov.config import DEV_FILESYSTEM_MAX_BYTES, load_settings
 from kvgov.errors import ConfigError
 from kvgov.types import Environment
 
@@ -145,8 +145,34 @@ def test_production_accepts_a_safe_configuration(tmp_path: Path) -> None:
         keys={"kek_path": str(tmp_path / "kek.key")},
         dataplane={"engine_tokens": {"t0ken-value": "engine-a"}},
         purge={"vllm_engines": ["http://127.0.0.1:8000"]},
+        tiers={"filesystem_max_bytes": 1 << 30},
     )
     assert s.production_problems() == []
+
+
+def test_production_refuses_the_filesystem_tier_without_a_bound(tmp_path: Path) -> None:
+    """Attack (review r16, finding 1): the filesystem tier had no size bound; on a Kubernetes
+    emptyDir a tenant's unique prompts filled it and the kubelet evicted the pod, the ledger
+    journal with it. Production now refuses a chain with ``filesystem`` and no bound;
+    development bounds it by default."""
+    safe: dict[str, object] = {
+        "environment": "production",
+        "database": {"url": PROD_DB_URL, "runtime_role": "rt"},
+        "keys": {"kek_path": str(tmp_path / "kek.key")},
+        "dataplane": {"engine_tokens": {"t0ken-value": "engine-a"}},
+        "purge": {"no_gpu_prefix_cache": True},
+    }
+    with pytest.raises(ConfigError, match=r"tiers\.filesystem_max_bytes is unset"):
+        load_settings(**safe)
+    bounded = load_settings(**safe, tiers={"filesystem_max_bytes": 1 << 30})
+    assert bounded.filesystem_tier_max_bytes == 1 << 30
+    memory_only = load_settings(**safe, tiers={"chain": ["memory"]})
+    assert memory_only.production_problems() == []
+    with pytest.raises(ConfigError, match="filesystem_max_bytes"):
+        load_settings(tiers={"filesystem_max_bytes": 4096})  # under 1 MiB
+    dev = load_settings(data_dir=tmp_path / "dev")
+    assert dev.tiers.filesystem_max_bytes is None
+    assert dev.filesystem_tier_max_bytes == DEV_FILESYSTEM_MAX_BYTES
 
 
 def test_production_refuses_a_purge_that_resets_no_gpu_prefix_cache(tmp_path: Path) -> None:
@@ -159,6 +185,7 @@ def test_production_refuses_a_purge_that_resets_no_gpu_prefix_cache(tmp_path: Pa
         "database": {"url": PROD_DB_URL, "runtime_role": "kvgov_rt"},
         "keys": {"kek_path": str(tmp_path / "kek.key")},
         "dataplane": {"engine_tokens": {"t0ken-value": "engine-a"}},
+        "tiers": {"filesystem_max_bytes": 1 << 30},
     }
     with pytest.raises(ConfigError, match=r"purge\.vllm_engines is empty"):
         load_settings(**safe)
@@ -183,6 +210,7 @@ def test_production_refuses_the_cleartext_wire_beyond_loopback(tmp_path: Path) -
         "database": {"url": PROD_DB_URL, "runtime_role": "rt"},
         "keys": {"kek_path": str(tmp_path / "kek.key")},
         "purge": {"no_gpu_prefix_cache": True},
+        "tiers": {"filesystem_max_bytes": 1 << 30},
     }
     tokens = {"engine_tokens": {"t0ken-value": "engine-a"}}
     for host in ("0.0.0.0", "10.1.2.3", "::"):
@@ -257,6 +285,7 @@ def test_production_refuses_sqlite_from_a_url_file(tmp_path: Path) -> None:
         keys={"kek_path": str(tmp_path / "kek.key")},
         dataplane={"engine_tokens": {"t0ken-value": "engine-a"}},
         purge={"no_gpu_prefix_cache": True},
+        tiers={"filesystem_max_bytes": 1 << 30},
     )
     with pytest.raises(ConfigError, match="production needs a Postgres ledger"):
         _ = s.database_url

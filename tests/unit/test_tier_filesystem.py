@@ -7,8 +7,10 @@ import hashlib
 import os
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -189,4 +191,84 @@ async def test_expired_file_is_removed_from_disk_on_access(tmp_path: Path) -> No
         assert not path.exists()
         assert (await tier.stats()).expirations == 1
     finally:
+        await tier.close()
+
+
+# -- the disk bound (review r16, finding 1; the attack: tests/security/test_tier_disk_bound.py) --
+
+
+def _footprints(root: Path) -> int:
+    """The block-rounded sizes of the tier's files, as the tier counts them."""
+    block = os.statvfs(root).f_frsize or 4096
+    return sum(-(-path.stat().st_size // block) * block for path in files_under(root))
+
+
+async def test_concurrent_puts_keep_the_bound_and_an_exact_count(tmp_path: Path) -> None:
+    """Puts in flight reserve their room before they write, so many at once (four worker
+    threads) stay within the bound; once they are done the count is the files' again."""
+    root = tmp_path / "fs"
+    evicted: list[str] = []
+    bound = 2 << 20
+    tier = await FilesystemTier.open(
+        root, fsync=False, max_bytes=bound, on_evict=lambda _t, k, _n: evicted.append(k)
+    )
+    try:
+        values = {digest(i): os.urandom(200_000 + i) for i in range(48)}
+        for start in range(0, 48, 8):
+            batch = list(values.items())[start : start + 8]
+            await asyncio.gather(*(tier.put(k, v) for k, v in batch))
+            assert sum(p.stat().st_size for p in files_under(root)) <= bound
+        assert tier.used_bytes == _footprints(root) <= bound
+        held = [k async for k in tier.iter_keys()]
+        assert sorted(held + evicted) == sorted(values)
+        for k in held:
+            assert await tier.get(k) == values[k]
+        # overwrites and deletes keep the count exact too
+        await tier.put(held[0], b"smaller")
+        await tier.delete(held[1])
+        assert tier.used_bytes == _footprints(root)
+    finally:
+        await tier.close()
+
+
+async def test_an_evicted_key_put_again_at_once_keeps_its_new_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry evicted for one put and put again by another before the first put's worker
+    removed the evicted file: the new file stays (the removal sees the key indexed again)."""
+    root = tmp_path / "fs"
+    evicted: list[str] = []
+    bound = 1_500_000
+    tier = await FilesystemTier.open(
+        root, fsync=False, max_bytes=bound, on_evict=lambda _t, k, _n: evicted.append(k)
+    )
+    first, filler, second = digest(1), digest(2), digest(3)
+    gate = threading.Event()
+    drops: list[list[str]] = []
+    drop = tier._drop
+
+    def held_drop(victims: list[Any]) -> None:
+        drops.append([k for k, _, _ in victims])
+        if len(drops) == 1:  # the first put's removal waits until `first` is put again
+            gate.wait(10)
+        drop(victims)
+
+    monkeypatch.setattr(tier, "_drop", held_drop)
+    try:
+        await tier.put(first, os.urandom(600_000))
+        await tier.put(filler, os.urandom(600_000))
+        evicting = asyncio.create_task(tier.put(second, os.urandom(600_000)))
+        await asyncio.sleep(0)  # its room made: `first` evicted, its removal held
+        assert evicted == [first]
+        fresh = os.urandom(200_000)
+        await tier.put(first, fresh)  # room enough: what `second` holds counts `first` once
+        gate.set()
+        await evicting
+        assert evicted == [first] and drops == [[first]]
+        assert tier.path_of(first).exists()
+        assert await tier.get(first) == fresh
+        assert tier.used_bytes == _footprints(root) <= bound
+        assert sorted([k async for k in tier.iter_keys()]) == sorted([first, filler, second])
+    finally:
+        gate.set()
         await tier.close()

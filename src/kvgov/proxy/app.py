@@ -828,6 +828,7 @@ async def _build_sidecar(
             lambda: float(writer.stats.seal_failures if writer is not None else 0),
         ),
     )
+    metrics.watch_tiers(tiers.tiers)
     journal = writer.journal if writer is not None else None
     if writer is not None and journal is not None:
         ledger = writer

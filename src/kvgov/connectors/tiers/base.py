@@ -23,7 +23,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvgov.errors import TierError
 
@@ -118,6 +118,22 @@ class Tier(Protocol):
 
     async def close(self) -> None:
         """Release connections and files; the tier is unusable afterwards."""
+        ...
+
+
+@runtime_checkable
+class Measured(Protocol):
+    """An optional tier capability: what it holds against a bound of its own, read without
+    awaiting (the ``kvgov_tier_bytes`` gauges sample it at scrape time, from any thread)."""
+
+    @property
+    def used_bytes(self) -> int:
+        """The bytes the tier's bound counts now."""
+        ...
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The bound (None: none)."""
         ...
 
 

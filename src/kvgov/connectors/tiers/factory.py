@@ -44,6 +44,8 @@ async def _filesystem(settings: Settings, hooks: TierHooks) -> Tier:
         settings.filesystem_tier_path,
         fsync=settings.tiers.filesystem_fsync,
         stray_min_age_s=0.0 if hooks.owner else STRAY_MIN_AGE_S,
+        max_bytes=settings.filesystem_tier_max_bytes,
+        on_evict=hooks.on_evict,
     )
 
 

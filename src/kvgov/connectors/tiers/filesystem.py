@@ -17,6 +17,22 @@ reads straight into the caller's buffer (``readinto``).
 The root must be the process's own and private; it is opened once and every path is relative
 to that descriptor; a fan-out directory is used only once checked ours (at start, or at the
 first put that needs it): :mod:`~kvgov.connectors.tiers.fsroot`.
+
+**Disk bound** (``max_bytes``; the sidecar always sets one: ``tiers.filesystem_max_bytes``).
+The tier counts the disk space of its files (header, key and value rounded up to whole
+blocks: :func:`~kvgov.connectors.tiers.fsformat.footprint`), those of the puts being written
+(their temporary files) and of the evicted files not yet removed; opening it counts what it
+finds. Before a put would pass the bound, its least recently used entries (a put or a read
+makes an entry the most recent; at start, the files' modification times order them) are taken
+out of the index, reported to ``on_evict`` on the event loop (the sidecar records each as
+``kv:evict``, as the memory tier's) and their files removed by the put's worker before it
+writes. The key being put and those of other puts in progress are never chosen. A value
+larger than the bound, or a put that finds the room all held by puts in progress, is refused
+with :class:`~kvgov.errors.TierError` (a chain then removes the key from every tier). Least
+recently used rather than soonest to expire: the policy gives every entry of a class the same
+TTL, so expiry order is put order, which drops a hot shared prefix first and, across classes,
+a value just written before an old one. A tier found over its bound at start (the bound
+lowered) is brought within it by its next put.
 """
 
 from __future__ import annotations
@@ -30,6 +46,7 @@ import os
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -38,6 +55,7 @@ from kvgov.connectors.tiers.base import (
     BytesLike,
     DestinationTooSmallError,
     EntryInfo,
+    EvictListener,
     TierStats,
     as_bytes_view,
     check_key,
@@ -47,6 +65,7 @@ from kvgov.connectors.tiers.fsformat import (
     encode_header,
     fanout,
     file_name,
+    footprint,
     fsync_dir,
     read_header,
     write_all,
@@ -64,6 +83,26 @@ STRAY_MIN_AGE_S = 600.0
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
+#: the block size counted where the filesystem does not say (``statvfs``)
+DEFAULT_BLOCK = 4096
+
+
+class _Ticket:
+    """What one put holds of the bound until its file is in the index (or it failed):
+    ``need``, its file's footprint; ``held``, counted meanwhile: until the files evicted for
+    it are removed, the larger of theirs and ``need`` (its worker removes them before it
+    writes, so the two never take the disk at once), then ``need``."""
+
+    __slots__ = ("held", "need")
+
+    def __init__(self, need: int) -> None:
+        self.need = need
+        self.held = 0
+
+
+#: an evicted entry whose file is still to be removed: key, index entry, footprint
+_Victim = tuple[str, EntryInfo, int]
+
 
 class FilesystemTier:
     """A :class:`~kvgov.connectors.tiers.base.Tier` of files. Build it with :meth:`open`."""
@@ -76,16 +115,31 @@ class FilesystemTier:
         fsync: bool = True,
         io_threads: int = 4,
         clock: Callable[[], float] = time.time,
+        max_bytes: int | None = None,
+        on_evict: EvictListener | None = None,
     ) -> None:
+        if max_bytes is not None and max_bytes <= 0:
+            raise TierError(f"tier {name}: max_bytes must be positive, not {max_bytes}")
         self._root = root
         self._name = name
         self._fsync = fsync
         self._clock = clock
+        self._max = max_bytes
+        self._on_evict = on_evict
         self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, f"kvgov-tier-{name}")
-        self._lock = threading.Lock()  # guards the index, the byte count and renames
-        self._index: dict[str, EntryInfo] = {}
-        self._bytes = 0
-        self._hits = self._misses = self._expirations = 0
+        self._lock = threading.Lock()  # guards the index, the byte counts, renames and unlinks
+        #: least recently used first
+        self._index: OrderedDict[str, EntryInfo] = OrderedDict()
+        self._bytes = 0  # the indexed values' lengths (stats)
+        self._disk = 0  # the indexed files' footprints
+        #: held by puts in progress (their ``_Ticket.held``): their temporary files, or the
+        #: files evicted for them not yet removed
+        self._pending = 0
+        self._stranded = 0  # footprints of evicted files whose removal failed
+        #: keys with puts in progress (how many of each): never evicted meanwhile
+        self._putting: dict[str, int] = {}
+        self._block = DEFAULT_BLOCK
+        self._hits = self._misses = self._evictions = self._expirations = 0
         self._closed = False
         #: leftovers younger than this are not removed at open (see :meth:`open`)
         self._stray_min_age_s = 0.0
@@ -104,12 +158,24 @@ class FilesystemTier:
         io_threads: int = 4,
         clock: Callable[[], float] = time.time,
         stray_min_age_s: float = 0.0,
+        max_bytes: int | None = None,
+        on_evict: EvictListener | None = None,
     ) -> FilesystemTier:
         """Create ``root`` if needed and rebuild the index from what is on disk.
         ``stray_min_age_s``: remove only leftovers (``*.tmp``) at least that old; a process
         other than the sidecar that owns the tier (``kvgov purge``) must not take the
-        sidecar's puts in progress for a crash's leftovers (:data:`STRAY_MIN_AGE_S`)."""
-        tier = cls(root, name=name, fsync=fsync, io_threads=io_threads, clock=clock)
+        sidecar's puts in progress for a crash's leftovers (:data:`STRAY_MIN_AGE_S`).
+        ``max_bytes``: the disk bound (None: none); ``on_evict(tier, key, nbytes)`` hears of
+        each entry evicted for it, on the event loop."""
+        tier = cls(
+            root,
+            name=name,
+            fsync=fsync,
+            io_threads=io_threads,
+            clock=clock,
+            max_bytes=max_bytes,
+            on_evict=on_evict,
+        )
         tier._stray_min_age_s = stray_min_age_s
         try:
             await tier._run(tier._recover)
@@ -132,6 +198,18 @@ class FilesystemTier:
         """Where ``key``'s file lives (whether or not it exists)."""
         return self._root / fanout(key) / file_name(key)
 
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The disk bound (None: none)."""
+        return self._max
+
+    @property
+    def used_bytes(self) -> int:
+        """The disk space the tier's files take, in whole blocks, with what puts in progress
+        hold (their temporary files, or the files evicted for them not yet removed): what
+        :attr:`capacity_bytes` bounds."""
+        return self._disk + self._pending + self._stranded
+
     # -- the Tier protocol -------------------------------------------------------------------
 
     async def put(self, key: str, data: BytesLike, *, expires_at: float | None = None) -> None:
@@ -140,7 +218,17 @@ class FilesystemTier:
         if expires_at is not None and (math.isnan(expires_at) or expires_at <= self._clock()):
             await self._run(self._unlink, key)
             return
-        await self._run(self._write, key, as_bytes_view(data), expires_at)
+        view = as_bytes_view(data)
+        ticket = _Ticket(footprint(key, view.nbytes, self._block))
+        victims = self._make_room(key, view.nbytes, ticket)
+        try:
+            await self._run(self._write, key, view, expires_at, ticket, victims)
+        finally:
+            with self._lock:
+                self._release(ticket)  # (a no-op once the put's worker did it)
+            left = self._putting.pop(key) - 1
+            if left:
+                self._putting[key] = left
 
     async def get_into(self, key: str, dst: memoryview) -> int | None:
         meta = await self._live(key)
@@ -207,8 +295,9 @@ class FilesystemTier:
             bytes=nbytes,
             hits=self._hits,
             misses=self._misses,
-            evictions=0,
+            evictions=self._evictions,
             expirations=self._expirations,
+            capacity_bytes=self._max,
         )
 
     async def close(self) -> None:
@@ -231,14 +320,82 @@ class FilesystemTier:
         return meta.expires_at is not None and meta.expires_at <= now
 
     async def _live(self, key: str) -> EntryInfo | None:
-        """The index entry if live; an expired one is removed (from disk too) and is a miss."""
+        """The index entry if live (now the most recently used); an expired one is removed
+        (from disk too) and is a miss."""
         self._check_open()
         meta = self._index.get(key)
-        if meta is None or not self._expired(meta, self._clock()):
+        if meta is None:
+            return None
+        if not self._expired(meta, self._clock()):
+            with self._lock:
+                if key in self._index:
+                    self._index.move_to_end(key)
             return meta
         if await self._run(self._unlink_many, [key], self._clock()):
             self._expirations += 1
         return None
+
+    def _make_room(self, key: str, size: int, ticket: _Ticket) -> list[_Victim]:
+        """Reserve ``ticket.need`` bytes for a put of ``key`` (a ``size``-byte value), taking
+        out of the index first the least recently used entries that must go for it to fit
+        within the bound; reports each to ``on_evict``. Their files are removed by the put's
+        worker (:meth:`_drop`) before it writes. Raises :class:`TierError` for a value larger
+        than the bound, or when the room is held by puts in progress."""
+        need = ticket.need
+        victims: list[_Victim] = []
+        freed = 0
+        with self._lock:
+            if self._max is not None:
+                if need > self._max:
+                    raise TierError(
+                        f"tier {self._name}: a {size}-byte value exceeds the tier's"
+                        f" {self._max} bytes",
+                        hint="raise tiers.filesystem_max_bytes (and the tier's volume with it)"
+                        " or keep chunks this large out of the filesystem tier",
+                    )
+                over = self.used_bytes + need - self._max
+                if over > 0:
+                    for k, meta in self._index.items():
+                        if k == key or k in self._putting:
+                            continue  # (the key's old file goes when the new one replaces it)
+                        fp = footprint(k, meta.size, self._block)
+                        victims.append((k, meta, fp))
+                        freed += fp
+                        if freed >= over:
+                            break
+                    if freed < over:
+                        raise TierError(
+                            f"tier {self._name}: no room for a {size}-byte value: its"
+                            f" {self._max} bytes are held by puts in progress (or by"
+                            " evicted files it could not remove)",
+                            hint="raise tiers.filesystem_max_bytes well above the bytes puts"
+                            " have in flight (dataplane.buffer_pool_bytes)",
+                        )
+                    for k, meta, fp in victims:
+                        del self._index[k]
+                        self._bytes -= meta.size
+                        self._disk -= fp
+                    self._evictions += len(victims)
+            ticket.held = max(need, freed)
+            self._pending += ticket.held
+            self._putting[key] = self._putting.get(key, 0) + 1
+        for k, meta, _fp in victims:
+            self._notify_evict(k, meta.size)
+        return victims
+
+    def _notify_evict(self, key: str, size: int) -> None:
+        log.debug("tier.evict", extra={"tier": self._name, "nbytes": size})
+        if self._on_evict is None:
+            return
+        try:
+            self._on_evict(self._name, key, size)
+        except Exception:
+            log.exception("tier.evict_listener_failed", extra={"tier": self._name})
+
+    def _release(self, ticket: _Ticket) -> None:
+        """Give back what a put holds (the lock held); idempotent."""
+        self._pending -= ticket.held
+        ticket.held = 0
 
     async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
         """Run blocking I/O in the pool. If the caller is cancelled, wait for the worker to
@@ -258,7 +415,60 @@ class FilesystemTier:
 
     # -- worker-thread side ------------------------------------------------------------------
 
-    def _write(self, key: str, data: memoryview, expires_at: float | None) -> None:
+    def _write(
+        self,
+        key: str,
+        data: memoryview,
+        expires_at: float | None,
+        ticket: _Ticket,
+        victims: list[_Victim],
+    ) -> None:
+        try:
+            if victims:
+                self._drop(victims)
+                with self._lock:  # from here the put holds its own file's room only
+                    self._pending -= ticket.held - ticket.need
+                    ticket.held = ticket.need
+            self._write_file(key, data, expires_at, ticket)
+        finally:
+            with self._lock:
+                self._release(ticket)
+
+    def _drop(self, victims: list[_Victim]) -> None:
+        """Remove the files of entries evicted for a put (before it writes its own). One put
+        again since is left alone: its rename replaced the evicted file."""
+        subs = set()
+        for key, _meta, fp in victims:
+            entry = self._entry(key)
+            with self._lock:
+                if entry is None or key in self._index:
+                    continue
+                try:
+                    os.unlink(entry[1], dir_fd=self._root_fd)
+                except FileNotFoundError:
+                    continue  # deleted meanwhile
+                except OSError as exc:
+                    # counted until a restart finds it (and reconciles it: it is recorded gone)
+                    self._stranded += fp
+                    log.error(
+                        "tier.evict_unlink_failed",
+                        extra={"tier": self._name, "error": exc.strerror},
+                    )
+                    continue
+            subs.add(entry[0])
+        if self._fsync:
+            for sub in subs:
+                try:
+                    fsync_dir(sub, dir_fd=self._root_fd)
+                except OSError as exc:  # the eviction stands; a file back after a crash is an
+                    # orphan the next start removes and records
+                    log.warning(
+                        "tier.evict_sync_failed", extra={"tier": self._name, "error": exc.strerror}
+                    )
+
+    def _write_file(
+        self, key: str, data: memoryview, expires_at: float | None, ticket: _Ticket
+    ) -> None:
         sub, name = fanout(key), file_name(key)
         if sub not in self._fanouts:
             self._check_fanout(sub)
@@ -275,9 +485,11 @@ class FilesystemTier:
                 os.close(fd)
             with self._lock:
                 os.replace(tmp, path, src_dir_fd=root, dst_dir_fd=root)
-                old = self._index.get(key)
-                self._index[key] = EntryInfo(data.nbytes, expires_at)
-                self._bytes += data.nbytes - (old.size if old else 0)
+                self._forget(key)  # its file was just replaced
+                self._index[key] = EntryInfo(data.nbytes, expires_at)  # the most recent
+                self._bytes += data.nbytes
+                self._disk += ticket.need
+                self._release(ticket)
             if self._fsync:
                 fsync_dir(sub, dir_fd=root)
         except OSError as exc:
@@ -388,12 +600,18 @@ class FilesystemTier:
         finally:
             os.close(fd)
 
+    def _forget(self, key: str) -> EntryInfo | None:
+        """Take ``key`` out of the index and the byte counts (the lock held)."""
+        meta = self._index.pop(key, None)
+        if meta is not None:
+            self._bytes -= meta.size
+            self._disk -= footprint(key, meta.size, self._block)
+        return meta
+
     def _unlink(self, key: str) -> EntryInfo | None:
         entry = self._entry(key)
         with self._lock:
-            meta = self._index.pop(key, None)
-            if meta is not None:
-                self._bytes -= meta.size
+            meta = self._forget(key)
             if entry is None:
                 return meta
             try:
@@ -424,9 +642,7 @@ class FilesystemTier:
     def _drop_corrupt(self, key: str, path: str, why: str) -> None:
         log.warning("tier.corrupt_entry", extra={"tier": self._name, "why": why})
         with self._lock:
-            meta = self._index.pop(key, None)
-            if meta is not None:
-                self._bytes -= meta.size
+            self._forget(key)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path, dir_fd=self._root_fd)
 
@@ -440,8 +656,15 @@ class FilesystemTier:
             raise TierError(
                 f"tier {self._name}: cannot read {self._root}: {exc.strerror or exc}"
             ) from exc
-        self._index = found.entries
+        try:
+            self._block = os.fstatvfs(self._root_fd).f_frsize or DEFAULT_BLOCK
+        except OSError:
+            self._block = DEFAULT_BLOCK
+        # least recently used first: in the order they were put, as far as the files say
+        order = sorted(found.entries, key=lambda k: found.put_at.get(k, 0.0))
+        self._index = OrderedDict((k, found.entries[k]) for k in order)
         self._bytes = sum(meta.size for meta in found.entries.values())
+        self._disk = sum(footprint(k, m.size, self._block) for k, m in found.entries.items())
         self._fanouts = found.fanouts
         if found.untrusted or found.kept:
             log.warning(
@@ -454,12 +677,24 @@ class FilesystemTier:
                     " belong in the tier root",
                 },
             )
+        if self._max is not None and self._disk > self._max:
+            log.warning(
+                "tier.over_bound",
+                extra={
+                    "tier": self._name,
+                    "disk_bytes": self._disk,
+                    "max_bytes": self._max,
+                    "hint": "the next put evicts (and records) what it must to fit",
+                },
+            )
         log.info(
             "tier.recovered",
             extra={
                 "tier": self._name,
                 "entries": len(self._index),
                 "bytes": self._bytes,
+                "disk_bytes": self._disk,
+                "max_bytes": self._max,
                 "stray_tmp_removed": found.stray,
                 "young_tmp_kept": found.young,
                 "corrupt_removed": found.corrupt,

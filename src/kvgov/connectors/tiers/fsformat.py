@@ -49,6 +49,14 @@ def encode_header(key: str, size: int, expires_at: float | None) -> bytes:
     return HEADER.pack(MAGIC, VERSION, flags, len(key_bytes), expiry, size) + key_bytes
 
 
+def footprint(key: str, size: int, block: int) -> int:
+    """The disk space of the file of a ``size``-byte value under ``key``: its header, key and
+    value, rounded up to whole blocks of ``block`` bytes (as ``du``, and a kubelet measuring
+    an emptyDir, count it)."""
+    length = HEADER.size + len(key.encode()) + size
+    return -(-length // block) * block
+
+
 def write_all(fd: int, data: memoryview) -> None:
     done = 0
     while done < data.nbytes:

@@ -88,6 +88,8 @@ class Scan:
     """What :func:`scan` found under the root."""
 
     entries: dict[str, EntryInfo] = field(default_factory=dict)
+    #: each entry's file's last modification (``st_mtime``): when it was put
+    put_at: dict[str, float] = field(default_factory=dict)
     #: the fan-out directories checked ours and private
     fanouts: set[str] = field(default_factory=set)
     #: fan-out names that are not (symlinks, another uid's, writable by others): skipped
@@ -157,6 +159,7 @@ def _scan_dir(sub: str, dir_fd: int, found: Scan, stale_before: float) -> None:
                 key = None
             if key is not None and fanout(key) == sub and file_name(key) == name:
                 found.entries[key] = meta
+                found.put_at[key] = st.st_mtime
                 continue
             found.corrupt += 1
         with contextlib.suppress(FileNotFoundError):

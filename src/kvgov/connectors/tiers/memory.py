@@ -165,6 +165,15 @@ class MemoryTier:
     def _used(self) -> int:
         return self._live_bytes + self._pooled_bytes + self._reserved_bytes
 
+    @property
+    def used_bytes(self) -> int:
+        """Live, pooled and reserved bytes: what ``max_bytes`` bounds."""
+        return self._used()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._max
+
     # -- reservations (the Reserving capability) ---------------------------------------------
 
     def reserve(self, size: int) -> Reservation | None:

@@ -6,11 +6,12 @@ Labels are bounded: operation names, listener names, outcome and a reason cut to
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvgov.connectors.tiers.base import Measured, Tier
 from kvgov.db.tokens import tokens_unrecorded
 from kvgov.ledger.checkpoint_scan import scans_capped
 from kvgov.ledger.seals.scan import scans_capped as seal_scans_capped
@@ -187,6 +188,20 @@ class DataPlaneMetrics:
             registry=r,
         )
         self.ledger_seal_scans_capped.set_function(lambda: float(seal_scans_capped()))
+        self.tier_bytes = Gauge(
+            "kvgov_tier_bytes",
+            "Bytes a tier holds against its own bound, by tier: the memory tier's buffers"
+            " (live, pooled, reserved), the filesystem tier's files in whole blocks (with the"
+            " puts being written)",
+            ["tier"],
+            registry=r,
+        )
+        self.tier_capacity = Gauge(
+            "kvgov_tier_capacity_bytes",
+            "A tier's bound (tiers.memory_max_bytes, tiers.filesystem_max_bytes), by tier",
+            ["tier"],
+            registry=r,
+        )
         self.journal_unapplied = Gauge(
             "kvgov_ledger_journal_unapplied_events",
             "Events in the local ledger journal that the database does not hold yet",
@@ -245,6 +260,14 @@ class DataPlaneMetrics:
             self.ledger_seal_keys_taken.set_function(ledger_seals[0])
             self.ledger_seal_failures.set_function(ledger_seals[1])
 
+    def watch_tiers(self, tiers: Iterable[Tier]) -> None:
+        """Sample the bytes of each tier with a bound of its own at scrape time."""
+        for tier in tiers:
+            if not isinstance(tier, Measured) or tier.capacity_bytes is None:
+                continue
+            self.tier_bytes.labels(tier.name).set_function(_sampler(tier))
+            self.tier_capacity.labels(tier.name).set(tier.capacity_bytes)
+
     def watch_journal(
         self,
         unapplied: Callable[[], float],
@@ -257,3 +280,8 @@ class DataPlaneMetrics:
         self.journal_bytes.set_function(nbytes)
         self.journal_failures.set_function(failures)
         self.journal_syncs.set_function(syncs)
+
+
+def _sampler(tier: Measured) -> Callable[[], float]:
+    """``tier``'s bytes, for a gauge to sample (a closure per tier, not per loop variable)."""
+    return lambda: float(tier.used_bytes)
