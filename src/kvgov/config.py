@@ -510,6 +510,14 @@ class ApiSettings(_Section):
     #: ``dataplane.cleartext_network_ok`` (``docs/api.md``, "TLS")
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
+    #: purge jobs a tenant may have open (pending or running, whoever asked for them) for a
+    #: tenant-scoped admin token to create one more with ``POST /v1/purges``; beyond it 429
+    #: with ``Retry-After``. Every job resets every pod's whole vLLM prefix cache (all tenants')
+    #: and its steps are claimed before later jobs', other tenants' too (review r15, F2).
+    #: Global admins and the CLI are not bound (``docs/api.md``, "Purge bounds")
+    purges_open_per_tenant: int = Field(default=4, ge=1, le=10_000)
+    #: purge jobs one tenant-scoped admin token may create in any 60 seconds (429 beyond)
+    purges_per_minute_per_token: int = Field(default=10, ge=1, le=10_000)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ApiSettings:

@@ -174,6 +174,27 @@ class InvalidInputError(KvgovError):
     code = "invalid_input"
 
 
+class UnknownSubjectError(KvgovError):
+    """A user purge asked over the API for an id the ledger never saw act in the tenant (most
+    likely misspelt: its purge would find nothing), without ``force``; the API answers 409."""
+
+    code = "unknown_subject"
+
+
+class RateLimitedError(KvgovError):
+    """Too many of one caller's (or one tenant's) requests open or made just now; the API
+    answers 429 with ``Retry-After: retry_after_s``."""
+
+    code = "rate_limited"
+
+    def __init__(self, message: str, *, retry_after_s: int, limit: str = "") -> None:
+        super().__init__(message)
+        #: whole seconds after which the request may succeed (at least 1)
+        self.retry_after_s = max(1, retry_after_s)
+        #: which bound refused it (a fixed word: a metric's label)
+        self.limit = limit
+
+
 class PurgeError(KvgovError):
     """A purge could not complete."""
 

@@ -284,8 +284,8 @@ def _print_plan(plan: PurgePlan) -> None:
     echo(f"  present in reachable tiers: {plan.present_in_reachable_tiers}")
     echo(f"  keys to destroy: {len(plan.keys_to_destroy)}")
     echo(f"  ledger payloads to erase: {plan.payloads_to_erase}")
-    echo(f"  sidecars to ask: {shown(list(plan.sidecars) or 'none registered')}")
-    echo(f"  vLLM engines to reset: {shown(list(plan.vllm_engines) or 'none configured')}")
+    echo(f"  sidecars to ask: {shown(list(plan.sidecars or ()) or 'none registered')}")
+    echo(f"  vLLM engines to reset: {shown(list(plan.vllm_engines or ()) or 'none configured')}")
     if plan.subject_known is False:
         echo("  WARNING: the ledger has no record of this user id in this tenant (ids are")
         echo("  matched exactly, as the gateway sent them): the purge would find nothing")

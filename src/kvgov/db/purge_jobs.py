@@ -11,16 +11,19 @@ A step's ``detail`` is stored and read as plain JSON here; its typed model is th
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, or_, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from kvgov.db.models import PurgeJob, PurgeReceipt, PurgeStep
 from kvgov.db.purge_views import (
+    CREATION_WINDOW_S,
     MAX_ATTEMPTS,
     TERMINAL_STEP_STATES,
+    CreationBound,
     JobView,
     PurgeRequest,
     StepName,
@@ -28,10 +31,72 @@ from kvgov.db.purge_views import (
     StepView,
     ledger_step_ready,
 )
-from kvgov.errors import NotFoundError, PurgeError
+from kvgov.errors import NotFoundError, PurgeError, RateLimitedError
 from kvgov.types import PurgeKind, PurgeState
 
 _OPEN = (PurgeState.PENDING, PurgeState.RUNNING)
+#: class (first key) of the transaction-level advisory lock on a tenant's bounded creations
+#: (:func:`hold_to_bound`): the bytes ``kvpq``; the second key is the tenant's ``hashtext``
+CREATION_LOCK_CLASS = int.from_bytes(b"kvpq", "big")
+
+
+def hold_to_bound(
+    s: Session,
+    tenant: str,
+    requested_by: str,
+    bound: CreationBound,
+    *,
+    now: datetime,
+    job_timeout_s: float,
+) -> None:
+    """Raise :class:`RateLimitedError` unless ``requested_by`` may create one more job of
+    ``tenant`` now: fewer than ``bound.open_per_tenant`` open jobs of the tenant (whoever
+    asked for them), and fewer than ``bound.per_window`` made by ``requested_by`` in the last
+    minute. Called in the transaction that inserts the job: the tenant's creations are
+    serialised until it ends (Postgres: an advisory lock, which the runtime role may take;
+    SQLite: the write lock its ``BEGIN IMMEDIATE`` took), so requests at once cannot each count
+    one below the bound and all insert. Both counts read the tenant's jobs only (its index)."""
+    if s.get_bind().dialect.name == "postgresql":
+        s.execute(
+            text("SELECT pg_advisory_xact_lock(:cls, hashtext(:tenant))"),
+            {"cls": CREATION_LOCK_CLASS, "tenant": tenant},
+        )
+    n_open, oldest_open = s.execute(
+        select(func.count(), func.min(PurgeJob.created_at)).where(
+            PurgeJob.tenant == tenant, PurgeJob.state.in_(_OPEN)
+        )
+    ).one()
+    if n_open >= bound.open_per_tenant:
+        # a slot frees when any open job ends: most end in seconds, the oldest by its timeout
+        due = _seconds_until(oldest_open, job_timeout_s, now)
+        raise RateLimitedError(
+            f"tenant {tenant!r} has {n_open} purge job(s) open, the most a tenant-scoped token"
+            f" may have ({bound.open_per_tenant}): wait for one to finish",
+            retry_after_s=due,
+            limit="open_jobs",
+        )
+    since = now - timedelta(seconds=CREATION_WINDOW_S)
+    n_recent, oldest_recent = s.execute(
+        select(func.count(), func.min(PurgeJob.created_at)).where(
+            PurgeJob.tenant == tenant,
+            PurgeJob.requested_by == requested_by,
+            PurgeJob.created_at >= since,
+        )
+    ).one()
+    if n_recent >= bound.per_window:
+        raise RateLimitedError(
+            f"this token made {n_recent} purge job(s) in the last minute, the most it may"
+            f" ({bound.per_window})",
+            retry_after_s=_seconds_until(oldest_recent, CREATION_WINDOW_S, now),
+            limit="per_minute",
+        )
+
+
+def _seconds_until(start: datetime | None, after_s: float, now: datetime) -> int:
+    """Whole seconds from ``now`` until ``after_s`` past ``start`` (at least 1)."""
+    if start is None:  # pragma: no cover - counted rows have a creation time
+        return 1
+    return max(1, math.ceil((start + timedelta(seconds=after_s) - now).total_seconds()))
 
 
 def insert_job(

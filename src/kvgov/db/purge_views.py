@@ -52,6 +52,19 @@ class PurgeRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class CreationBound:
+    """What a tenant-scoped admin's ``POST /v1/purges`` is held to (``api.purges_*``): the
+    tenant's open jobs, and the jobs its token made in the last :data:`CREATION_WINDOW_S`."""
+
+    open_per_tenant: int
+    per_window: int
+
+
+#: the window ``CreationBound.per_window`` counts a token's creations in (a minute)
+CREATION_WINDOW_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     name: StepName
     sidecar_id: str | None = None

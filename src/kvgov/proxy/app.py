@@ -268,7 +268,12 @@ class Sidecar:
         if self.engine is not None and self.writer is not None:
             ledger = Ledger(self.engine, self.writer, self.pipeline.pseudonymizer)
             if self.purge is not None:
-                purges = Purges(self.purge.service, self.purge.wake)
+                refused = self.metrics.purges_refused
+                purges = Purges(
+                    self.purge.service,
+                    self.purge.wake,
+                    refused=lambda reason: refused.labels(reason).inc(),
+                )
         return ControlPlane(
             settings=self.settings,
             is_ready=lambda: self.ready and not self.server.draining,

@@ -51,6 +51,8 @@ class Purges:
 
     service: PurgeService
     wake: Callable[[], None] | None = None
+    #: counts a creation refused, by reason (the sidecar's ``kvgov_api_purges_refused``)
+    refused: Callable[[str], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +115,9 @@ def create_control_app(plane: ControlPlane) -> FastAPI:
         if plane.purges is not None:
             from kvgov.proxy.api.v1.purges import include_purges
 
-            include_purges(app, plane.purges.service, wake=plane.purges.wake)
+            include_purges(
+                app, plane.purges.service, wake=plane.purges.wake, refused=plane.purges.refused
+            )
 
     async def metrics() -> Response:
         """Prometheus exposition of the data plane's metrics."""

@@ -28,6 +28,8 @@ from kvgov.errors import (
     LedgerBackpressureError,
     LedgerError,
     NotFoundError,
+    RateLimitedError,
+    UnknownSubjectError,
 )
 from kvgov.logging import get_logger
 from kvgov.proxy.api.routes import matched_template, route_template
@@ -92,6 +94,8 @@ _STATUS_BY_ERROR: tuple[tuple[type[KvgovError], int], ...] = (
     (NotFoundError, 404),
     (InvalidInputError, 422),
     (AmbiguousRequestError, 409),
+    (UnknownSubjectError, 409),
+    (RateLimitedError, 429),
     (UnavailableError, 503),
     (LedgerBackpressureError, 503),
     (IntegrityError, 500),
@@ -106,6 +110,7 @@ _TITLES = {
     405: "Method Not Allowed",
     409: "Conflict",
     422: "Unprocessable Content",
+    429: "Too Many Requests",
     500: "Internal Server Error",
     503: "Service Unavailable",
 }
@@ -150,6 +155,8 @@ async def _kvgov_error(request: Request, exc: Exception) -> JSONResponse:
         return await _unexpected(request, exc)
     status = status_for(exc)
     headers = {"WWW-Authenticate": 'Bearer realm="kvgov"'} if status == 401 else None
+    if isinstance(exc, RateLimitedError):
+        headers = {"Retry-After": str(exc.retry_after_s)}
     if status >= 500:
         # the route's template, never the path: a path parameter may be a raw user id
         log.error("api.error", extra={"code": exc.code, "route": route_template(request)})
@@ -197,15 +204,20 @@ def install_problem_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _unexpected)
 
 
-def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses=`` entries documenting the problem answers of an operation."""
+def problem_responses(
+    *statuses: int, described: dict[int, str] | None = None
+) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses=`` entries documenting the problem answers of an operation
+    (``described``: an operation's own wording of some of them)."""
     descriptions = {
         401: "No or invalid bearer token",
         403: "The token's role or tenant does not allow this",
         404: "No such object",
         409: "Ambiguous (`ambiguous_request`: name the tenant)",
         422: "Invalid parameters",
+        429: "Too many requests (`rate_limited`): try again after `Retry-After` seconds",
         503: "The ledger (or another dependency) cannot serve this now",
+        **(described or {}),
     }
     out: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
@@ -214,4 +226,11 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
             "description": descriptions.get(status, _TITLES.get(status, "Error")),
             "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}},
         }
+        if status == 429:
+            out[status]["headers"] = {
+                "Retry-After": {
+                    "description": "whole seconds after which the request may succeed",
+                    "schema": {"type": "integer", "minimum": 1},
+                }
+            }
     return out

@@ -123,6 +123,14 @@ class DataPlaneMetrics:
             ["outcome"],
             registry=r,
         )
+        self.purges_refused = Counter(
+            "kvgov_api_purges_refused",
+            "POST /v1/purges refused before a job was made, by reason: unknown_subject (an id"
+            " the ledger never saw, without force), open_jobs and per_minute (a tenant-scoped"
+            " token's bounds)",
+            ["reason"],
+            registry=r,
+        )
         self.task_errors = Counter(
             "kvgov_background_task_errors",
             "Failures of the sidecar's background tasks, by task: a purge executor pass, a job"

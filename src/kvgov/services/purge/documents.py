@@ -143,8 +143,18 @@ class PurgePlan(_Document):
     present_in_reachable_tiers: dict[str, int]
     keys_to_destroy: tuple[KeyDestroyed, ...]
     payloads_to_erase: int
-    sidecars: tuple[str, ...]
-    vllm_engines: tuple[str, ...]
+    sidecars: tuple[str, ...] | None = Field(
+        description="the live sidecars that would be asked (their ids); null for a "
+        "tenant-scoped token: the fleet's make-up is not a tenant's to see (`sidecar_count`)"
+    )
+    vllm_engines: tuple[str, ...] | None = Field(
+        description="the vLLM engines whose GPU prefix cache would be reset (their URLs); null "
+        "for a tenant-scoped token (`vllm_engine_count`)"
+    )
+    sidecar_count: int = Field(default=0, description="how many live sidecars would be asked")
+    vllm_engine_count: int = Field(
+        default=0, description="how many vLLM engines this node would reset"
+    )
     #: whether the ledger has seen this user id act in the tenant (None: a tenant purge). A
     #: purge matches the id exactly as the gateway sent it: an id the ledger never saw is most
     #: likely misspelt, and its purge finds nothing

@@ -32,6 +32,7 @@ from kvgov.db import purge_jobs as jobs
 from kvgov.db import sidecars
 from kvgov.db.engine import utcnow
 from kvgov.db.purge_views import (
+    CreationBound,
     JobView,
     PurgeRequest,
     StepName,
@@ -137,6 +138,8 @@ class PurgeService:
             payloads_to_erase=found["payloads"],
             sidecars=tuple(found["sidecars"]),
             vllm_engines=tuple(self.settings.purge.vllm_engines),
+            sidecar_count=len(found["sidecars"]),
+            vllm_engine_count=len(self.settings.purge.vllm_engines),
             subject_known=known,
             spelling_variants_known=variants_known,
         )
@@ -158,7 +161,11 @@ class PurgeService:
             return set()
         return {self._pseudonymize(req.tenant, v) for v in scope.spelling_variants(req.user)}
 
-    async def create(self, req: PurgeRequest) -> JobView:
+    async def create(self, req: PurgeRequest, *, bound: CreationBound | None = None) -> JobView:
+        """Create the job, its steps and its ``purge:requested`` event. ``bound``: the request
+        comes from a tenant-scoped admin token (``POST /v1/purges``), held to the tenant's open
+        jobs and the token's creations per minute (:class:`~kvgov.errors.RateLimitedError`,
+        nothing written); None for global admins and the CLI."""
         if req.dry_run:
             raise PurgeError("a dry run creates no job: call plan()")
         subject = self.subject_of(req)
@@ -166,6 +173,15 @@ class PurgeService:
 
         def insert(s: Session) -> JobView:
             now = utcnow()
+            if bound is not None:
+                jobs.hold_to_bound(
+                    s,
+                    req.tenant,
+                    req.requested_by,
+                    bound,
+                    now=now,
+                    job_timeout_s=self.settings.purge.job_timeout_s,
+                )
             live = sidecars.live_sidecars(s, now=now, max_age_s=self.settings.purge.sidecar_live_s)
             jobs.insert_job(s, job_id, req, subject, plan_steps(live), now=now)
             return jobs.load_job(s, job_id)
