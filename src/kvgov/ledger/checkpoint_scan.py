@@ -30,7 +30,6 @@ filters (at positions of the unsigned tail, above the newest honest checkpoint):
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -40,6 +39,7 @@ from sqlalchemy import Connection, Select, and_, func, or_, select
 
 from kvgov.db.models import Checkpoint, LedgerEvent, table
 from kvgov.ledger.chain import checkpoint_signature_ok
+from kvgov.ledger.tally import Tally
 from kvgov.logging import get_logger
 
 log = get_logger(__name__)
@@ -66,19 +66,8 @@ class StoredCheckpoint:
     public_key: bytes
 
 
-class _Capped:
-    """How many lookups stopped at :data:`MAX_EXAMINED` since start (the metric's source)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.count = 0
-
-    def hit(self) -> None:
-        with self._lock:
-            self.count += 1
-
-
-_CAPPED = _Capped()
+#: How many lookups stopped at :data:`MAX_EXAMINED` since start (the metric's source)
+_CAPPED = Tally()
 
 
 def scans_capped() -> int:

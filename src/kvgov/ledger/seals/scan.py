@@ -59,7 +59,6 @@ checks each once (a copy of a valid genesis hits the memo), keeps the valid ones
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -72,6 +71,7 @@ from kvgov.db.models import ChainSeal, LedgerEvent, table
 from kvgov.errors import SealScanCappedError
 from kvgov.ledger.chain import GENESIS_HASH
 from kvgov.ledger.seals.notes import SIGNATURE_BYTES, Seal, SealKind
+from kvgov.ledger.tally import Tally
 from kvgov.logging import get_logger
 
 log = get_logger(__name__)
@@ -95,19 +95,8 @@ class SealScan:
     more_invalid: int = 0
 
 
-class _Capped:
-    """How many reads stopped at :data:`MAX_INVALID` since start (the metric's source)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.count = 0
-
-    def hit(self) -> None:
-        with self._lock:
-            self.count += 1
-
-
-_CAPPED = _Capped()
+#: How many reads stopped at :data:`MAX_INVALID` since start (the metric's source)
+_CAPPED = Tally()
 
 
 def scans_capped() -> int:
