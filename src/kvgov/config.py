@@ -487,6 +487,16 @@ class ApiSettings(_Section):
     backlog: int = Field(default=256, ge=1)
     #: require bearer tokens on the REST API (refused off in production)
     auth: bool = True
+    #: seconds a whole-ledger verification's report (``GET /v1/audit/verify``, the dashboard)
+    #: is served again after it finished: one verification runs at a time per process, and
+    #: callers in between get its report (``verified_at`` tells its age). 0: never served
+    #: again (callers arriving while one runs still share it)
+    verify_cache_s: float = Field(default=30.0, ge=0.0, le=3600.0)
+    #: seconds a tenant-scoped caller is served the kept report, whatever
+    #: ``verify_cache_s`` says, before it may start a fresh verification (fleet-wide
+    #: readers refresh it sooner); caps what a scoped token can make the sidecar verify.
+    #: 0: like every other caller
+    verify_scoped_refresh_s: float = Field(default=600.0, ge=0.0, le=86400.0)
     #: serve ``/metrics`` without a token. Off: it needs an auditor or admin token that is not
     #: tenant-scoped (the counts move with every tenant's traffic). Its labels never name a
     #: tenant, user or key; open it only where the port is fenced off (a network policy)

@@ -371,15 +371,23 @@ def build_app(ctx: ApiContext, purges: PurgeService | None = None) -> FastAPI:
 
 @contextmanager
 def api_world(
-    pg_url: str, tmp_path: Path, *, auth: bool = True, seed: bool = True
+    pg_url: str,
+    tmp_path: Path,
+    *,
+    auth: bool = True,
+    seed: bool = True,
+    api: dict[str, object] | None = None,
 ) -> Iterator[ApiWorld]:
-    """A migrated, seeded Postgres ledger and the API over it."""
+    """A migrated, seeded Postgres ledger and the API over it (``api``: more ``api.*``
+    settings)."""
     upgrade(pg_url)
     engine = make_engine(pg_url)
     # a configured node: the ledger's signing key and the KEK in their files, as `kvgov init`
     # leaves them (receipts are verified against that key; key rotation wraps with that KEK)
     settings = Settings(
-        data_dir=tmp_path / "kvgov", api={"auth": auth}, purge={"poll_interval_s": 0.05}
+        data_dir=tmp_path / "kvgov",
+        api={"auth": auth, **(api or {})},
+        purge={"poll_interval_s": 0.05},
     )
     generate_signing_key_file(settings.signing_key_path)
     generate_kek_file(settings.kek_path)

@@ -34,7 +34,10 @@ CHAIN_FIELDS = ("events", "head_seq", "head_hash", "checkpoints", "last_checkpoi
 
 @pytest.fixture
 def world(pg_url: str, tmp_path: Path) -> Iterator[ApiWorld]:
-    with api_world(pg_url, tmp_path) as w:
+    # every verification here must see the traffic or the tampering just made: no report is
+    # served again (what is kept, and for whom: tests/security/test_api_verify_cost.py)
+    fresh = {"verify_cache_s": 0, "verify_scoped_refresh_s": 0}
+    with api_world(pg_url, tmp_path, api=fresh) as w:
         yield w
 
 

@@ -121,6 +121,9 @@ class Doors:
 @asynccontextmanager
 async def served(tmp_path: Path, db: Db, **ledger: Any) -> AsyncIterator[Doors]:
     settings = doors.settings(tmp_path, db.prod)
+    # each verdict must see the edit just made: no verification report is served again
+    fresh = {"verify_cache_s": 0, "verify_scoped_refresh_s": 0}
+    settings = settings.model_copy(update={"api": settings.api.model_copy(update=fresh)})
     if ledger:
         settings = settings.model_copy(update={"ledger": settings.ledger.model_copy(update=ledger)})
     from kvgov.proxy.app import build_sidecar

@@ -108,9 +108,17 @@ def is_sqlite(url: str) -> bool:
     return url.startswith("sqlite")
 
 
-def make_engine(url: str, *, pool_size: int = 5, echo: bool = False) -> Engine:
+def make_engine(
+    url: str,
+    *,
+    pool_size: int = 5,
+    max_overflow: int | None = None,
+    pool_timeout: float = 30.0,
+    echo: bool = False,
+) -> Engine:
     """An Engine tuned for the ledger. Creates the SQLite file (0600) and its directory (0700)
-    if needed."""
+    if needed. PostgreSQL: ``pool_size`` connections kept, ``max_overflow`` more on demand
+    (None: as many again), a checkout waiting ``pool_timeout`` seconds at most."""
     if is_sqlite(url):
         _ensure_sqlite_dir(url)
         engine = create_engine(
@@ -135,7 +143,8 @@ def make_engine(url: str, *, pool_size: int = 5, echo: bool = False) -> Engine:
         url,
         echo=echo,
         pool_size=pool_size,
-        max_overflow=pool_size,
+        max_overflow=pool_size if max_overflow is None else max_overflow,
+        pool_timeout=pool_timeout,
         pool_pre_ping=True,
         # psycopg decodes json/jsonb itself: SQLAlchemy sets these on the engine's own
         # adapters map (set_json_loads/dumps), which every connection of it, text() queries

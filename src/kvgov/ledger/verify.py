@@ -189,18 +189,20 @@ def verify(
     if trusted_keys is not None:
         report.trusted = sorted(key_fingerprint(k) for k in trusted_keys)
     limits = _TailLimits(trusted_keys is not None, max_unsigned_age, now or utcnow())
+    # the chain list first, its connection given back before the walks: verification needs one
+    # connection at a time (the API runs it on a pool of one, never the sidecar's own)
     with engine.connect() as conn:
         chains = conn.execute(
             select(Chain.chain_id, Chain.public_key, Chain.created_at).order_by(Chain.chain_id)
-        )
-        for chain_id, public_key, created_at in chains.all():
-            chain = ChainReport(chain_id=chain_id, key_fingerprint=key_fingerprint(public_key))
-            if trusted_keys is not None and bytes(public_key) not in trusted_keys:
-                chain.findings.append(
-                    Finding(Problem.UNTRUSTED_KEY, 0, "chain key is not among the trusted keys")
-                )
-            _verify_chain(engine, chain, bytes(public_key), created_at, limits)
-            report.chains.append(chain)
+        ).all()
+    for chain_id, public_key, created_at in chains:
+        chain = ChainReport(chain_id=chain_id, key_fingerprint=key_fingerprint(public_key))
+        if trusted_keys is not None and bytes(public_key) not in trusted_keys:
+            chain.findings.append(
+                Finding(Problem.UNTRUSTED_KEY, 0, "chain key is not among the trusted keys")
+            )
+        _verify_chain(engine, chain, bytes(public_key), created_at, limits)
+        report.chains.append(chain)
     return report
 
 
@@ -274,6 +276,8 @@ def _verify_chain(
     hashes_at: dict[int, str] = {}
     digests: dict[int, str] = {}
     expected, prev, before_prev = 1, GENESIS_HASH, GENESIS_HASH
+    #: the row the walk stopped at, to diagnose (and what it was checked against)
+    suspect: tuple[Row[Any], ChainedFields, str, str, str] | None = None
     with _events(engine, chain.chain_id) as rows:
         for row in rows:
             m = row._mapping
@@ -295,9 +299,8 @@ def _verify_chain(
             computed = link(fields)
             if m["prev_hash"] != prev or computed != stored:
                 if m["prev_hash"] != prev or is_chain_hash(stored):
-                    chain.findings.append(
-                        _diagnose(engine, row, fields, computed, prev=prev, before_prev=before_prev)
-                    )
+                    # diagnosed once the stream's connection is back (it may look a hash up)
+                    suspect = (row, fields, computed, prev, before_prev)
                     break
                 chain.findings.append(_malformed(seq))
                 # the rows after it link to its stand-in (what a writer chains on and signs)
@@ -310,6 +313,11 @@ def _verify_chain(
             chain.events += 1
             chain.head_seq, chain.head_hash = seq, stored
             expected += 1
+    if suspect is not None:
+        bad, bad_fields, bad_hash, bad_prev, bad_before = suspect
+        chain.findings.append(
+            _diagnose(engine, bad, bad_fields, bad_hash, prev=bad_prev, before_prev=bad_before)
+        )
     verified_to = chain.head_seq
     signed_to = 0
     #: when the newest signature that verified was made

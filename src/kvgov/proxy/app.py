@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
     from kvgov.ledger.writer import LedgerWriter
     from kvgov.proxy.api.app import ControlPlane
+    from kvgov.proxy.api.verifier import LedgerVerifier
     from kvgov.proxy.dataplane.lm import LmServer
     from kvgov.proxy.purge.late import LateEvictions
     from kvgov.services.keys import KeyEventRecorder
@@ -101,6 +102,9 @@ class Sidecar:
     late_evictions: LateEvictions | None = None
     #: records the keys the keyring creates itself
     key_events: KeyEventRecorder | None = None
+    #: the control plane's whole-ledger verifications, one at a time, their report kept
+    #: (made with the first control plane; :mod:`kvgov.proxy.api.verifier`)
+    verifier: LedgerVerifier | None = None
     #: the loop's exception handler before :meth:`start` replaced it (restored at stop)
     _loop_handler: tuple[Any] | None = None
     #: whether :meth:`start` got as far as recording ``sidecar:started``
@@ -266,7 +270,15 @@ class Sidecar:
 
         ledger = purges = None
         if self.engine is not None and self.writer is not None:
-            ledger = Ledger(self.engine, self.writer, self.pipeline.pseudonymizer)
+            if self.verifier is None:
+                from kvgov.proxy.api.verifier import LedgerVerifier
+
+                self.verifier = LedgerVerifier.from_settings(
+                    self.settings.api, registry=self.metrics.registry
+                )
+            ledger = Ledger(
+                self.engine, self.writer, self.pipeline.pseudonymizer, verifier=self.verifier
+            )
             if self.purge is not None:
                 refused = self.metrics.purges_refused
                 purges = Purges(

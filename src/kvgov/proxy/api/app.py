@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from kvgov.keys.keyring import Keyring
     from kvgov.ledger.events import EventSink
     from kvgov.ledger.pseudonym import Pseudonymizer
+    from kvgov.proxy.api.verifier import LedgerVerifier
     from kvgov.services.purge.service import PurgeService
 
 
@@ -43,6 +44,9 @@ class Ledger:
     #: the pseudonym key the sidecar checked against the ledger's pin at start (None: read
     #: ``ledger.pseudonym_key_path``, for an API without a sidecar)
     pseudonymizer: Pseudonymizer | None = None
+    #: runs the API's whole-ledger verifications, one at a time, and keeps their report (the
+    #: sidecar's own: one per process however many apps are built); None: one per app
+    verifier: LedgerVerifier | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +114,7 @@ def create_control_app(plane: ControlPlane) -> FastAPI:
             plane.ledger.engine,
             plane.ledger.sink,
             pseudonymizer=plane.ledger.pseudonymizer,
+            verifier=plane.ledger.verifier,
         )
         app.state.kvgov_keyring = plane.keyring  # /v1/keys rotates this one
         if plane.purges is not None:

@@ -14,6 +14,11 @@ Each token has a role and optionally a tenant:
 Every request authenticated as an admin is recorded in the ledger (``api:access``) before it is
 served; if the ledger cannot record it, the request is refused (503).
 
+Authentication runs on threads of its own (:func:`in_auth_thread`), not on anyio's worker
+threads that every sync route takes: requests busy in slow routes do not hold back every other
+caller's authentication. Whole-ledger verification goes through the process's
+:class:`~kvgov.proxy.api.verifier.LedgerVerifier` (one at a time, its report kept).
+
 The dashboard also accepts a short-lived session cookie that ``POST /dashboard/login`` issues in
 exchange for a token (see :mod:`kvgov.proxy.api.dashboard`); the ``/v1`` API accepts bearer
 tokens only, so the cookie cannot be used for cross-site requests against it.
@@ -21,19 +26,22 @@ tokens only, so the cookie cannot be used for cross-site requests against it.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextvars
+import functools
 import hashlib
 import hmac
 import json
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any, ParamSpec, Protocol, TypeVar
 
 from fastapi import Depends, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
@@ -53,9 +61,13 @@ from kvgov.ledger.events import Event, EventSink
 from kvgov.ledger.verify import VerifyReport
 from kvgov.logging import get_logger
 from kvgov.proxy.api.routes import route_template
+from kvgov.proxy.api.verifier import LedgerVerifier, Verified
 from kvgov.types import EventKind, Role
 
 log = get_logger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 SESSION_COOKIE = "kvgov_dashboard"
 SESSION_TTL_S = 8 * 3600
@@ -90,14 +102,20 @@ class ApiContext:
     chain_keys: frozenset[bytes] | None = None
     #: chains the ledger must hold (the serving sidecar's own)
     expected_chains: tuple[str, ...] = ()
+    #: runs whole-ledger verifications one at a time and keeps their report (the sidecar's,
+    #: one per process); None: one of this context's own, from ``settings.api``
+    verifier: LedgerVerifier | None = None
     _sessions: Callable[[], Session] = field(init=False, repr=False)
     #: token ids a chained ``token:revoked`` event was seen for: a revocation is permanent, so
     #: these are refused without asking the ledger again (bounded by the table's rows)
     _revoked: set[str] = field(init=False, repr=False, default_factory=set)
     _revoked_lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+    _verify_engine: Engine | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._sessions = make_sessionmaker(self.engine)
+        if self.verifier is None:
+            self.verifier = LedgerVerifier.from_settings(self.settings.api)
 
     def seen_revoked(self, token_id: str) -> bool:
         with self._revoked_lock:
@@ -110,11 +128,41 @@ class ApiContext:
     def session(self) -> Session:
         return self._sessions()
 
+    async def ledger_report(self, *, fleet_wide: bool) -> Verified:
+        """The ledger's verification for a caller (``fleet_wide``: not tenant-scoped): the
+        kept report while fresh enough, else the running one, else a fresh one
+        (:class:`~kvgov.proxy.api.verifier.LedgerVerifier`: never more than one at a time,
+        never on the API's worker threads)."""
+        assert self.verifier is not None  # __post_init__
+        return await self.verifier.report(self.verify_ledger, fleet_wide=fleet_wide)
+
     def verify_ledger(self) -> VerifyReport:
-        """``audit verify`` against the trusted keys, never the ones stored in the ledger."""
+        """``audit verify`` against the trusted keys, never the ones stored in the ledger
+        (blocking). Run on :meth:`verification_engine`, not the sidecar's pool; routes go
+        through :meth:`ledger_report`."""
         from kvgov.ledger.trust import verify_trusted
 
-        return verify_trusted(self.engine, self.ledger_keys(), expect_chains=self.expected_chains)
+        engine = self.verification_engine()
+        try:
+            return verify_trusted(engine, self.ledger_keys(), expect_chains=self.expected_chains)
+        finally:
+            if engine is not self.engine:
+                # the connection goes with the run: none idles between verifications
+                engine.dispose()
+
+    def verification_engine(self) -> Engine:
+        """The engine verifications run on: on PostgreSQL one of their own with a single
+        connection (a verification needs one at a time), so the sidecar's ledger pool (its
+        heartbeat, key revalidation, purge executor, ledger committer) never waits for one.
+        SQLite engines pool nothing (a connection per checkout): the API's own."""
+        if self.engine.dialect.name != "postgresql":
+            return self.engine
+        if self._verify_engine is None:
+            from kvgov.db.engine import make_engine
+
+            url = self.engine.url.render_as_string(hide_password=False)
+            self._verify_engine = make_engine(url, pool_size=1, max_overflow=0)
+        return self._verify_engine
 
     def ledger_keys(self) -> frozenset[bytes]:
         """The keys a ledger chain must be signed by for its events to count (see
@@ -185,7 +233,9 @@ def principal_for(record: TokenRecord) -> Principal:
     )
 
 
-def api_context(request: Request) -> ApiContext:
+async def api_context(request: Request) -> ApiContext:
+    # async: FastAPI runs a sync dependency on anyio's worker threads, and every route,
+    # authentication's included, takes this one (busy sync routes would hold it back)
     ctx = getattr(request.app.state, "kvgov_api", None)
     if not isinstance(ctx, ApiContext):
         raise RuntimeError("the kvgov API routes were mounted without include_v1()")
@@ -311,16 +361,48 @@ def _authenticate_sync(
     raise AuthError("a bearer token is required")
 
 
-async def authenticate(request: Request, ctx: Context, credentials: Credentials) -> Principal:
-    return await run_in_threadpool(
-        _authenticate_sync, ctx, request, credentials, allow_cookie=False
+#: threads authentication runs on (a token lookup each), apart from anyio's default limiter
+AUTH_THREADS = 8
+
+
+@functools.cache
+def _auth_executor() -> ThreadPoolExecutor:
+    """Authentication's own threads, made on first use (one pool per process).
+
+    Not anyio's default limiter (40 threads), which every sync route and sync dependency
+    takes too: requests busy in those routes (a flood of slow reads by one auditor) would
+    queue every other caller's authentication behind them, an admin's purge included."""
+    return ThreadPoolExecutor(max_workers=AUTH_THREADS, thread_name_prefix="kvgov-auth")
+
+
+async def in_auth_thread(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``fn`` on authentication's own threads (see :func:`_auth_executor`), in a copy of the
+    caller's context (as ``run_in_threadpool`` would)."""
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_auth_executor(), call)
+
+
+async def authenticate_in_thread(
+    ctx: ApiContext,
+    request: Request,
+    credentials: HTTPAuthorizationCredentials | None,
+    *,
+    allow_cookie: bool,
+) -> Principal:
+    """The caller's principal (:func:`_authenticate_sync`) on authentication's own threads."""
+    return await in_auth_thread(
+        _authenticate_sync, ctx, request, credentials, allow_cookie=allow_cookie
     )
+
+
+async def authenticate(request: Request, ctx: Context, credentials: Credentials) -> Principal:
+    return await authenticate_in_thread(ctx, request, credentials, allow_cookie=False)
 
 
 async def authenticate_dashboard(
     request: Request, ctx: Context, credentials: Credentials
 ) -> Principal:
-    return await run_in_threadpool(_authenticate_sync, ctx, request, credentials, allow_cookie=True)
+    return await authenticate_in_thread(ctx, request, credentials, allow_cookie=True)
 
 
 async def record_admin_access(ctx: ApiContext, request: Request, principal: Principal) -> None:

@@ -20,6 +20,7 @@ from kvgov.proxy.api import dashboard
 from kvgov.proxy.api.auth import ApiContext
 from kvgov.proxy.api.problems import install_problem_handlers
 from kvgov.proxy.api.v1 import API_DESCRIPTION, OPENAPI_TAGS, v1_router
+from kvgov.proxy.api.verifier import LedgerVerifier
 
 
 def include_v1(app: FastAPI, ctx: ApiContext) -> None:
@@ -40,11 +41,13 @@ def include_sidecar_api(
     sink: EventSink,
     *,
     pseudonymizer: Pseudonymizer | None = None,
+    verifier: LedgerVerifier | None = None,
 ) -> None:
     """What the control-plane factory calls: the compliance API over the sidecar's ledger
     engine and writer, pseudonymising with ``pseudonymizer``: the sidecar's, whose key was
     checked against the ledger's pin at start (None: ``ledger.pseudonym_key_path`` read now).
-    Read again here, a file replaced since the check would go unchecked."""
+    Read again here, a file replaced since the check would go unchecked. ``verifier``: the
+    sidecar's (one per process: :mod:`kvgov.proxy.api.verifier`); None: one of the app's own."""
     from kvgov.ledger.trust import trusted_keys
 
     trusted_keys(settings)  # a malformed or unreadable trusted key stops start-up
@@ -58,5 +61,6 @@ def include_sidecar_api(
         session_secret=secrets.token_bytes(32),
         # read again at each verification (a rotated ConfigMap is picked up)
         expected_chains=(own_chain,) if isinstance(own_chain, str) else (),
+        verifier=verifier,
     )
     include_v1(app, ctx)

@@ -51,8 +51,9 @@ from kvgov.proxy.api.auth import (
     Context,
     Credentials,
     Principal,
-    _authenticate_sync,
+    authenticate_in_thread,
     close_session,
+    in_auth_thread,
     issue_session,
     open_session,
     read_session_claims,
@@ -61,6 +62,7 @@ from kvgov.proxy.api.auth import (
 )
 from kvgov.proxy.api.v1.audit import report_out, scoped_report_out, stats_out
 from kvgov.proxy.api.v1.purge_reads import purge_summaries
+from kvgov.proxy.api.verifier import Verified
 from kvgov.types import Environment as KvgovEnvironment
 from kvgov.types import Role
 
@@ -187,12 +189,13 @@ def _refuse_cross_site(env: Environment, request: Request) -> HTMLResponse | Non
     )
 
 
-def _load(ctx: ApiContext, principal: Principal) -> dict[str, Any]:
-    """Everything the page shows, read in one session."""
-    report = ctx.verify_ledger()
+def _load(ctx: ApiContext, principal: Principal, verified: Verified) -> dict[str, Any]:
+    """Everything the page shows (the ledger's verification: ``verified``), read in one
+    session."""
+    report, at = verified.report, verified.verified_at
     fleet = principal.fleet_wide
     # per-chain counts and checkpoints only for fleet-wide readers (chains span every tenant)
-    verify_report = report_out(report) if fleet else scoped_report_out(report)
+    verify_report = report_out(report, at) if fleet else scoped_report_out(report, at)
     with ctx.session() as session:
         stats = q.tenant_stats(
             session, tenants=None if principal.tenant is None else [principal.tenant]
@@ -221,9 +224,7 @@ async def optional_principal(
     request: Request, ctx: Context, credentials: Credentials
 ) -> Principal | None:
     try:
-        return await run_in_threadpool(
-            _authenticate_sync, ctx, request, credentials, allow_cookie=True
-        )
+        return await authenticate_in_thread(ctx, request, credentials, allow_cookie=True)
     except AuthError:
         return None
 
@@ -258,7 +259,9 @@ async def dashboard(request: Request, ctx: Context, principal: MaybePrincipal) -
     if principal.role is Role.ENGINE:
         return _html(env, "login.html", 403, error="Engine tokens cannot open the dashboard.")
     await record_admin_access(ctx, request, principal)
-    data = await run_in_threadpool(_load, ctx, principal)
+    # the verification (shared, kept: kvgov.proxy.api.verifier) before the page's own reads
+    verified = await ctx.ledger_report(fleet_wide=principal.fleet_wide)
+    data = await run_in_threadpool(_load, ctx, principal, verified)
     return _html(env, "dashboard.html", 200, principal=principal, **data)
 
 
@@ -290,7 +293,7 @@ async def login(request: Request, ctx: Context) -> Response:
     form = parse_qs(raw[:_MAX_FORM_BYTES].decode("utf-8", "replace"))
     token = (form.get("token") or [""])[0].strip()
     try:
-        principal = await run_in_threadpool(verify_token, ctx, token)
+        principal = await in_auth_thread(verify_token, ctx, token)
     except KvgovError:
         return _html(env, "login.html", 401, error="That token is not valid.")
     if principal.role is Role.ENGINE or principal.token_id is None:

@@ -15,10 +15,8 @@ from enum import StrEnum
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Request
-from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvgov.db.engine import utcnow
 from kvgov.ledger import queries_api as q
 from kvgov.ledger.verify import VerifyReport
 from kvgov.proxy.api.auth import Context, DbSession, Reader
@@ -120,8 +118,9 @@ def list_decisions(
     return Page[Decision](items=items, limit=limit, next=next_link(request, key))
 
 
-def report_out(report: VerifyReport) -> VerifyOut:
-    """The ledger's :class:`~kvgov.ledger.verify.VerifyReport` in the API's shape."""
+def report_out(report: VerifyReport, verified_at: datetime) -> VerifyOut:
+    """The ledger's :class:`~kvgov.ledger.verify.VerifyReport` in the API's shape
+    (``verified_at``: when its verification began)."""
     chains = []
     for c in report.chains:
         first = c.first_bad
@@ -143,7 +142,7 @@ def report_out(report: VerifyReport) -> VerifyOut:
         )
     return VerifyOut(
         ok=report.ok,
-        verified_at=utcnow(),
+        verified_at=verified_at,
         chains=chains,
         problems=report.problems,
         trusted_keys=report.trusted or [],
@@ -191,11 +190,11 @@ class ScopedVerifyOut(BaseModel):
     )
 
 
-def scoped_report_out(report: VerifyReport) -> ScopedVerifyOut:
+def scoped_report_out(report: VerifyReport, verified_at: datetime) -> ScopedVerifyOut:
     """The verdict of ``report`` without anything that moves with other tenants' traffic."""
     return ScopedVerifyOut(
         ok=report.ok,
-        verified_at=utcnow(),
+        verified_at=verified_at,
         problems=[] if report.ok else [SCOPED_PROBLEM],
         trusted_keys=report.trusted or [],
     )
@@ -214,16 +213,19 @@ def scoped_report_out(report: VerifyReport) -> ScopedVerifyOut:
         "tokens that are not tenant-scoped: chains are shared by every tenant, so these move "
         "with other tenants' traffic. A tenant-scoped token gets the verdict only "
         "(`ScopedVerifyOut`: `ok`, `verified_at`, a generic `problems` line, `trusted_keys`, "
-        '`scope: "tenant"`, no `chains`).'
+        '`scope: "tenant"`, no `chains`). '
+        "One verification runs at a time per sidecar and its report is served again for "
+        "`api.verify_cache_s` seconds (tenant-scoped tokens: `api.verify_scoped_refresh_s`); "
+        "`verified_at` is when the report's verification began."
     ),
     response_model=VerifyOut | ScopedVerifyOut,
     responses=problem_responses(401, 403),
 )
 async def audit_verify(principal: Reader, ctx: Context) -> VerifyOut | ScopedVerifyOut:
-    report = await run_in_threadpool(ctx.verify_ledger)
+    verified = await ctx.ledger_report(fleet_wide=principal.fleet_wide)
     if not principal.fleet_wide:
-        return scoped_report_out(report)
-    return report_out(report)
+        return scoped_report_out(verified.report, verified.verified_at)
+    return report_out(verified.report, verified.verified_at)
 
 
 @router.get(
