@@ -3,9 +3,12 @@ bytes go straight into the buffers a coroutine asks for.
 
 A connection's handler coroutine calls ``await read_into(view)``; the event loop's
 ``recv_into`` then writes into that view directly (payloads land in pooled buffers, no copy).
-Small reads (headers, metadata) go through a 64 KiB scratch buffer. When no read is pending and
-the scratch buffer is full, the protocol pauses reading: TCP flow control pushes back on the
-sender and memory stays bounded. Writes respect the transport's high-water mark (``drain``).
+Small reads (headers, metadata, what is left of a view below 64 KiB) go through a 64 KiB
+scratch buffer, whose one ``recv`` also takes what follows (:data:`DIRECT_BYTES`: a frame's
+header, metadata and first payload bytes arrive in one pass of the event loop, not three).
+When no read is pending and the scratch buffer is full, the protocol pauses reading: TCP flow
+control pushes back on the sender and memory stays bounded. Writes respect the transport's
+high-water mark (``drain``).
 
 Small replies go out with :meth:`StreamProtocol.send_view`: while the transport holds nothing,
 the socket takes straight from the caller's view (Python 3.11's transport would copy whatever
@@ -42,6 +45,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgov.dataplane.conn")
 
 SCRATCH_BYTES = 64 * 1024
+#: what is left of a read at least this large is received straight into the reader's view; a
+#: smaller one (a frame's header, its metadata, a value's last few KiB) goes through the
+#: scratch buffer, so that one ``recv`` takes what follows it too: a frame's header arrives
+#: with its metadata and the first bytes of its payload, and the reads after it find their
+#: bytes already here (no future, no pass of the event loop, no further ``recv`` each). At
+#: most ``SCRATCH_BYTES`` is copied per read so.
+DIRECT_BYTES = SCRATCH_BYTES
 WRITE_HIGH_WATER = 4 * 1024 * 1024
 #: what :meth:`StreamProtocol.send_view` hands the transport (copied) when the socket is full
 SEND_PIECE = 256 * 1024
@@ -155,7 +165,11 @@ class StreamProtocol(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         target = self._target
-        if target is not None and self._start == self._end:
+        if (
+            target is not None
+            and self._start == self._end
+            and target.nbytes - self._tgot >= DIRECT_BYTES
+        ):
             self._into_target = True
             return target[self._tgot :]
         self._into_target = False
@@ -231,6 +245,15 @@ class StreamProtocol(asyncio.BufferedProtocol):
         await fut
 
     async def read_exact(self, n: int) -> bytes:
+        """The next ``n`` bytes of the stream (raises ConnectionClosed)."""
+        start = self._start
+        if self._end - start >= n and not self._closed:
+            # here already (a frame's metadata arrives with its header): taken from the scratch
+            # buffer as :meth:`read_into` would copy them, without a buffer and a view for it
+            self._start = start + n
+            if self._start == self._end:
+                self._start = self._end = 0
+            return bytes(self._sview[start : start + n])
         buf = bytearray(n)
         await self.read_into(memoryview(buf))
         return bytes(buf)
