@@ -93,10 +93,13 @@ def hold_to_bound(
 
 
 def _seconds_until(start: datetime | None, after_s: float, now: datetime) -> int:
-    """Whole seconds from ``now`` until ``after_s`` past ``start`` (at least 1)."""
+    """Whole seconds from ``now`` until ``after_s`` past ``start`` (1 to ``after_s``: a row
+    stamped a moment after ``now`` was read, by another request's clock, must not ask for
+    longer than the window itself)."""
     if start is None:  # pragma: no cover - counted rows have a creation time
         return 1
-    return max(1, math.ceil((start + timedelta(seconds=after_s) - now).total_seconds()))
+    left = math.ceil((start + timedelta(seconds=after_s) - now).total_seconds())
+    return max(1, min(math.ceil(after_s), left))
 
 
 def insert_job(
