@@ -111,6 +111,10 @@ class BridgeSink:
     async def append(self, event: Event) -> Appended:
         return await self.submit(event)
 
+    async def write_checkpoint(self) -> object:
+        """Sign the writer's head (as the sidecar's writer does for ``POST /v1/tokens``)."""
+        return await self._owner.write_checkpoint()
+
 
 @dataclass
 class Tokens:

@@ -16,6 +16,7 @@ from kvgov.cli import token as token_cli
 from kvgov.config import Settings
 from kvgov.db.engine import make_engine, upgrade
 from kvgov.db.models import ApiToken, LedgerEvent
+from kvgov.db.tokens import token_events_forged, tokens_unrecorded
 from kvgov.ledger.chain import generate_signing_key_file
 from kvgov.ledger.pseudonym import Pseudonymizer
 from kvgov.proxy.api.auth import ApiContext
@@ -79,8 +80,11 @@ def test_create_list_revoke_and_use_the_token(env: str, tmp_path: Path):
         )
         # the CLI runs its own event loop, so this test is synchronous: TestClient serves the
         # app from a thread of its own
+        unrecorded, forged = tokens_unrecorded(), token_events_forged()
         with TestClient(build_api(ctx)) as client:
             assert client.get("/v1/stats", headers=bearer(token)).status_code == 200
+            # the CLI's session closed with a signed head: its creation is vouched for
+            assert (tokens_unrecorded(), token_events_forged()) == (unrecorded, forged)
             other = client.get("/v1/stats?tenant=globex", headers=bearer(token))
             assert other.status_code == 403
 

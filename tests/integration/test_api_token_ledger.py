@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,8 +27,9 @@ import pytest
 import sqlalchemy as sa
 
 from kvgov.db.engine import make_engine, make_sessionmaker, upgrade
-from kvgov.db.models import Chain, LedgerEvent
+from kvgov.db.models import ApiToken, Chain, LedgerEvent
 from kvgov.db.tokens import (
+    DIGEST_KEY,
     Creation,
     Standing,
     TokenRecord,
@@ -36,10 +39,14 @@ from kvgov.db.tokens import (
     hash_token,
     judge,
     new_token,
+    token_events_forged,
     tokens_unrecorded,
     trail_query,
 )
+from kvgov.ledger.chain import GENESIS_HASH, ChainedFields, link, load_public_key
 from kvgov.ledger.events import Event
+from kvgov.ledger.token_trail import TokenEventProofs
+from kvgov.ledger.verify import row_fields
 from kvgov.types import EventKind, Role
 from tests.integration.test_api_support import ApiWorld, api_world, bearer
 
@@ -323,7 +330,10 @@ async def test_a_created_token_records_its_digest_and_works(
         revoked=False,
         created=(Creation("auditor", "acme", creation_digest(hash_token(made["token"]))),),
     )
+    before, forged = tokens_unrecorded(), token_events_forged()
     assert (await client.get("/v1/entries", headers=bearer(made["token"]))).status_code == 200
+    # its creation is vouched for at its first use: POST /v1/tokens signed the head above it
+    assert (tokens_unrecorded(), token_events_forged()) == (before, forged)
 
 
 @pytest.mark.parametrize(
@@ -383,7 +393,7 @@ async def test_a_token_of_the_previous_release_is_served(
     world: ApiWorld, client: httpx.AsyncClient
 ) -> None:
     """Its ``token:created`` has no digest: its role and tenant must match, and it is not
-    counted as unrecorded."""
+    counted as unrecorded (once its writer signed a head above it)."""
     with make_sessionmaker(world.engine)() as s:
         record, raw = TokenRepository(s).create(Role.AUDITOR, tenant="globex")
         s.commit()
@@ -395,6 +405,188 @@ async def test_a_token_of_the_previous_release_is_served(
             attrs={"token_id": record.id, "role": "auditor"},
         )
     )
+    # that pod's writer signs its head (at its next periodic checkpoint, or its close): the API
+    # counts a creation only under a head its writer signed (review r17, F1)
+    await world.writer.write_checkpoint()
     before = tokens_unrecorded()
     assert (await client.get("/v1/entries", headers=bearer(raw))).status_code == 200
     assert tokens_unrecorded() == before
+
+
+# -- a creation the ledger does not vouch for (review r17, F1) --------------------------------
+
+
+def _forged_creation(
+    world: ApiWorld,
+    chain_id: str,
+    public_key: bytes,
+    *,
+    linked: bool,
+    seq: int = 1,
+    prev_hash: str = GENESIS_HASH,
+) -> tuple[str, str]:
+    """What the runtime role can write (INSERT on ``chains``, ``ledger_events`` and
+    ``api_tokens``): a chain of its own (none registered with an empty ``public_key``: the
+    event goes on an existing chain at ``seq`` after ``prev_hash``), a ``token:created`` event
+    on it naming a global admin with the right digest, and the minted admin's row. ``linked``:
+    the event's hash is the one its fields give (the chain hash is unkeyed), else junk.
+    Returns the token and its id."""
+    raw, tid, now = new_token(), str(uuid.uuid4()), datetime.now(UTC)
+    attrs = {"token_id": tid, "role": "admin", DIGEST_KEY: creation_digest(hash_token(raw))}
+    fields = ChainedFields(
+        chain_id=chain_id,
+        seq=seq,
+        prev_hash=prev_hash,
+        occurred_at=now,
+        kind="token:created",
+        tenant=None,
+        actor=None,
+        request_id=None,
+        key_digest=None,
+        tier=None,
+        nbytes=None,
+        outcome=None,
+        reason=None,
+        decision_id=None,
+        policy_revision=None,
+        principal="token:someone",
+        attrs=attrs,
+        payload_digest=None,
+    )
+    with world.engine.begin() as conn:
+        if public_key:
+            conn.execute(
+                sa.insert(Chain.__table__).values(
+                    chain_id=chain_id, public_key=public_key, created_at=now, description=None
+                )
+            )
+        conn.execute(
+            sa.insert(LedgerEvent.__table__).values(
+                chain_id=chain_id,
+                seq=seq,
+                prev_hash=prev_hash,
+                hash=link(fields) if linked else "1" * 64,
+                encoding_version=fields.encoding_version,
+                occurred_at=now,
+                kind="token:created",
+                tenant=None,
+                principal="token:someone",
+                attrs=attrs,
+            )
+        )
+        conn.execute(
+            sa.insert(ApiToken.__table__).values(
+                id=tid,
+                name="x",
+                token_hash=hash_token(raw),
+                role="admin",
+                tenant=None,
+                created_at=now,
+                revoked_at=None,
+                last_used_at=None,
+            )
+        )
+    if linked:  # read back, its hash is the one its columns give: only the chain betrays it
+        with world.engine.connect() as conn:
+            (row,) = conn.execute(trail_query(tid)).all()
+        assert link(row_fields(row)) == row.hash
+    return raw, tid
+
+
+@pytest.mark.parametrize(
+    "forgery",
+    ["untrusted-key", "untrusted-key-linked", "trusted-key-copied"],
+)
+async def test_a_forged_creation_does_not_record_a_minted_token(
+    world: ApiWorld, client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture, forgery: str
+) -> None:
+    """Review r17, F1: a ``token:created`` row the runtime role inserted, on a chain of its own
+    (an unknown key; or the node's own public key, copied: no genesis that key signed), made a
+    minted global admin RECORDED: served, not logged, not counted. The event must count for
+    nothing: the token is unrecorded (logged, counted), and the forged event is said."""
+    key = b"\1" * 32
+    if forgery == "trusted-key-copied":
+        key = load_public_key(world.settings.signing_key_path)
+    chain = f"attacker-{uuid.uuid4().hex[:8]}"
+    raw, tid = _forged_creation(world, chain, key, linked=forgery != "untrusted-key")
+    before, forged_before = tokens_unrecorded(), token_events_forged()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            r = await client.get("/v1/tokens", headers=bearer(raw))
+            assert r.status_code == 401 or tokens_unrecorded() == before + 1, (
+                f"a token:created row the runtime role inserted (chain {chain!r}, no signature)"
+                " made a minted global admin RECORDED: served, not logged, not counted"
+            )
+    said = [r for r in caplog.records if r.getMessage() == "api.token.unrecorded"]
+    assert [getattr(r, "token_id", None) for r in said] == [tid]
+    forged = [r for r in caplog.records if r.getMessage() == "api.token.forged_event"]
+    assert [(getattr(r, "chain_id", None), getattr(r, "seq", None)) for r in forged] == [
+        (chain, 1)
+    ], "the forged event is said once"
+    assert token_events_forged() == forged_before + 1
+    assert raw not in caplog.text
+
+
+async def test_a_creation_forged_on_a_live_trusted_chain_counts_for_nothing(
+    pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same forgery appended to the API's own chain (its trusted key, its signed genesis),
+    right after the head and linked to it: the writer seals it as foreign at its next
+    checkpoint, so no head its session signed covers it, and it is no creation."""
+    with api_world(pg_url, tmp_path, seed=False) as world:
+        transport = httpx.ASGITransport(app=world.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvgov.test") as client:
+            made = await _create(client, world, role="auditor")  # the chain has a head
+            chain = world.writer.chain_id
+            with world.engine.connect() as conn:
+                head = conn.execute(
+                    sa.select(LedgerEvent.__table__)
+                    .where(LedgerEvent.chain_id == chain)
+                    .order_by(LedgerEvent.seq.desc())
+                    .limit(1)
+                ).one()
+            raw, tid = _forged_creation(
+                world, chain, b"", linked=True, seq=head.seq + 1, prev_hash=head.hash
+            )
+            await world.writer.write_checkpoint()  # seals what someone else appended
+            before = tokens_unrecorded()
+            with caplog.at_level(logging.WARNING):
+                assert (await client.get("/v1/tokens", headers=bearer(raw))).status_code in (
+                    200,
+                    401,
+                )
+            assert tokens_unrecorded() == before + 1, (
+                "a token:created appended to the API's own chain by someone else (sealed"
+                " foreign by its writer) made a minted admin RECORDED"
+            )
+            forged = [r for r in caplog.records if r.getMessage() == "api.token.forged_event"]
+            assert [getattr(r, "token_id", None) for r in forged] == [tid]
+            # the honest token made before it is still recorded
+            honest = await client.get("/v1/entries", headers=bearer(made["token"]))
+            assert honest.status_code == 200
+            assert tokens_unrecorded() == before + 1
+
+
+async def test_an_unsigned_creation_counts_once_its_writer_signs(world: ApiWorld) -> None:
+    """A creation its writer chained but has not signed over yet (a pod of the previous release,
+    between two periodic checkpoints) is not vouched for, and is once the head above it is
+    signed: an unproven event is asked again after the memo's retry time, a proven one never."""
+    tid = str(uuid.uuid4())
+    await world.writer.sink.append(
+        Event(
+            kind=EventKind.TOKEN_CREATED,
+            tenant=None,
+            principal="cli:old",
+            attrs={"token_id": tid, "role": "auditor"},
+        )
+    )
+    proofs = TokenEventProofs(retry_s=0)
+    keys = world.ctx.ledger_keys
+    with make_sessionmaker(world.engine)() as s:
+        (row,) = s.execute(trail_query(tid)).all()
+        assert not proofs.vouches(s, row, keys)
+    await world.writer.write_checkpoint()
+    with make_sessionmaker(world.engine)() as s:
+        assert proofs.vouches(s, row, keys)
+    # proven once: never asked again (no key lookup, no session use)
+    assert proofs.vouches(None, row, lambda: pytest.fail("asked again"))  # type: ignore[arg-type]

@@ -15,6 +15,12 @@ trail` reads its chained ``token:created`` / ``token:revoked`` events (one index
 its row says; a row whose role, tenant or hash differs from every ``token:created`` event of
 its id is refused; a row with no ``token:created`` event at all (inserted by hand, or by the
 runtime role) is accepted but said loudly (:func:`tokens_unrecorded`).
+
+That role may INSERT into ``ledger_events`` too, so the API counts a ``token:created`` event
+only where the ledger vouches for it (review r17, F1: a creation forged on a chain of the
+attacker's own made a minted admin token "recorded"). :meth:`TokenRepository.trail` takes the
+check (:mod:`kvgov.ledger.token_trail`, above this package) and leaves out the rows that fail
+it; they are said and counted too (:func:`token_events_forged`).
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ import hmac
 import secrets
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
+from typing import Any
 
-from sqlalchemy import Select, select, update
+from sqlalchemy import Row, Select, select, update
 from sqlalchemy.orm import Session
 
 from kvgov.db.engine import utcnow
@@ -96,10 +104,14 @@ class Creation:
 
 @dataclass(frozen=True, slots=True)
 class Trail:
-    """A token's chained events: whether any revokes it, and what each creation says."""
+    """A token's chained events: whether any revokes it, and what each creation the ledger
+    vouches for says."""
 
     revoked: bool
     created: tuple[Creation, ...]
+    #: ``(chain_id, seq)`` of the ``token:created`` rows the ledger does not vouch for: not in
+    #: :attr:`created` (review r17, F1)
+    forged: tuple[tuple[str, int], ...] = ()
 
 
 class Standing(StrEnum):
@@ -149,8 +161,8 @@ def _creation(tenant: str | None, attrs: object) -> Creation:
 
 
 class _Counter:
-    """Distinct token ids found :attr:`Standing.UNRECORDED` since start (the metric's
-    source), and whether each was said already."""
+    """Distinct things (token ids found :attr:`Standing.UNRECORDED`; forged events) seen
+    since start (a metric's source), and whether each was said already."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -170,6 +182,7 @@ class _Counter:
 
 
 _UNRECORDED = _Counter()
+_FORGED = _Counter()
 
 
 def tokens_unrecorded() -> int:
@@ -181,6 +194,18 @@ def tokens_unrecorded() -> int:
 def unrecorded_first_seen(token_id: str) -> bool:
     """Count ``token_id`` as :attr:`Standing.UNRECORDED`; whether it is new (to be logged)."""
     return _UNRECORDED.first(token_id)
+
+
+def token_events_forged() -> int:
+    """``token:created`` events seen since the process started that the ledger does not vouch
+    for (not on a chain a trusted key signed, or not under a head it signed: someone inserted
+    them into ``ledger_events`` with the runtime role). Each is counted once."""
+    return _FORGED.count
+
+
+def forged_first_seen(chain_id: str, seq: int) -> bool:
+    """Count the event at ``chain_id``/``seq`` as forged; whether it is new (to be logged)."""
+    return _FORGED.first(f"{seq}@{chain_id}")
 
 
 def _record(row: ApiToken) -> TokenRecord:
@@ -195,12 +220,13 @@ def _record(row: ApiToken) -> TokenRecord:
     )
 
 
-def trail_query(token_id: str) -> Select[str, str | None, dict[str, object]]:
-    """The kind, tenant and attrs of ``token_id``'s chained token events, revocations first:
-    what :meth:`TokenRepository.trail` runs (named here so its plan can be read back)."""
+def trail_query(token_id: str) -> Select[Any]:
+    """``token_id``'s token events (every column: a row's hash is checked against them),
+    revocations first: what :meth:`TokenRepository.trail` runs (named here so its plan can be
+    read back)."""
     t = LedgerEvent.__table__.c
     return (
-        select(t.kind, t.tenant, t.attrs)
+        select(LedgerEvent.__table__)
         .where(is_token_event(t.kind), token_id_of(t.attrs) == token_id)
         .order_by(t.kind.desc())  # 'token:revoked' sorts after 'token:created'
         .limit(_TRAIL_ROWS)
@@ -258,17 +284,28 @@ class TokenRepository:
             return None
         return _record(row)
 
-    def trail(self, token_id: str) -> Trail:
+    def trail(self, token_id: str, vouch: Callable[[Row[Any]], bool] | None = None) -> Trail:
         """``token_id``'s chained token events: one probe of ``ix_ledger_events_token_id``
-        (migration 0015), revocations first."""
+        (migration 0015), revocations first.
+
+        ``vouch`` says whether the ledger vouches for a ``token:created`` row (the API's:
+        :class:`kvgov.ledger.token_trail.TokenEventProofs`); one it does not is left out of
+        :attr:`Trail.created` and named in :attr:`Trail.forged`. None believes every row (the
+        CLI and tests reading back what they wrote). A ``token:revoked`` row counts whether
+        vouched for or not: one the runtime role inserted only locks a token out, which that
+        role can do anyway by setting ``revoked_at``, and believing it fails closed."""
         rows = self._session.execute(trail_query(token_id)).all()
-        revoked = any(kind == EventKind.TOKEN_REVOKED.value for kind, _, _ in rows)
-        created = tuple(
-            _creation(tenant, attrs)
-            for kind, tenant, attrs in rows
-            if kind == EventKind.TOKEN_CREATED.value
-        )
-        return Trail(revoked=revoked, created=created)
+        revoked = any(row.kind == EventKind.TOKEN_REVOKED.value for row in rows)
+        created: list[Creation] = []
+        forged: list[tuple[str, int]] = []
+        for row in rows:
+            if row.kind != EventKind.TOKEN_CREATED.value:
+                continue
+            if vouch is None or vouch(row):
+                created.append(_creation(row.tenant, row.attrs))
+            else:
+                forged.append((row.chain_id, row.seq))
+        return Trail(revoked=revoked, created=tuple(created), forged=tuple(forged))
 
     def get(self, token_id: str) -> TokenRecord | None:
         row = self._session.get(ApiToken, token_id)

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Select, select
+from sqlalchemy import Connection, Row, Select, select
 from sqlalchemy.orm import Session
 
 from kvgov.boundedjson import is_undecodable
@@ -88,11 +88,19 @@ class _Signed:
     holding them was live (see the module docstring): the highest such head of each session's
     span, found once per span (checkpoints checked highest first: the first valid one is it)."""
 
-    def __init__(self, conn: Connection, chain_id: str, key: bytes, standing: Standing) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        chain_id: str,
+        key: bytes,
+        standing: Standing,
+        reader: str = "purge_trail",
+    ) -> None:
         self._conn = conn
         self._chain_id = chain_id
         self._key = key
         self.standing = standing
+        self._reader = reader
         #: the highest head signed within each span (0: none)
         self._reach: dict[Span, int] = {}
         self._hashes: dict[int, str | None] = {}
@@ -131,7 +139,7 @@ class _Signed:
             self._conn,
             self._chain_id,
             self._key,
-            reader="purge_trail",
+            reader=self._reader,
             above=span.start,
             upto=span.end,
             accept=eligible,
@@ -150,19 +158,35 @@ class _Signed:
         return self._hashes[seq]
 
 
-def _vouched(conn: Connection, chain_id: str, trusted: Collection[bytes]) -> _Signed | None:
+def _vouched(
+    conn: Connection, chain_id: str, trusted: Collection[bytes], reader: str = "purge_trail"
+) -> _Signed | None:
     """What ``chain_id``'s seals prove, when a trusted key holds it and signed its genesis.
     None too when its seals hold more junk than one read examines
     (:mod:`kvgov.ledger.seals.scan`, logged and counted there): the chain proves nothing
-    until they are removed (fail closed: the receipt says ``incomplete``)."""
+    until they are removed (fail closed: the receipt says ``incomplete``). ``reader``: who is
+    asking, for the log line of a capped read."""
     key = conn.execute(select(Chain.public_key).where(Chain.chain_id == chain_id)).scalar()
     if key is None or bytes(key) not in trusted:
         return None
     try:
-        standing = read_standing(conn, chain_id, bytes(key), reader="purge_trail")
+        standing = read_standing(conn, chain_id, bytes(key), reader=reader)
     except SealScanCappedError:
         return None
-    return _Signed(conn, chain_id, bytes(key), standing) if standing.vouched else None
+    return _Signed(conn, chain_id, bytes(key), standing, reader) if standing.vouched else None
+
+
+def proves_event(row: Row[Any], trusted: Collection[bytes], conn: Connection, reader: str) -> bool:
+    """Whether the ledger vouches for one ``ledger_events`` row (a Core row, every column), as
+    :func:`_proven` weighs each row of a purge: its own hash covers its columns, on a chain a
+    ``trusted`` key holds and whose genesis that key signed, at a position a writer session
+    of that key covered, no foreign seal names, and a head signed while that session was live
+    lies at or above (see the module docstring). For other readers of single events
+    (:mod:`kvgov.ledger.token_trail`); ``reader`` names them in a capped read's log line."""
+    if is_undecodable(row.attrs) or link(row_fields(row)) != row.hash:
+        return False
+    signed = _vouched(conn, row.chain_id, trusted, reader)
+    return signed is not None and signed.proves(row.seq)
 
 
 @dataclass(frozen=True, slots=True)

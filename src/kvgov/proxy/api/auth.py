@@ -43,7 +43,7 @@ from typing import Annotated, Any, ParamSpec, Protocol, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import Engine
+from sqlalchemy import Engine, Row
 from sqlalchemy.orm import Session
 
 from kvgov.config import Settings
@@ -52,12 +52,14 @@ from kvgov.db.tokens import (
     Standing,
     TokenRecord,
     TokenRepository,
+    forged_first_seen,
     hash_token,
     judge,
     unrecorded_first_seen,
 )
 from kvgov.errors import AuthError, ForbiddenError, KvgovError
 from kvgov.ledger.events import Event, EventSink
+from kvgov.ledger.token_trail import TokenEventProofs
 from kvgov.ledger.verify import VerifyReport
 from kvgov.logging import get_logger
 from kvgov.proxy.api.routes import route_template
@@ -110,6 +112,8 @@ class ApiContext:
     #: these are refused without asking the ledger again (bounded by the table's rows)
     _revoked: set[str] = field(init=False, repr=False, default_factory=set)
     _revoked_lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+    #: which ``token:created`` events the ledger vouches for, memoised (review r17, F1)
+    token_proofs: TokenEventProofs = field(init=False, repr=False, default_factory=TokenEventProofs)
     _verify_engine: Engine | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -279,10 +283,34 @@ def check_ledger(
     tenant or hash (``token_hash``; None: not checked) no ``token:created`` event of its id
     names is refused. A row with no creation event at all is served, and logged and counted
     (``api.token.unrecorded``, :func:`kvgov.db.tokens.tokens_unrecorded`): it was inserted
-    outside ``kvgov token`` and ``/v1/tokens``."""
+    outside ``kvgov token`` and ``/v1/tokens``.
+
+    A creation event counts only where the ledger vouches for it (:mod:`kvgov.ledger.
+    token_trail`: a trusted key's chain, signed genesis, under a head it signed; memoised):
+    one the runtime role inserted on a chain of its own is no creation, so the token it
+    names stays unrecorded, and the event is logged and counted once (``api.token.
+    forged_event``, :func:`kvgov.db.tokens.token_events_forged`; review r17, F1)."""
     if ctx.seen_revoked(record.id):
         raise AuthError("invalid or revoked token")
-    standing = judge(record, TokenRepository(session).trail(record.id), token_hash)
+
+    def vouch(row: Row[Any]) -> bool:
+        return ctx.token_proofs.vouches(session, row, ctx.ledger_keys)
+
+    trail = TokenRepository(session).trail(record.id, vouch)
+    for chain_id, seq in trail.forged:
+        if forged_first_seen(chain_id, seq):
+            log.error(
+                "api.token.forged_event",
+                extra={
+                    "token_id": record.id,
+                    "chain_id": chain_id,
+                    "seq": seq,
+                    "hint": "a token:created event of this token is on no chain a trusted key"
+                    " signed, or under no head it signed: it was inserted into ledger_events"
+                    " outside a ledger writer (it counts for nothing)",
+                },
+            )
+    standing = judge(record, trail, token_hash)
     if standing is Standing.REVOKED:
         ctx.remember_revoked(record.id)
         if record.revoked_at is None:

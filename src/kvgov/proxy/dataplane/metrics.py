@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvgov.connectors.tiers.base import Measured, Tier
-from kvgov.db.tokens import tokens_unrecorded
+from kvgov.db.tokens import token_events_forged, tokens_unrecorded
 from kvgov.ledger.checkpoint_scan import scans_capped
 from kvgov.ledger.seals.scan import scans_capped as seal_scans_capped
 
@@ -186,6 +186,15 @@ class DataPlaneMetrics:
             registry=r,
         )
         self.api_tokens_unrecorded.set_function(lambda: float(tokens_unrecorded()))
+        self.api_token_events_forged = Gauge(
+            "kvgov_api_token_events_forged",
+            "token:created events met since start that the ledger does not vouch for (on no"
+            " chain a trusted key signed the genesis of, or under no head its writer signed:"
+            " inserted into ledger_events with the runtime database role; they count for"
+            " nothing, each logged once as api.token.forged_event)",
+            registry=r,
+        )
+        self.api_token_events_forged.set_function(lambda: float(token_events_forged()))
         self.ledger_seal_scans_capped = Gauge(
             "kvgov_ledger_seal_scans_capped",
             "Reads of a chain's seals (a receipt's cross-check, a job view, a restore, the"

@@ -3,12 +3,14 @@
 Creating or revoking a token is a ledger event (``token:created`` / ``token:revoked``), recorded
 before the change is written: the ledger may name a token whose commit then failed, never the
 other way round (and on SQLite the single writer is never waited on while holding a write). The
-API believes those events over the row (:mod:`kvgov.services.tokens`).
+API believes those events over the row (:mod:`kvgov.services.tokens`), and a creation only
+under a head its writer signed (:mod:`kvgov.ledger.token_trail`): the head is signed after the
+creation is chained and before the token exists.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Protocol, runtime_checkable
 
 from fastapi import APIRouter, Path, Response, status
 from fastapi.concurrency import run_in_threadpool
@@ -22,6 +24,15 @@ from kvgov.services.tokens import token_event
 from kvgov.types import EventKind
 
 router = APIRouter(tags=["tokens"])
+
+
+@runtime_checkable
+class HeadSigner(Protocol):
+    """A sink that signs its chain's head on demand (the sidecar's
+    :class:`~kvgov.ledger.writer.LedgerWriter`)."""
+
+    async def write_checkpoint(self) -> object: ...
+
 
 TokenIdPath = Annotated[
     str,
@@ -76,6 +87,11 @@ async def create_token(body: TokenCreate, principal: GlobalAdmin, ctx: Context) 
             EventKind.TOKEN_CREATED, token_id, body.role, body.tenant, principal.id, token=raw
         )
     )
+    if isinstance(ctx.sink, HeadSigner):
+        # the API counts a creation only under a head its writer signed (review r17, F1):
+        # signed now, before the token exists, so it is proven at its first use. A failure
+        # fails the request, and no token exists that its creation does not explain
+        await ctx.sink.write_checkpoint()
 
     def run() -> tuple[TokenRecord, str]:
         with ctx.session() as session:
