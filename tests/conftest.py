@@ -53,6 +53,19 @@ def pg_url() -> Iterator[str]:
 
 
 @pytest.fixture
+def private_umask() -> Iterator[None]:
+    """Files the test writes are its user's alone (umask 077), as a mounted Secret's are
+    others' to read: kvgov refuses an engine-tokens, URL or OPA-token file others may read
+    (:func:`kvgov.privatefs.read_guarded_file`). A module of tests that write such files with
+    ``write_text`` uses it (``pytest.mark.usefixtures("private_umask")``)."""
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     """A fresh SQLite database file for this test."""
     return f"sqlite:///{(tmp_path / 'ledger.db').as_posix()}"

@@ -47,6 +47,7 @@ from pydantic_settings import (
 
 from kvgov.engine_ids import ENGINE_ID_MAX, engine_id_problem, id_text_problem
 from kvgov.errors import ConfigError
+from kvgov.privatefs import read_guarded_file
 from kvgov.types import Environment
 from kvgov.urlreach import POSTGRES_CURE, Reach, postgres_reach, redis_reach
 from kvgov.wire.codec import utf8
@@ -569,13 +570,15 @@ class PurgeSettings(_Section):
 
 
 def _read_setting_file(name: str, path: Path) -> str:
-    """The text of setting ``name``'s file, read now; an error names the file, never what it
-    holds."""
+    """The text of setting ``name``'s file, read now: a secret (engine tokens, a URL with its
+    password, OPA's token), so a file others may read, or anyone but its owner (this process's
+    user or root) may write, is refused (:func:`kvgov.privatefs.read_guarded_file`). An error
+    names the file and its mode, never what it holds."""
+    data = read_guarded_file(path, name, secret=True)
     try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ConfigError(f"cannot read {name} {path}: {reason}") from None
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"cannot read {name} {path}: not UTF-8 text") from None
 
 
 def _is_local_host(host: str | None) -> bool:

@@ -15,6 +15,15 @@ and put a symlink to one of theirs in its place, after the check.
 Key files (the KEK, the signing and pseudonym keys) are read with :func:`read_private_file`:
 checked on the file opened (a Kubernetes Secret's symlink is followed), 0600 or stricter and
 this process's user's own.
+
+Files kvgov takes an identity, a trust or a credential from (the engine tokens, the database
+and Redis URLs, OPA's token, the trusted ledger keys, a public key a receipt is checked
+against) are read with :func:`read_guarded_file`: checked the same way on the file opened (a
+Kubernetes Secret's or ConfigMap's symlinks followed), owned by this process's user or root and
+writable by no one else: whoever could write one could admit their own engine, point the
+sidecar at their database, or make a forged chain verify (review r16's notes). Those that hold
+a secret may be read by the file's group (a Secret under the pod's ``fsGroup`` is 0440), never
+by others.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from kvgov.errors import StartupError
+from kvgov.errors import ConfigError, StartupError
 
 #: the mode bits that let another user write
 WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
@@ -134,6 +143,61 @@ def read_private_file(path: Path, what: str) -> bytes:
         return _read_all(fd, st.st_size)
     except OSError as exc:
         raise StartupError(f"cannot read {what} {path}: {exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def guarded_problem(mode: int, uid: int, *, secret: bool) -> str | None:
+    """Why :func:`read_guarded_file` refuses a file of ``mode`` owned by ``uid``, or None: not
+    a regular file; writable by group or others; owned by a uid that is neither this
+    process's effective uid nor root's; with ``secret``, readable (or anything) by others. The
+    reason names the mode and the owner, never what the file holds."""
+    octal = f"{stat.S_IMODE(mode):04o}"
+    shown = f"mode {octal}, {stat.filemode(mode)}"
+    if not stat.S_ISREG(mode):
+        return f"is not a regular file ({stat.filemode(mode)})"
+    if mode & WRITABLE_BY_OTHERS:
+        who = " and ".join(
+            name
+            for bit, name in ((stat.S_IWGRP, "its group"), (stat.S_IWOTH, "others"))
+            if mode & bit
+        )
+        return f"is writable by {who} ({shown}): whoever can write it decides what it says"
+    if uid not in (os.geteuid(), 0):
+        return (
+            f"belongs to uid {uid}, neither this process's (uid {os.geteuid()}) nor root:"
+            " its owner decides what it says"
+        )
+    if secret and mode & stat.S_IRWXO:
+        return f"is readable by others ({shown}): it holds a secret"
+    return None
+
+
+def read_guarded_file(path: Path, what: str, *, secret: bool) -> bytes:
+    """The bytes of a file kvgov takes an identity, a trust or a credential from (``what``
+    names it in errors, e.g. the setting), checked on the file opened, like
+    :func:`read_private_file` (a Kubernetes Secret's or ConfigMap's symlinks are followed, what
+    they reach must pass; a FIFO does not block the open): refused per :func:`guarded_problem`
+    (``secret``: it holds one). Raises :class:`ConfigError` naming the file and why (its mode,
+    its owner, or the ``OSError``'s reason), never what it holds."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        problem = guarded_problem(st.st_mode, st.st_uid, secret=secret)
+        if problem is not None:
+            mode = "0440 (a Kubernetes Secret: defaultMode 0440)" if secret else "go-w"
+            raise ConfigError(
+                f"{what} {path} {problem}",
+                hint=f"chmod {mode} {path}, owned by this process's user (uid {os.geteuid()})"
+                " or root",
+            )
+        return _read_all(fd, st.st_size)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
     finally:
         os.close(fd)
 

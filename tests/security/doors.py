@@ -451,6 +451,7 @@ def replace_file(path: Path, text: str) -> None:
     """Replace a file in one step, as the kubelet swaps a ConfigMap's or a Secret's files."""
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text)
+    tmp.chmod(0o600)  # a Secret's file others may not read (kvgov.privatefs.read_guarded_file)
     tmp.replace(path)
 
 

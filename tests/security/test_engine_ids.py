@@ -30,6 +30,9 @@ from kvgov.wire.codec import ErrorCode, WireError
 from tests.security import doors
 from tests.security.doors import engine, run
 
+# the Secrets these tests write are their user's alone, as kvgov requires
+pytestmark = pytest.mark.usefixtures("private_umask")
+
 CTX = RequestContext(request_id="req-engine-ids", user="u1")
 VALUE = b"acme's prompt KV " * 256
 EVERY_S = 0.2

@@ -37,6 +37,9 @@ from kvgov.policy.interfaces import DECISION_RULE, POLICY_PACKAGE
 from tests.integration.test_policy_opa_rest import ALLOWED
 from tests.integration.test_policy_opa_standin import OpaStandIn
 
+# the Secrets these tests write are their user's alone, as kvgov requires
+pytestmark = pytest.mark.usefixtures("private_umask")
+
 opa_bindings = pytest.importorskip("opa_bindings", reason="opa-golib-python-bindings not installed")
 web = pytest.importorskip("aiohttp.web")
 

@@ -447,6 +447,7 @@ async def test_kvgov_asks_opa_on_its_socket_with_its_token(
     if token is not None:
         token_file = tmp_path / "token"
         token_file.write_text(OPA_SIDE_TOKEN if token == "right" else "wrong-" + OPA_SIDE_TOKEN)
+        token_file.chmod(0o600)  # a secret others may not read (kvgov refuses it otherwise)
         policy["opa_token_file"] = token_file
     opa = OpaStandIn(unix=True)
     opa.load(load_bundle())

@@ -42,6 +42,9 @@ from tests.security.test_opa_api_authz import (  # noqa: E402
     authz_input,
 )
 
+# the Secrets these tests write are their user's alone, as kvgov requires
+pytestmark = pytest.mark.usefixtures("private_umask")
+
 #: a test value (openssl rand -hex 32 shaped), no secret
 TOKEN = "7e1d" * 16
 

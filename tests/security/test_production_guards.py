@@ -36,6 +36,9 @@ from kvgov.proxy.app import build_sidecar
 from tests.security import doors
 from tests.security.doors import ProdDatabase
 
+# the Secrets these tests write are their user's alone, as kvgov requires
+pytestmark = pytest.mark.usefixtures("private_umask")
+
 TOKEN = "tok-7Q2xS3CRETvalue"
 SRC = Path(kvgov.__file__).resolve().parents[1]
 

@@ -35,7 +35,7 @@ from kvgov.wire.codec import ErrorCode, WireError
 from tests.security import doors
 from tests.security.doors import engine, run
 
-pytestmark = pytest.mark.postgres
+pytestmark = [pytest.mark.postgres, pytest.mark.usefixtures("private_umask")]
 
 CTX = RequestContext(request_id="req-token-revoke", user="u1")
 EVERY_S = 0.2

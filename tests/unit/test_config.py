@@ -15,6 +15,9 @@ PROD_DB_URL = (
     "postgresql+psycopg://kvgov@db/kvgov?sslmode=verify-full&sslrootcert=/etc/kvgov/database/ca.crt"
 )
 
+# the Secrets these tests write are their user's alone, as kvgov requires
+pytestmark = pytest.mark.usefixtures("private_umask")
+
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,6 +12,9 @@ from kvgov.config import Settings, load_settings
 from kvgov.connectors.tiers.factory import build_tiers
 from kvgov.errors import ConfigError, KvgovError
 
+# the Secrets these tests write are their user's alone, as kvgov requires
+pytestmark = pytest.mark.usefixtures("private_umask")
+
 PASSWORD = "r3dis-pa55-never-shown"
 URL = f"redis://:{PASSWORD}@redis.internal:6379/0"
 

@@ -13,6 +13,9 @@ from kvgov.config import load_settings
 from kvgov.connectors.lmcache.settings import ConnectorSettings
 from kvgov.errors import ConfigError
 
+# the Secrets these tests write are their user's alone, as kvgov requires
+pytestmark = pytest.mark.usefixtures("private_umask")
+
 SECRET = "s3cret-t0ken-value"
 
 

@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 from kvgov.boundedjson import is_undecodable
 from kvgov.errors import LedgerError, StartupError
 from kvgov.ledger.secretfile import create_private_file
-from kvgov.privatefs import read_private_file
+from kvgov.privatefs import read_guarded_file, read_private_file
 
 ENCODING_VERSION = 1
 GENESIS_HASH = "0" * 64
@@ -367,9 +367,13 @@ def load_signing_key(path: Path) -> Ed25519PrivateKey:
     return key
 
 
-def load_public_key(path: Path) -> bytes:
-    """Raw public key from a PEM file holding either the private or the public key."""
-    data = Path(path).read_bytes()
+def load_public_key(path: Path, what: str = "Ed25519 key file") -> bytes:
+    """Raw public key from a PEM file holding either the private or the public key: the key a
+    receipt or a chain is checked against, so a file that anyone but its owner (this process's
+    user or root) may write is refused (:func:`kvgov.privatefs.read_guarded_file`, a
+    :class:`~kvgov.errors.ConfigError`): whoever could write it could put their own key there
+    and have what they signed verify (review r15). ``what`` names the file in that error."""
+    data = read_guarded_file(path, what, secret=False)
     try:
         if b"PRIVATE KEY" in data:
             private = serialization.load_pem_private_key(data, password=None)

@@ -57,6 +57,7 @@ from kvgov.errors import ConfigError, KvgovError
 from kvgov.ledger.chain import load_public_key, public_key_bytes
 from kvgov.ledger.seals import DEFAULT_MAX_UNSIGNED_AGE
 from kvgov.ledger.verify import ChainReport, Finding, Problem, VerifyReport, verify
+from kvgov.privatefs import read_guarded_file
 
 #: tables whose ``chain_id`` names a chain the ledger must hold, and what to call them
 _REFERENCES = (
@@ -89,11 +90,13 @@ def format_public_key(raw: bytes) -> str:
 def read_keys_file(path: Path) -> list[bytes]:
     """The keys of a ``trusted_keys_file``: one ``ed25519:<base64>`` per line (``#`` starts a
     comment), or PEM public key blocks. Errors name the file and line, never a key."""
+    # whoever could write it could make a chain they signed verify: refused unless only its
+    # owner (this process's user or root) can; readable by all (public keys, e.g. a ConfigMap)
+    data = read_guarded_file(path, "ledger.trusted_keys_file", secret=False)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ConfigError(f"cannot read ledger.trusted_keys_file {path}: {reason}") from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"cannot read ledger.trusted_keys_file {path}: not UTF-8 text") from None
     keys: list[bytes] = []
     pem: list[str] = []
     for number, raw_line in enumerate(text.splitlines(), 1):
@@ -133,7 +136,9 @@ def own_public_key(settings: Settings) -> bytes | None:
     if not path.exists():
         return None
     try:
-        return load_public_key(path)
+        return load_public_key(path, "the ledger signing key (ledger.signing_key_path)")
+    except ConfigError:
+        raise  # unreadable, or refused for its mode or owner: the error says which
     except (KvgovError, OSError) as exc:
         raise ConfigError(
             f"cannot read the ledger signing key {path} to trust its public key",

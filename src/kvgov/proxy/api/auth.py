@@ -182,9 +182,13 @@ class ApiContext:
 
             path = self.settings.signing_key_path
             try:
-                self.receipt_keys = (load_public_key(path),) if path.exists() else ()
-            except (KvgovError, OSError):
-                log.warning("api.receipt_key.unreadable")
+                what = "the ledger signing key (ledger.signing_key_path)"
+                self.receipt_keys = (load_public_key(path, what),) if path.exists() else ()
+            except (KvgovError, OSError) as exc:
+                # a file others may write is refused like an unreadable one: nothing verifies
+                # (the error names the file and its mode, never the key)
+                reason = exc.message if isinstance(exc, KvgovError) else type(exc).__name__
+                log.warning("api.receipt_key.unreadable", extra={"error": reason[:300]})
                 self.receipt_keys = ()
         return self.receipt_keys
 
