@@ -55,6 +55,9 @@ class EventKind(StrEnum):
     # keys
     KEY_CREATED = "key:created"
     KEY_ROTATED = "key:rotated"
+    #: ``kvgov keys shred`` chains this per live version *before* it destroys anything; only
+    #: a ``key:shredded`` with outcome ``ok`` says a version is gone (``error``: it may not be)
+    KEY_SHRED_REQUESTED = "key:shred:requested"
     KEY_SHREDDED = "key:shredded"
     # right to be forgotten
     PURGE_REQUESTED = "purge:requested"

@@ -6,6 +6,10 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +21,8 @@ from kvgov.cli.main import build_app
 from kvgov.config import Settings
 from kvgov.db.engine import make_engine, upgrade
 from kvgov.db.keystore import SqlKeyStore
-from kvgov.db.models import LedgerEvent, table
-from kvgov.errors import KeyDestroyedError
+from kvgov.db.models import DataKey, LedgerEvent, table
+from kvgov.errors import KeyDestroyedError, KeyManagementError
 from kvgov.keys.kek import FileKekProvider, generate_kek_file
 from kvgov.keys.keyring import Keyring
 from kvgov.keys.sealed import parse_header
@@ -126,7 +130,7 @@ def test_shred_a_user_then_the_tenant(cfg: Settings, engine: Engine, tmp_path: P
     assert code == 0, out
     report = json.loads(out)
     assert sorted(k["key_id"] for k in report["destroyed"]) == ["t:acme", "u:acme:bob-pseudonym"]
-    assert len(report["ledger"]) == 2
+    assert len(report["ledger"]) == 4  # the two versions requested, then confirmed destroyed
     fresh = keyring(cfg, engine)
     for name in ("alice", "bob", "acme"):
         with pytest.raises(KeyDestroyedError):
@@ -134,7 +138,16 @@ def test_shred_a_user_then_the_tenant(cfg: Settings, engine: Engine, tmp_path: P
     assert (
         fresh.open((aside / "globex").read_bytes(), tenant="globex", cache_key=CK) == data["globex"]
     )
-    assert len(ledger_rows(engine, EventKind.KEY_SHREDDED)) == 3
+    shredded = ledger_rows(engine, EventKind.KEY_SHREDDED)
+    assert len(shredded) == 3 and {r["outcome"] for r in shredded} == {"ok"}
+
+    # each confirmation follows its request on the run's chain (r17 F2)
+    def at(rows: list[dict[str, object]]) -> dict[tuple[object, str], object]:
+        return {(r["chain_id"], json.dumps(r["attrs"], sort_keys=True)): r["seq"] for r in rows}
+
+    asked, done = at(ledger_rows(engine, EventKind.KEY_SHRED_REQUESTED)), at(shredded)
+    assert asked.keys() == done.keys()
+    assert all(asked[k] < done[k] for k in done)  # type: ignore[operator]
     code, out = kvgov("keys", "shred", "--tenant", "acme", "--yes")
     assert code == 0 and "nothing to destroy" in out
     assert verify(engine).ok
@@ -201,3 +214,101 @@ def test_a_run_that_cannot_record_changes_nothing(
     assert keyring(cfg, engine).open(sealed, tenant="acme", cache_key=CK) == b"acme data"
     assert ledger_rows(engine, EventKind.KEY_SHREDDED) == []
     assert ledger_rows(engine, EventKind.KEY_ROTATED) == []
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        KeyManagementError("canceling statement due to lock timeout"),  # or a dropped connection
+        KeyboardInterrupt(),  # the operator gives up on a destroy that waits for a lock
+    ],
+    ids=["store-error", "ctrl-c"],
+)
+def test_a_shred_that_fails_after_it_was_recorded_is_chained_as_failed(
+    cfg: Settings, engine: Engine, monkeypatch: pytest.MonkeyPatch, failure: BaseException
+) -> None:
+    """r17 F2: the request is chained before the store changes (r15 F6), but a destroy that
+    then fails must not leave ``key:shredded`` saying the keys are gone while they still open
+    the data: only a destroy that returned is chained ``ok``; one that raised (Ctrl-C too) is
+    chained ``outcome=error`` naming the versions left, and the run exits non-zero."""
+    sealed = keyring(cfg, engine).seal("acme", CK, b"acme data")
+    live = [(r.key_id, r.version) for r in SqlKeyStore(engine).versions("acme")]
+
+    def destroy(self: SqlKeyStore, tenant: str, user: str | None = None) -> list[object]:
+        raise failure
+
+    monkeypatch.setattr(SqlKeyStore, "destroy", destroy)
+    result = CliRunner().invoke(build_app(), ["keys", "shred", "--tenant", "acme", "--yes"])
+    shredded = ledger_rows(engine, EventKind.KEY_SHREDDED)
+    done = [r for r in shredded if r["outcome"] == "ok"]
+    still = keyring(cfg, engine).open(sealed, tenant="acme", cache_key=CK)
+    assert not (done and still == b"acme data"), (
+        f"key:shredded chained ok ({len(done)} row(s)) but acme's key still opens its data"
+        f" (exit {result.exit_code})"
+    )
+    assert result.exit_code != 0, result.output
+    assert type(result.exception) is type(failure) or isinstance(failure, KeyboardInterrupt)
+    assert "NOT shredded" in result.output, result.output
+    # the request and its failure, both chained, name the same versions
+    requested = ledger_rows(engine, EventKind.KEY_SHRED_REQUESTED)
+    assert [(r["attrs"]["key_id"], r["attrs"]["version"]) for r in requested] == live  # type: ignore[index]
+    failed = [r for r in shredded if r["outcome"] == "error"]
+    assert [(r["attrs"]["key_id"], r["attrs"]["version"]) for r in failed] == live  # type: ignore[index]
+    assert failed[0]["principal"] == "cli" and failed[0]["tenant"] == "acme"
+    assert failed[0]["seq"] > requested[-1]["seq"]  # type: ignore[operator]
+    assert [r.state for r in SqlKeyStore(engine).versions("acme")] == [KeyState.ACTIVE]
+    monkeypatch.undo()
+    assert verify(engine).ok
+
+
+@pytest.mark.parametrize("lock", ["times-out", "is-released"])
+def test_ctrl_c_on_a_shred_waiting_for_a_lock_chains_what_the_store_did(
+    cfg: Settings, engine: Engine, lock: str
+) -> None:
+    """r17 F2, the real thing: someone holds acme's key rows ``FOR UPDATE``, the destroy waits,
+    the operator presses Ctrl-C. The thread cannot be stopped (the process would wait for it at
+    exit anyway), so the run waits for the store's answer and chains that: a lock timeout is a
+    failed shred (exit non-zero, ``outcome=error``, the data still opens); a lock released
+    after the Ctrl-C lets the destroy finish, and that is a shred (``ok``, the data is dead)."""
+    sealed = keyring(cfg, engine).seal("acme", CK, b"acme data")
+    t = table(DataKey)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    if lock == "times-out":
+        env["PGOPTIONS"] = "-c lock_timeout=3s"
+    with engine.connect() as holder:
+        holder.begin()
+        holder.execute(select(t).where(t.c.tenant == "acme").with_for_update()).all()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvgov", "keys", "shred", "--tenant", "acme", "--yes"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while not ledger_rows(engine, EventKind.KEY_SHRED_REQUESTED):  # the destroy waits
+                assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+                time.sleep(0.1)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            if lock == "is-released":
+                time.sleep(0.5)
+                holder.rollback()
+            out, _ = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert "interrupted" in out, out
+    shredded = [(r["outcome"], r["attrs"]) for r in ledger_rows(engine, EventKind.KEY_SHREDDED)]
+    if lock == "times-out":
+        assert proc.returncode != 0 and "NOT shredded" in out, out
+        assert shredded == [("error", {"key_id": "t:acme", "version": 1})], out
+        assert keyring(cfg, engine).open(sealed, tenant="acme", cache_key=CK) == b"acme data"
+    else:
+        assert proc.returncode == 0 and "destroyed:" in out, out
+        assert shredded == [("ok", {"key_id": "t:acme", "version": 1})], out
+        with pytest.raises(KeyDestroyedError):
+            keyring(cfg, engine).open(sealed, tenant="acme", cache_key=CK)
+    assert verify(engine).ok

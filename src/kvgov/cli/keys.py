@@ -6,18 +6,25 @@
 
 User ids are pseudonymised (the ledger's keyed HMAC) before they name a key; nothing prints key
 material. Rotation and shredding are recorded in the ledger (``key:rotated`` / ``key:created``,
-``key:shredded``) on a chain of the CLI's own, *before* the key store changes, as token and
-tenant changes are: the run starts its ledger writer (signing key loaded, session opened) and
-appends first, and one that cannot changes nothing (exit 2). The ledger may so name a change
-whose write then failed, or a version another process reached first; it never misses one
-this run made. Shredding here destroys the wrapped rows; a
+``key:shred:requested``) on a chain of the CLI's own, *before* the key store changes, as token
+and tenant changes are: the run starts its ledger writer (signing key loaded, session opened)
+and appends first, and one that cannot changes nothing (exit 2). The ledger may so name a
+rotation whose write then failed, or a version another process reached first; it never misses
+one this run made. A shred is evidence of erasure, so its first event is only the request:
+``key:shredded`` with outcome ``ok`` follows once the destroy has returned, for every version
+destroyed, and a destroy that raises (a lock timeout, a dropped connection, Ctrl-C) is chained
+as ``key:shredded`` with outcome ``error`` for the versions requested before the error goes on
+(review r17 F2). Ctrl-C while the destroy waits waits for the store's answer and records that.
+Shredding here destroys the wrapped rows; a
 running sidecar drops its in-memory copies within ``keys.revalidate_interval_s``. The
 right-to-be-forgotten path is still ``kvgov purge``, which calls the same shred and also deletes
 the ciphertext and the engines' copies. Rotation, the
 ledger events and what a key listing shows come from :mod:`kvgov.services.keys`, which
 ``POST /v1/keys/rotate`` and ``GET /v1/keys`` use too.
 Exit 0 done; 1 done, but a version created or destroyed by another process meanwhile could not
-be recorded; 2 bad usage or configuration, or the ledger could not record (nothing changed).
+be recorded (a shred: its confirmation could not); 2 bad usage or configuration, or the ledger
+could not record (nothing changed), or a database error; 3 the key store failed (a shred whose
+destroy failed exits 3 or 2, its failure chained as above).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import typer
 from kvgov.cli._common import EXIT_FAILED, EXIT_USAGE, echo, emit_json, fail, settings, shown
 from kvgov.cli.userid import UserFileOpt, user_id
 from kvgov.config import Settings
-from kvgov.types import EventKind, KeyState
+from kvgov.types import EventKind, KeyState, Outcome, WrappedKey
 
 if TYPE_CHECKING:
     from kvgov.keys.keyring import KeyInfo
@@ -222,24 +229,65 @@ def _run(main: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
 async def _shred(
     cfg: Settings, tenant: str, subject: str | None
 ) -> tuple[list[KeyInfo], list[dict[str, Any]] | None]:
-    """Record ``key:shredded`` for every live version in scope, then destroy them."""
+    """Record ``key:shred:requested`` for every live version in scope, destroy them, then
+    record ``key:shredded`` for each version destroyed; a destroy that raises (Ctrl-C too) is
+    recorded as ``key:shredded`` with outcome ``error`` before the exception goes on."""
     from kvgov.services.keys import key_event
 
-    def events(keys: Sequence[KeyInfo]) -> list[Event]:
+    def events(
+        kind: EventKind, keys: Sequence[KeyInfo], outcome: Outcome = Outcome.OK, why: str = _SHRED
+    ) -> list[Event]:
         return [
-            key_event(EventKind.KEY_SHREDDED, k, subject, principal="cli", reason=_SHRED)
-            for k in keys
+            key_event(kind, k, subject, principal="cli", reason=why, outcome=outcome) for k in keys
         ]
 
     with _store(cfg) as store:
         async with _ledger(cfg) as ledger:
             live = await asyncio.to_thread(_live, store, tenant, subject)
-            recorded = await ledger.record_first(events(live))
-            destroyed = [_info(r) for r in await asyncio.to_thread(store.destroy, tenant, subject)]
-            # a version created since the listing (a sidecar's first seal) is destroyed too
-            planned = {(k.key_id, k.version) for k in live}
-            later = [k for k in destroyed if (k.key_id, k.version) not in planned]
-            return destroyed, await ledger.record_after(recorded, events(later))
+            # the request, not the deed: a crash before the confirmation leaves no key:shredded
+            requested = await ledger.record_first(events(EventKind.KEY_SHRED_REQUESTED, live))
+            try:
+                rows = await _destroy(store, tenant, subject)
+            except BaseException as exc:  # KeyboardInterrupt too: say it was not done
+                why = f"{_SHRED}: destroy failed ({type(exc).__name__})"
+                failed = events(EventKind.KEY_SHREDDED, live, Outcome.ERROR, why)
+                _echo_failed(live, await ledger.record_after(requested, failed))
+                raise
+            # every version destroyed, one created since the listing (a sidecar's first seal) too
+            destroyed = [_info(r) for r in rows]
+            return destroyed, await ledger.record_after(
+                requested, events(EventKind.KEY_SHREDDED, destroyed)
+            )
+
+
+async def _destroy(store: WrappedKeyStore, tenant: str, subject: str | None) -> list[WrappedKey]:
+    """``store.destroy`` in a thread, waited for to its end. A Ctrl-C cancels the wait, not the
+    thread (the process waits for it at exit anyway): so wait here too, and record what it did
+    rather than a guess; a lock or statement timeout still ends it."""
+    # an executor future, not a task: what the thread raises reaches this coroutine, never the
+    # event loop itself (a task re-raises a KeyboardInterrupt out of the loop)
+    job = asyncio.get_running_loop().run_in_executor(None, store.destroy, tenant, subject)
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        echo("kvgov: interrupted: waiting for the key store to finish or fail...", err=True)
+        return await job
+
+
+def _echo_failed(live: Sequence[KeyInfo], recorded: list[dict[str, Any]] | None) -> None:
+    """Say that the versions asked for were NOT shredded, and where the ledger says so."""
+    where = (
+        f"the ledger records key:shredded outcome=error for them (seq"
+        f" {', '.join(str(r['seq']) for r in recorded[len(live) :])})"
+        if recorded is not None
+        else "the ledger names the request (key:shred:requested) with no outcome"
+    )
+    echo(
+        f"kvgov: the destroy failed: {len(live)} key version(s) NOT shredded (not confirmed: they"
+        f" may still open their data); {where}. `kvgov keys list` shows each version's state;"
+        " run the shred again.",
+        err=True,
+    )
 
 
 def _live(store: WrappedKeyStore, tenant: str, subject: str | None) -> list[KeyInfo]:

@@ -75,10 +75,17 @@ def key_record(key: KeyInfo) -> dict[str, Any]:
 
 
 def key_event(
-    kind: EventKind, key: KeyInfo, subject: str | None, *, principal: str, reason: str
+    kind: EventKind,
+    key: KeyInfo,
+    subject: str | None,
+    *,
+    principal: str,
+    reason: str,
+    outcome: Outcome = Outcome.OK,
 ) -> Event:
-    """The ledger event for one key version created, rotated or shredded."""
-    return _event(kind, key.key_id, key.tenant, subject, key.version, principal, reason)
+    """The ledger event for one key version created, rotated or shredded (``outcome=ERROR``:
+    a change that was asked for and did not happen, or not that anyone saw)."""
+    return _event(kind, key.key_id, key.tenant, subject, key.version, principal, reason, outcome)
 
 
 def _event(  # noqa: PLR0917 - the event's fields, each once
@@ -89,13 +96,14 @@ def _event(  # noqa: PLR0917 - the event's fields, each once
     version: int,
     principal: str,
     reason: str,
+    outcome: Outcome = Outcome.OK,
 ) -> Event:
     return Event(
         kind=kind,
         tenant=tenant,
         actor=subject,
         principal=principal,
-        outcome=Outcome.OK,
+        outcome=outcome,
         reason=reason,
         attrs={"key_id": key_id, "version": version},
     )
