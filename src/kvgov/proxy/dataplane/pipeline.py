@@ -735,6 +735,11 @@ class Pipeline:
             allowed = decision.tiers
             total = plan.body_offset + writer.sealed_len
             reserved, plan.reserved = plan.reserved, None
+            # from here until it is indexed, a tier's eviction of its key is this put's copy
+            # (a tier protects a key only while its own write runs, and a write-through of
+            # several tiers wakes this a pass of the loop after the last one: another put can
+            # make room in between): noted on the plan (:meth:`tier_evicted`), recorded below
+            plan.evicted = []
             if reserved is None:
                 written = await self.tiers.put(
                     who.digest, plan.lease.view[:total], allowed=allowed, expires_at=expires_at
@@ -772,6 +777,8 @@ class Pipeline:
         except BaseException:
             await self.unstore(stored)
             raise
+        for tier in plan.evicted or ():  # after its kv:put, which they amend (kv:evict)
+            self._evicted(tier, who.digest)
         self._put_bytes.inc(plan.length)
         return stored
 
@@ -788,11 +795,20 @@ class Pipeline:
         return ErasureFencedError("a purge of this put's scope began while it was in flight")
 
     async def unstore(self, stored: StoredPut) -> None:
-        """Take an unrecorded put out of the index and every tier (unless it was replaced)."""
+        """Take an unrecorded put out of the index and every tier, whatever its entry lists
+        now, unless a newer put of its key replaced it (or is being stored): the tiers then
+        hold the newer put's bytes. Its entry is known by identity, which a tier's eviction of
+        one copy keeps (:func:`~kvgov.proxy.dataplane.upkeep.evicted` updates it in place).
+        An entry evicted from every tier has left the index; what may be left of it (a copy
+        promoted into a tier its entry never listed) is deleted all the same."""
         log.warning("dataplane.put.unrecorded", extra={"key_digest": stored.digest})
-        if self.index.get(stored.digest) is stored.entry:
-            self.index.pop(stored.digest)
-            await self.tiers.delete(stored.digest)
+        digest = stored.digest
+        current = self.index.get(digest)
+        if current is stored.entry:
+            self.index.pop(digest)
+        elif current is not None or digest in self._storing:
+            return  # replaced: another put's entry, and its bytes
+        await self.tiers.delete(digest)
 
     # -- erasure fences (fences.py): a purge's tier step raises one before it reads its scope --
 
@@ -1082,7 +1098,17 @@ class Pipeline:
 
     def tier_evicted(self, tier: str, digest: str, nbytes: int) -> None:
         """A tier dropped ``digest`` to make room (its ``on_evict`` hook, called on the loop):
-        update the index and record ``kv:evict`` with the entry-index change."""
+        update the index and record ``kv:evict`` with the entry-index change. A put still
+        being written (not indexed yet) has it noted instead, and recorded once it is
+        (:meth:`store_put`): else its ``kv:put`` would list a tier that no longer holds it,
+        with no ``kv:evict`` saying so."""
+        plan = self._storing.get(digest)
+        if plan is not None and plan.evicted is not None:
+            plan.evicted.append(tier)
+            return
+        self._evicted(tier, digest)
+
+    def _evicted(self, tier: str, digest: str) -> None:
         event = evicted(self.index, tier, digest)
         if event is not None:
             self.recorder.note(event, "dataplane.evict.unrecorded")

@@ -111,6 +111,10 @@ class PutPlan:
     #: an erasure of its scope began while it was in flight: never made visible
     #: (:mod:`~kvgov.proxy.dataplane.fences`)
     fenced: bool = False
+    #: tiers that dropped the key to make room while this put wrote it, before it was
+    #: indexed (None: not writing yet); :meth:`~kvgov.proxy.dataplane.pipeline.Pipeline.store_put`
+    #: records each as ``kv:evict`` once its ``kv:put`` is queued
+    evicted: list[str] | None = None
 
     def segment_done(self, index: int, pool: Executor) -> None:
         """Segment ``index`` has fully arrived: seal it, here for a chunk up to

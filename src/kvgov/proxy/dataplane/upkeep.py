@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from sqlalchemy import Engine, select
@@ -101,8 +100,9 @@ async def reconcile(
     not shredded, they stay readable to whoever reads the disk); a purge that no sidecar
     sharing a Redis was alive for (or whose deletion failed there) left them in Redis.
 
-    A local tier (:data:`LOCAL_TIERS`): every value the index does not name. A shared tier
-    (:class:`IdleDeleting`, needs ``lookup``): see :func:`_reconcile_shared`.
+    A local tier (:data:`LOCAL_TIERS`): every value no live entry lists in that tier (none
+    names it, or its entry lives elsewhere: an evicted file that stayed, :func:`_lists`). A
+    shared tier (:class:`IdleDeleting`, needs ``lookup``): see :func:`_reconcile_shared`.
 
     With a ``recorder``, each deletion is recorded (``kv:delete``, reason ``orphan``, the
     tier, the value's size, the tenant and entry state the ledger's row gives, from
@@ -127,6 +127,15 @@ async def reconcile(
     return removed
 
 
+def _lists(index: EntryIndex, key: str, tier: str) -> bool:
+    """Whether a live entry says ``tier`` holds ``key``. A file its entry does not list is an
+    orphan too: its tier evicted it (``kv:evict`` recorded) but the file stayed (a failed
+    unlink, a crash before the removal or before the directory's sync), and it would be
+    served again while the entry lives in another tier."""
+    entry = index.get(key)
+    return entry is not None and tier in entry.tiers
+
+
 async def _reconcile_local(
     index: EntryIndex,
     tier: Tier,
@@ -136,7 +145,7 @@ async def _reconcile_local(
     lookup: Lookup | None,
     principal: str | None,
 ) -> int:
-    orphans = [key async for key in tier.iter_keys() if index.get(key) is None]
+    orphans = [key async for key in tier.iter_keys() if not _lists(index, key, name)]
     unlisted = unlisted_bytes = 0
     listed = RECONCILE_RECORDED_MAX if recorder is not None else 0
     for start in range(0, len(orphans), RECONCILE_CHUNK):
@@ -358,7 +367,9 @@ def evicted(index: EntryIndex, tier: str, digest: str) -> Event | None:
         return None
     remaining = tuple([t for t in entry.tiers if t != tier])
     if remaining:
-        index.set(digest, replace(entry, tiers=remaining))
+        # updated in place, never replaced: the entry stays the put's own object, which is how
+        # an unrecorded put's removal knows it is still its own (``Pipeline.unstore``)
+        entry.tiers = remaining
     else:
         index.pop(digest)
     return evict_event(digest, entry, tier, remaining)
