@@ -288,7 +288,9 @@ class TierSettings(_Section):
     #: Unset: :data:`DEV_FILESYSTEM_MAX_BYTES` in development; production refuses a chain with
     #: ``filesystem`` without it (a tier that grows until its volume is full gets the pod
     #: evicted, journal and all: ``docs/tiers.md``, "Disk bound"). Leave the tier's volume
-    #: ~10% more room than this (its directories, a crash's leftovers)
+    #: ~10% more room than this (its directories, a crash's leftovers). At least twice
+    #: ``dataplane.buffer_pool_bytes`` (what puts in flight hold of it) and at least
+    #: ``dataplane.max_frame_bytes`` (the largest value): start-up refuses less
     filesystem_max_bytes: int | None = Field(default=None, ge=_MIB)
     #: the Redis tier's URL (``redis://[:password@]host:port/db``); it may hold a password, so
     #: it is a secret and never logged. Empty, with no ``redis_url_file``, means
@@ -665,7 +667,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _unsafe_combinations(self) -> Settings:
-        problems = self.dataplane.lm_problems()
+        problems = self.dataplane.lm_problems() + self._filesystem_bound_problems()
         if problems:
             raise ValueError("; ".join(problems))
         if self.environment is Environment.PRODUCTION:
@@ -673,6 +675,44 @@ class Settings(BaseSettings):
             if problems:
                 raise ValueError("unsafe for production: " + "; ".join(problems))
         return self
+
+    def _min_filesystem_bytes(self) -> int:
+        """The least ``tiers.filesystem_max_bytes`` may be (review r18, finding 4): twice
+        ``dataplane.buffer_pool_bytes``, and at least ``dataplane.max_frame_bytes``.
+
+        Every put holds its pooled buffer (its sealed value, whole) until its file is in the
+        tier's index, so the puts in flight hold up to the pool's bytes of the bound, counted
+        in disk blocks (a 64 KiB buffer's file takes up to 68 KiB) and with the files evicted
+        for them until removed; only what is left is room for cached entries. A bound near
+        the pool has puts refused as "held by puts in progress" (the chain then removes the
+        key from every tier) and evictions reaching the entries just written; twice the pool
+        leaves at least about the pool's worth cached. A value is refused by a tier it would
+        not fit, so a bound below the largest value a frame may carry caches such values
+        nowhere."""
+        dp = self.dataplane
+        return max(2 * dp.buffer_pool_bytes, dp.max_frame_bytes)
+
+    def _filesystem_bound_problems(self) -> list[str]:
+        """A ``tiers.filesystem_max_bytes`` below :meth:`_min_filesystem_bytes` (in every
+        environment: it breaks puts, it does not only weaken them); unchecked where the chain
+        has no filesystem tier (nothing reads it)."""
+        bound = self.tiers.filesystem_max_bytes
+        if bound is None or "filesystem" not in self.tiers.chain:
+            return []
+        least = self._min_filesystem_bytes()
+        if bound >= least:
+            return []
+        dp = self.dataplane
+        problem = (
+            f"tiers.filesystem_max_bytes={bound} is below {least}: it must be at least twice"
+            f" dataplane.buffer_pool_bytes={dp.buffer_pool_bytes} (puts hold up to the pool's"
+            " bytes of the tier until written; a bound near it refuses puts as held by puts in"
+            " progress and evicts the values just written) and at least"
+            f" dataplane.max_frame_bytes={dp.max_frame_bytes} (a larger value is cached"
+            f" nowhere); set tiers.filesystem_max_bytes to at least {least} (and the tier's"
+            " volume about 10% above it) or lower the pool or the frame size"
+        )
+        return [problem]
 
     def production_problems(self) -> list[str]:
         """What makes these settings unsafe outside development (empty when none)."""
@@ -1094,9 +1134,12 @@ class Settings(BaseSettings):
     @property
     def filesystem_tier_max_bytes(self) -> int:
         """``tiers.filesystem_max_bytes``, or (development, where it is unset)
-        :data:`DEV_FILESYSTEM_MAX_BYTES`."""
+        :data:`DEV_FILESYSTEM_MAX_BYTES`, raised to the least the data plane's settings allow
+        (:meth:`_min_filesystem_bytes`: a large pool or frame size)."""
         bound = self.tiers.filesystem_max_bytes
-        return DEV_FILESYSTEM_MAX_BYTES if bound is None else bound
+        if bound is None:
+            return max(DEV_FILESYSTEM_MAX_BYTES, self._min_filesystem_bytes())
+        return bound
 
     @property
     def chain_id(self) -> str:

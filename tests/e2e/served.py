@@ -39,7 +39,7 @@ def serve_env(pg_url: str, data_dir: Path, **extra: str) -> dict[str, str]:
             "KVGOV_DATAPLANE__LM_PORT": "-1",
             "KVGOV_POLICY__DATA_FILE": str(data_dir / "policy-data.json"),
             "KVGOV_TIERS__FILESYSTEM_FSYNC": "false",
-            "KVGOV_TIERS__FILESYSTEM_MAX_BYTES": str(1 << 30),  # production asks for one
+            "KVGOV_TIERS__FILESYSTEM_MAX_BYTES": str(2 << 30),  # production asks for one
             "KVGOV_API__PORT": str(free_port()),
             **extra,
         }

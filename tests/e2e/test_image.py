@@ -87,7 +87,7 @@ def _env(db: RoleDatabase, api_port: int) -> list[str]:
         "KVGOV_API__HOST": "127.0.0.1",
         "KVGOV_API__PORT": str(api_port),
         "KVGOV_TIERS__FILESYSTEM_FSYNC": "false",
-        "KVGOV_TIERS__FILESYSTEM_MAX_BYTES": str(1 << 30),  # production refuses it unbounded
+        "KVGOV_TIERS__FILESYSTEM_MAX_BYTES": str(2 << 30),  # production refuses it unbounded
         "KVGOV_PURGE__POLL_INTERVAL_S": "0.1",
         "KVGOV_PURGE__JOB_TIMEOUT_S": "60",
     }

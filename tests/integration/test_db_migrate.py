@@ -227,7 +227,7 @@ def _production(url: str, tmp_path: Path) -> Settings:
         keys={"kek_path": str(tmp_path / "kek.key")},
         dataplane={"engine_tokens": {"t0ken": "engine-a"}, "host": "", "lm_port": -1},
         purge={"no_gpu_prefix_cache": True},
-        tiers={"filesystem_max_bytes": 1 << 30},
+        tiers={"filesystem_max_bytes": 2 << 30},
     )
 
 
@@ -256,7 +256,7 @@ async def test_a_production_sidecar_on_an_old_schema_refuses_to_start(
         KVGOV_DATAPLANE__ENGINE_TOKENS='{"t0ken": "engine-a"}',
         KVGOV_DATAPLANE__LM_PORT="-1",
         KVGOV_DATAPLANE__PORT="0",
-        KVGOV_TIERS__FILESYSTEM_MAX_BYTES=str(1 << 30),
+        KVGOV_TIERS__FILESYSTEM_MAX_BYTES=str(2 << 30),
     )
     proc = _kvgov(env, "serve")
     out, err_text = proc.communicate(timeout=120)

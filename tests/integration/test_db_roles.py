@@ -119,7 +119,7 @@ def test_a_production_sidecar_accepts_only_a_runtime_role(
             keys={"kek_path": "/nonexistent/kek.key"},
             dataplane={"engine_tokens": {"t0ken": "engine-a"}},
             purge={"no_gpu_prefix_cache": True},
-            tiers={"filesystem_max_bytes": 1 << 30},
+            tiers={"filesystem_max_bytes": 2 << 30},
         )
 
     upgrade(db.owner_url)  # migrated without grants: the runtime role can do nothing yet

@@ -218,7 +218,7 @@ async def test_production_init_makes_no_second_pseudonym_key_for_a_pinned_ledger
         "KVGOV_KEYS__KEK_PATH": str(host.kek_path),
         "KVGOV_DATAPLANE__ENGINE_TOKENS": json.dumps(doors.TOKENS),
         "KVGOV_POLICY__DATA_FILE": str(host.policy.data_file),
-        "KVGOV_TIERS__FILESYSTEM_MAX_BYTES": str(1 << 30),
+        "KVGOV_TIERS__FILESYSTEM_MAX_BYTES": str(2 << 30),
     }
     result = CliRunner().invoke(build_app(), ["init"], env=env)
     assert result.exit_code != 0

@@ -196,14 +196,17 @@ async def test_a_tenants_unique_prompts_cannot_fill_the_tiers_volume(
     tmp_path: Path, prod_db: doors.ProdDatabase
 ) -> None:
     assert "filesystem_max_bytes" in TierSettings.model_fields, UNBOUNDED
-    bound = 4 * MIB
+    # the least bound the settings allow (review r18, finding 4): twice the smallest pool,
+    # and the largest frame
+    bound = 16 * MIB
+    small = doors.known_dataplane(buffer_pool_bytes=8 * MIB, max_frame_bytes=16 * MIB)
     tiers = {
         "chain": ["memory", "filesystem"],
         "memory_max_bytes": MIB,
         "filesystem_max_bytes": bound,
     }
-    values = {key(0x100 + i, "acme", "alice"): os.urandom(512 * KIB) for i in range(16)}
-    async with doors.tiered_sidecar(tmp_path, prod_db, tiers) as sc:
+    values = {key(0x100 + i, "acme", "alice"): os.urandom(512 * KIB) for i in range(40)}
+    async with doors.tiered_sidecar(tmp_path, prod_db, tiers, **small) as sc:
         await _put_all(sc, values)
         fs = sc.pipeline.tiers.tier("filesystem")
         assert isinstance(fs, FilesystemTier)
@@ -250,7 +253,7 @@ async def test_a_tenants_unique_prompts_cannot_fill_the_tiers_volume(
         assert sample("kvgov_tier_capacity_bytes", {"tier": "memory"}) == MIB
     # a restart counts what it finds on disk: more puts keep the bound
     more = {key(0x200 + i, "acme", "alice"): os.urandom(512 * KIB) for i in range(8)}
-    async with doors.tiered_sidecar(tmp_path, prod_db, tiers) as sc:
+    async with doors.tiered_sidecar(tmp_path, prod_db, tiers, **small) as sc:
         fs = sc.pipeline.tiers.tier("filesystem")
         assert isinstance(fs, FilesystemTier)
         assert fs.used_bytes == counted

@@ -148,7 +148,7 @@ def test_production_accepts_a_safe_configuration(tmp_path: Path) -> None:
         keys={"kek_path": str(tmp_path / "kek.key")},
         dataplane={"engine_tokens": {"t0ken-value": "engine-a"}},
         purge={"vllm_engines": ["http://127.0.0.1:8000"]},
-        tiers={"filesystem_max_bytes": 1 << 30},
+        tiers={"filesystem_max_bytes": 2 << 30},
     )
     assert s.production_problems() == []
 
@@ -167,8 +167,8 @@ def test_production_refuses_the_filesystem_tier_without_a_bound(tmp_path: Path) 
     }
     with pytest.raises(ConfigError, match=r"tiers\.filesystem_max_bytes is unset"):
         load_settings(**safe)
-    bounded = load_settings(**safe, tiers={"filesystem_max_bytes": 1 << 30})
-    assert bounded.filesystem_tier_max_bytes == 1 << 30
+    bounded = load_settings(**safe, tiers={"filesystem_max_bytes": 2 << 30})
+    assert bounded.filesystem_tier_max_bytes == 2 << 30
     memory_only = load_settings(**safe, tiers={"chain": ["memory"]})
     assert memory_only.production_problems() == []
     with pytest.raises(ConfigError, match="filesystem_max_bytes"):
@@ -176,6 +176,51 @@ def test_production_refuses_the_filesystem_tier_without_a_bound(tmp_path: Path) 
     dev = load_settings(data_dir=tmp_path / "dev")
     assert dev.tiers.filesystem_max_bytes is None
     assert dev.filesystem_tier_max_bytes == DEV_FILESYSTEM_MAX_BYTES
+
+
+def test_a_filesystem_bound_below_what_puts_hold_in_flight_is_refused(tmp_path: Path) -> None:
+    """Attack (review r18, finding 4): nothing kept ``tiers.filesystem_max_bytes`` above the
+    bytes puts have in flight (their pooled buffers: ``dataplane.buffer_pool_bytes``) or the
+    largest value a put may carry (``dataplane.max_frame_bytes``). A bound near the pool had
+    puts refused as "held by puts in progress" (the chain then dropped the key from every
+    tier) and evictions reaching the value just written; a bound below a value cached it
+    nowhere. Start-up now refuses a bound under twice the pool or under the largest frame,
+    naming the settings and their values, in every environment."""
+    mib = 1 << 20
+    small = {"buffer_pool_bytes": 64 * mib, "max_frame_bytes": 16 * mib}
+    with pytest.raises(ConfigError) as refused:  # at the pool: no room left for what is cached
+        load_settings(dataplane=small, tiers={"filesystem_max_bytes": 64 * mib})
+    message = str(refused.value)
+    assert f"tiers.filesystem_max_bytes={64 * mib}" in message, message
+    assert f"dataplane.buffer_pool_bytes={64 * mib}" in message, message
+    assert f"at least {128 * mib}" in message, message
+    frames = {"buffer_pool_bytes": 8 * mib, "max_frame_bytes": 256 * mib}
+    with pytest.raises(ConfigError) as refused:  # below one value of the largest frame
+        load_settings(dataplane=frames, tiers={"filesystem_max_bytes": 128 * mib})
+    message = str(refused.value)
+    assert f"dataplane.max_frame_bytes={256 * mib}" in message, message
+    assert f"at least {256 * mib}" in message, message
+    # production too (the shipped manifests: a 512 MiB pool, a 16 GiB bound)
+    with pytest.raises(ConfigError, match=r"tiers\.filesystem_max_bytes="):
+        load_settings(
+            environment="production",
+            database={"url": PROD_DB_URL, "runtime_role": "rt"},
+            keys={"kek_path": str(tmp_path / "kek.key")},
+            dataplane={"engine_tokens": {"t0ken-value": "engine-a"}},
+            purge={"no_gpu_prefix_cache": True},
+            tiers={"filesystem_max_bytes": 1 << 30},  # the default 1 GiB pool: twice that
+        )
+    # the minimum itself, and the defaults, pass
+    assert load_settings(dataplane=small, tiers={"filesystem_max_bytes": 128 * mib})
+    shipped = {"buffer_pool_bytes": 512 * mib}
+    assert load_settings(dataplane=shipped, tiers={"filesystem_max_bytes": 16 << 30})
+    dev = load_settings(data_dir=tmp_path / "dev")
+    assert dev.filesystem_tier_max_bytes == DEV_FILESYSTEM_MAX_BYTES
+    # unset in development with a pool too large for the default bound: raised to the minimum
+    big = load_settings(data_dir=tmp_path / "dev", dataplane={"buffer_pool_bytes": 4 << 30})
+    assert big.filesystem_tier_max_bytes == 8 << 30
+    # a chain without the filesystem tier does not use the bound: not checked
+    assert load_settings(tiers={"chain": ["memory"], "filesystem_max_bytes": mib})
 
 
 def test_production_refuses_a_purge_that_resets_no_gpu_prefix_cache(tmp_path: Path) -> None:
@@ -188,7 +233,7 @@ def test_production_refuses_a_purge_that_resets_no_gpu_prefix_cache(tmp_path: Pa
         "database": {"url": PROD_DB_URL, "runtime_role": "kvgov_rt"},
         "keys": {"kek_path": str(tmp_path / "kek.key")},
         "dataplane": {"engine_tokens": {"t0ken-value": "engine-a"}},
-        "tiers": {"filesystem_max_bytes": 1 << 30},
+        "tiers": {"filesystem_max_bytes": 2 << 30},
     }
     with pytest.raises(ConfigError, match=r"purge\.vllm_engines is empty"):
         load_settings(**safe)
@@ -213,7 +258,7 @@ def test_production_refuses_the_cleartext_wire_beyond_loopback(tmp_path: Path) -
         "database": {"url": PROD_DB_URL, "runtime_role": "rt"},
         "keys": {"kek_path": str(tmp_path / "kek.key")},
         "purge": {"no_gpu_prefix_cache": True},
-        "tiers": {"filesystem_max_bytes": 1 << 30},
+        "tiers": {"filesystem_max_bytes": 2 << 30},
     }
     tokens = {"engine_tokens": {"t0ken-value": "engine-a"}}
     for host in ("0.0.0.0", "10.1.2.3", "::"):
@@ -288,7 +333,7 @@ def test_production_refuses_sqlite_from_a_url_file(tmp_path: Path) -> None:
         keys={"kek_path": str(tmp_path / "kek.key")},
         dataplane={"engine_tokens": {"t0ken-value": "engine-a"}},
         purge={"no_gpu_prefix_cache": True},
-        tiers={"filesystem_max_bytes": 1 << 30},
+        tiers={"filesystem_max_bytes": 2 << 30},
     )
     with pytest.raises(ConfigError, match="production needs a Postgres ledger"):
         _ = s.database_url

@@ -100,6 +100,11 @@ class StreamProtocol(asyncio.BufferedProtocol):
         #: of the hit's buffers); ``write`` holds data meanwhile
         self._wjob: Future[None] | None = None
         self._held: list[bytes] = []
+        #: frames the handler has taken since this connection's reads last waited for the
+        #: event loop (:meth:`read_into` resets it when it waits): a frame whose bytes are
+        #: buffered already is read with no pass of the loop, so the handler gives the other
+        #: connections one every ``pipeline.SLICE`` of them (both listeners' handlers)
+        self.frames_this_turn = 0
         #: loop time after which the listener's watchdog closes this connection (math.inf:
         #: none); set by :meth:`arm`, or by the first byte after :meth:`arm_on_data`
         self.deadline = math.inf
@@ -242,7 +247,11 @@ class StreamProtocol(asyncio.BufferedProtocol):
         if not fut.done() and self._paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
+        if fut.done():  # (failed, or filled by bytes here already): no pass of the loop either
+            await fut
+            return
         await fut
+        self.frames_this_turn = 0  # the loop ran the other connections meanwhile
 
     async def read_exact(self, n: int) -> bytes:
         """The next ``n`` bytes of the stream (raises ConnectionClosed)."""
