@@ -12,11 +12,9 @@ would not prove the predicate to a generic Postgres plan). Migration 0009 writes
 from __future__ import annotations
 
 from sqlalchemy import String, literal_column
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ColumnElement
-from sqlalchemy.sql.functions import FunctionElement
 
+from kvgov.db.jsonattr import AttrText
 from kvgov.types import EventKind
 
 #: the index's name (the model's, the migration's, and what a query plan names)
@@ -25,29 +23,14 @@ PURGE_ID_INDEX = "ix_ledger_events_purge_id"
 PURGE_ID_KEY = "purge_id"
 
 
-class purge_id_of(FunctionElement[str]):  # noqa: N801 (a SQL function, named like func.x)
+class purge_id_of(AttrText):  # noqa: N801 (a SQL function, named like func.x)
     """``attrs``' ``purge_id`` as text: ``(attrs ->> 'purge_id')`` on Postgres,
     ``json_extract(attrs, '$.purge_id')`` on SQLite (kvgov's two dialects; elsewhere it renders
     as a ``purge_id_of()`` call the database will not know). NULL where there is none."""
 
     name = "purge_id_of"
-    type = String()
+    attr_key = PURGE_ID_KEY
     inherit_cache = True
-
-
-def _attrs(element: purge_id_of, compiler: SQLCompiler, **kw: object) -> str:
-    (attrs,) = element.clauses
-    return compiler.process(attrs, **kw)
-
-
-@compiles(purge_id_of, "postgresql")
-def _postgresql(element: purge_id_of, compiler: SQLCompiler, **kw: object) -> str:
-    return f"({_attrs(element, compiler, **kw)} ->> '{PURGE_ID_KEY}')"
-
-
-@compiles(purge_id_of, "sqlite")
-def _sqlite(element: purge_id_of, compiler: SQLCompiler, **kw: object) -> str:
-    return f"json_extract({_attrs(element, compiler, **kw)}, '$.{PURGE_ID_KEY}')"
 
 
 def is_purge_step(kind: ColumnElement[str]) -> ColumnElement[bool]:

@@ -14,11 +14,9 @@ would not prove the predicate to a generic Postgres plan). Migration 0015 writes
 from __future__ import annotations
 
 from sqlalchemy import String, literal_column
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ColumnElement
-from sqlalchemy.sql.functions import FunctionElement
 
+from kvgov.db.jsonattr import AttrText
 from kvgov.types import EventKind
 
 #: the index's name (the model's, the migration's, and what a query plan names)
@@ -29,28 +27,13 @@ TOKEN_ID_KEY = "token_id"  # noqa: S105 - an attrs key, not a secret
 TOKEN_KINDS = (EventKind.TOKEN_CREATED, EventKind.TOKEN_REVOKED)
 
 
-class token_id_of(FunctionElement[str]):  # noqa: N801 (a SQL function, named like func.x)
+class token_id_of(AttrText):  # noqa: N801 (a SQL function, named like func.x)
     """``attrs``' ``token_id`` as text: ``(attrs ->> 'token_id')`` on Postgres,
     ``json_extract(attrs, '$.token_id')`` on SQLite. NULL where there is none."""
 
     name = "token_id_of"
-    type = String()
+    attr_key = TOKEN_ID_KEY
     inherit_cache = True
-
-
-def _attrs(element: token_id_of, compiler: SQLCompiler, **kw: object) -> str:
-    (attrs,) = element.clauses
-    return compiler.process(attrs, **kw)
-
-
-@compiles(token_id_of, "postgresql")
-def _postgresql(element: token_id_of, compiler: SQLCompiler, **kw: object) -> str:
-    return f"({_attrs(element, compiler, **kw)} ->> '{TOKEN_ID_KEY}')"
-
-
-@compiles(token_id_of, "sqlite")
-def _sqlite(element: token_id_of, compiler: SQLCompiler, **kw: object) -> str:
-    return f"json_extract({_attrs(element, compiler, **kw)}, '$.{TOKEN_ID_KEY}')"
 
 
 def is_token_event(kind: ColumnElement[str]) -> ColumnElement[bool]:
