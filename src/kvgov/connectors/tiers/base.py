@@ -21,6 +21,7 @@ Contract every backend keeps (``tests/contract/test_tiers.py`` checks it):
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -184,6 +185,21 @@ class Reserving(Protocol):
         """Store the reserved buffer (its whole length) under ``key``, as ``put`` would store
         a copy; the buffer is the tier's from here (the caller must not touch it again)."""
         ...
+
+
+def notify_evict(
+    log: logging.Logger, listener: EvictListener | None, tier: str, key: str, size: int
+) -> None:
+    """Tell ``listener`` (a tier's ``on_evict``) that ``tier`` dropped ``key`` (``size``
+    bytes) to make room; a listener's error is logged on ``log`` (the tier's), never raised
+    into the put that made the room."""
+    log.debug("tier.evict", extra={"tier": tier, "nbytes": size})
+    if listener is None:
+        return
+    try:
+        listener(tier, key, size)
+    except Exception:
+        log.exception("tier.evict_listener_failed", extra={"tier": tier})
 
 
 def check_key(tier: str, key: str) -> None:

@@ -59,6 +59,7 @@ from kvgov.connectors.tiers.base import (
     TierStats,
     as_bytes_view,
     check_key,
+    notify_evict,
 )
 from kvgov.connectors.tiers.fsformat import (
     CorruptEntryError,
@@ -384,13 +385,7 @@ class FilesystemTier:
         return victims
 
     def _notify_evict(self, key: str, size: int) -> None:
-        log.debug("tier.evict", extra={"tier": self._name, "nbytes": size})
-        if self._on_evict is None:
-            return
-        try:
-            self._on_evict(self._name, key, size)
-        except Exception:
-            log.exception("tier.evict_listener_failed", extra={"tier": self._name})
+        notify_evict(log, self._on_evict, self._name, key, size)
 
     def _release(self, ticket: _Ticket) -> None:
         """Give back what a put holds (the lock held); idempotent."""

@@ -49,6 +49,7 @@ from kvgov.connectors.tiers.base import (
     as_bytes_view,
     check_key,
     copy_into,
+    notify_evict,
 )
 from kvgov.connectors.tiers.pages import Pooled, map_buffer, new_buffer, populate
 from kvgov.errors import TierError
@@ -445,10 +446,4 @@ class MemoryTier:
                 return
 
     def _notify_evict(self, key: str, size: int) -> None:
-        log.debug("tier.evict", extra={"tier": self._name, "nbytes": size})
-        if self._on_evict is None:
-            return
-        try:
-            self._on_evict(self._name, key, size)
-        except Exception:
-            log.exception("tier.evict_listener_failed", extra={"tier": self._name})
+        notify_evict(log, self._on_evict, self._name, key, size)
