@@ -27,9 +27,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvgov.errors import PolicyError
+from kvgov.errors import ConfigError, PolicyError
 from kvgov.follow import file_stamp
 from kvgov.policy.interfaces import DECISION_RULE, POLICY_PACKAGE, PolicyRevision, document_digest
+from kvgov.privatefs import read_guarded_file
 
 _LOCATION = re.compile(r"-->\s*(?P<file>[^\s:]+):(?P<line>\d+):(?P<col>\d+)")
 _PACKAGE = re.compile(r"^package\s+([\w.]+)", re.MULTILINE)
@@ -180,10 +181,16 @@ def load_bundle(
 
 
 def _read(path: Path) -> str:
+    """An operator's policy source (a module, the data document, the manifest), checked on
+    the file opened as every file kvgov trusts is (:func:`kvgov.privatefs.read_guarded_file`):
+    refused when its group or others may write it or a user but this process's or root owns
+    it, since whoever can write a policy source decides who may read which tenant's cache."""
     try:
-        return path.read_text("utf-8")
-    except OSError as exc:
-        raise PolicyError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        raw = read_guarded_file(path, "policy source", secret=False)
+    except ConfigError as exc:
+        raise PolicyError(exc.message, hint=exc.hint) from None
+    try:
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PolicyError(f"{path} is not UTF-8 text") from exc
 
