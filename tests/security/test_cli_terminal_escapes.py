@@ -15,64 +15,25 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from typer.testing import CliRunner
 
 from kvgov.cli.main import build_app
-from kvgov.db.engine import make_engine, utcnow
+from kvgov.db.engine import utcnow
 from kvgov.db.models import ApiToken, Chain, Tenant, table
-from kvgov.ledger.events import Event
-from kvgov.ledger.writer import LedgerWriter
-from kvgov.types import EventKind, Role
+from kvgov.types import Role
+from tests.security import test_chain_forgery as forgery
 from tests.security.doors import ProdDatabase
+from tests.security.test_chain_forgery import _cli_env, _write
 
 pytestmark = pytest.mark.postgres
 
-NODE_KEY = Ed25519PrivateKey.generate()
-
-
-async def _write(url: str, chain_id: str, n: int) -> None:
-    """An honest writer's session: ``n`` events, a checkpoint, a clean close."""
-    engine = make_engine(url)
-    writer = LedgerWriter(engine, chain_id=chain_id, signing_key=NODE_KEY)
-    try:
-        await writer.start()
-        for i in range(n):
-            await writer.append(Event(kind=EventKind.KV_PUT, tenant="acme", key_digest=f"{i:064x}"))
-        assert await writer.write_checkpoint() is not None
-    finally:
-        await writer.close()
-        engine.dispose()
-
-
-@pytest.fixture
-def runtime(prod_db: ProdDatabase) -> Iterator[sa.Engine]:
-    """The runtime role's engine (what a compromised sidecar pod or a leaked Secret gives)."""
-    engine = make_engine(prod_db.url)
-    try:
-        yield engine
-    finally:
-        engine.dispose()
-
-
-def _cli_env(prod_db: ProdDatabase, data_dir: Path) -> dict[str, str]:
-    """The node's CLI: its database URL (the runtime role) and its signing key."""
-    key_path = data_dir / "ledger-signing.key"
-    key_path.write_bytes(
-        NODE_KEY.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    key_path.chmod(0o600)
-    return {"KVGOV_DATABASE_URL": prod_db.url, "KVGOV_DATA_DIR": str(data_dir)}
+# the node's writer, the runtime role's engine and the CLI's settings of the chain-forgery
+# attacks (its fixture, imported so pytest finds it here)
+runtime = forgery.runtime
 
 
 #: moves up over the line before, erases it, draws a fake "ok" line, conceals the rest
