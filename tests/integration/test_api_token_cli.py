@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 import typer
 from fastapi.testclient import TestClient
 from sqlalchemy import select
@@ -54,6 +56,27 @@ def _run(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
+@contextmanager
+def _api(url: str, tmp_path: Path) -> Iterator[tuple[sa.Engine, ApiContext]]:
+    """The API's context on the CLI's database, with a ledger writer of its own (``api-node``)."""
+    engine = make_engine(url)
+    writer = WriterThread(engine, "api-node")
+    try:
+        yield (
+            engine,
+            ApiContext(
+                settings=Settings(data_dir=tmp_path / "kvgov"),
+                engine=engine,
+                sink=writer.sink,
+                pseudonymizer=Pseudonymizer(secrets.token_bytes(32)),
+                session_secret=secrets.token_bytes(32),
+            ),
+        )
+    finally:
+        writer.close()
+        engine.dispose()
+
+
 def test_create_list_revoke_and_use_the_token(env: str, tmp_path: Path):
     code, out = _run("token", "create", "--role", "auditor", "--tenant", "acme", "--name", "dash")
     assert code == 0, out
@@ -68,16 +91,7 @@ def test_create_list_revoke_and_use_the_token(env: str, tmp_path: Path):
     ]
     assert token not in out
 
-    engine = make_engine(env)
-    writer = WriterThread(engine, "api-node")
-    try:
-        ctx = ApiContext(
-            settings=Settings(data_dir=tmp_path / "kvgov"),
-            engine=engine,
-            sink=writer.sink,
-            pseudonymizer=Pseudonymizer(secrets.token_bytes(32)),
-            session_secret=secrets.token_bytes(32),
-        )
+    with _api(env, tmp_path) as (engine, ctx):
         # the CLI runs its own event loop, so this test is synchronous: TestClient serves the
         # app from a thread of its own
         unrecorded, forged = tokens_unrecorded(), token_events_forged()
@@ -102,9 +116,6 @@ def test_create_list_revoke_and_use_the_token(env: str, tmp_path: Path):
         assert token not in stored
         assert [k for k, _ in kinds] == ["token:created", "token:revoked"]
         assert all(a["token_id"] == token_id for _, a in kinds)
-    finally:
-        writer.close()
-        engine.dispose()
 
     code, out = _run("token", "list", "--active")
     assert code == 0 and "no tokens" in out
@@ -138,16 +149,7 @@ def test_the_api_refuses_a_malformed_tenant(env: str, tmp_path: Path):
     code, out = _run("token", "create", "--role", "admin", "--json")
     assert code == 0, out
     admin = json.loads(out)["token"]
-    engine = make_engine(env)
-    writer = WriterThread(engine, "api-node")
-    try:
-        ctx = ApiContext(
-            settings=Settings(data_dir=tmp_path / "kvgov"),
-            engine=engine,
-            sink=writer.sink,
-            pseudonymizer=Pseudonymizer(secrets.token_bytes(32)),
-            session_secret=secrets.token_bytes(32),
-        )
+    with _api(env, tmp_path) as (engine, ctx):
         with TestClient(build_api(ctx)) as client:
             for tenant in ("", "bad tenant!", "acme\x1b[2K", "-acme"):
                 body = {"role": "admin", "tenant": tenant}
@@ -160,9 +162,6 @@ def test_the_api_refuses_a_malformed_tenant(env: str, tmp_path: Path):
         with engine.connect() as conn:
             tenants = conn.execute(select(ApiToken.tenant).order_by(ApiToken.created_at)).all()
         assert [t for (t,) in tenants] == [None, "acme"]
-    finally:
-        writer.close()
-        engine.dispose()
 
 
 def test_the_repository_refuses_an_empty_tenant(env: str):
